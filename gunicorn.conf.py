@@ -1,0 +1,96 @@
+"""gunicorn configuration: ``gunicorn -c gunicorn.conf.py wsgi:app``.
+
+Every value comes from the settings table (``CLASSIFIER_*`` env vars, see README); gunicorn's
+own command-line flags still override it (``-b``, ``-w``). The master imports no torch: each
+worker pins itself to its cores, then builds, compiles and warms up its own model after fork.
+"""
+
+import os
+import sys
+
+from webapp import GUNICORN_ENV
+from webapp import cpu, settings
+
+try:
+    _s = settings.load()
+except settings.SettingsError as exc:
+    sys.exit(f"configuration error: {exc}")
+
+# Tells create_app to leave the model to post_worker_init (also right with --preload, where
+# the app is imported in the master: the master must never start torch's thread pools).
+os.environ[GUNICORN_ENV] = "1"
+
+_plan = cpu.plan(cpu.usable_cores(), workers=_s.WORKERS, threads=_s.THREADS)
+
+# -- server socket -------------------------------------------------------------------------------
+bind = [_s.BIND]
+backlog = 2048
+
+# -- workers ---------------------------------------------------------------------------------------
+# gevent: a request waiting for its batch costs a greenlet, not a thread; the forward pass runs
+# on the batcher's real OS thread (webapp/batcher.py).
+worker_class = "gevent"
+workers = _plan.workers
+worker_connections = 1000
+# Heartbeat timeout (s). During start-up a real thread keeps the heartbeat going for up to
+# CLASSIFIER_STARTUP_TIMEOUT_S while the model compiles.
+timeout = 60
+# SIGTERM: stop accepting, let in-flight and queued requests finish for up to this many seconds.
+graceful_timeout = 30
+keepalive = 5
+# A request line or header this large is not from a browser or a script of ours.
+limit_request_line = 8190
+limit_request_fields = 100
+
+# -- logging ---------------------------------------------------------------------------------------
+loglevel = _s.LOG_LEVEL
+accesslog = "-"
+errorlog = "-"
+access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms'
+
+
+# -- hooks -----------------------------------------------------------------------------------------
+def on_starting(server):
+    server.log.info("cores %s -> %d workers x %d intra-op threads%s", list(cpu.usable_cores()), _plan.workers,
+                    _plan.threads, " (oversubscribed: workers share cores)" if _plan.shared else "")
+    if server.cfg.workers != _plan.workers:
+        server.log.warning("-w %d overrides the plan's %d workers; slots wrap around the cores",
+                           server.cfg.workers, _plan.workers)
+
+
+def pre_fork(server, worker):
+    """In the master: give the new worker the lowest free slot, so a replacement reuses its cores."""
+    taken = {getattr(w, "slot", None) for w in server.WORKERS.values()}
+    worker.slot = next(i for i in range(len(taken) + 1) if i not in taken)
+
+
+def post_fork(server, worker):
+    """In the worker, before the app loads: pin to the slot's cores (threads follow the pinning)."""
+    cores = _plan.slots[worker.slot % len(_plan.slots)]
+    os.sched_setaffinity(0, cores)
+    server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, list(cores))
+
+
+def post_worker_init(worker):
+    """Build, compile, warm up and self-test this worker's model before it takes requests."""
+    from webapp.errors import StartupError
+
+    classifier = worker.wsgi.extensions["classifier"]
+
+    def died(exc):  # inference thread died: stop this worker; gunicorn starts a fresh one
+        worker.log.critical("inference thread died (%r); worker %d exits to be replaced", exc, worker.pid)
+        worker.alive = False
+
+    classifier.on_death = died
+    try:
+        classifier.start(heartbeat=worker.notify)
+    except StartupError as exc:
+        worker.log.error("cannot start: %s", exc)
+        sys.exit(3)  # gunicorn's WORKER_BOOT_ERROR: the master halts instead of respawning forever
+
+
+def worker_exit(server, worker):
+    """Serve what is still queued, then stop the inference thread."""
+    wsgi = getattr(worker, "wsgi", None)
+    if wsgi is not None:
+        wsgi.extensions["classifier"].stop()

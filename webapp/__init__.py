@@ -1,0 +1,100 @@
+"""A fast CPU image-classification service: Flask UI + JSON API over a compiled CNN.
+
+``create_app()`` is the only entry point; importing this package does no work (no torch, no
+model, no thread), so gunicorn's master can import it safely before forking.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from flask import Flask, jsonify, render_template, request
+from werkzeug.exceptions import HTTPException
+
+from . import settings as settings_mod
+
+# gunicorn.conf.py sets this: the model is then started by its post_worker_init hook, in the
+# worker after fork (never in the master, even with --preload), with gunicorn's heartbeat.
+GUNICORN_ENV = "WEBAPP_GUNICORN_CONF"
+
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "
+                               "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'",
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cross-Origin-Opener-Policy": "same-origin",
+}
+
+
+def create_app(config: dict | None = None) -> Flask:
+    """Build the Flask app and its classifier from the settings table (env vars, then ``config``).
+
+    ``config`` takes setting names without the prefix (``{"MODEL": "resnet18_seeded"}``). Outside
+    gunicorn's config the model is loaded, compiled and warmed up here, before returning;
+    under it, in each worker's ``post_worker_init``.
+
+    :raises SettingsError: a bad setting (the message names it, its value and what is allowed).
+    :raises StartupError: the model cannot be served (no weights with fallback off, bad file,
+        failed self-test).
+    """
+    from .errors import ServiceError
+    from .service import Classifier
+
+    settings = settings_mod.load(overrides=config)
+    logging.getLogger("webapp").setLevel(settings.LOG_LEVEL.upper())
+    app = Flask(__name__, template_folder="../templates", static_folder="../static")
+    app.config["MAX_CONTENT_LENGTH"] = settings.MAX_UPLOAD_BYTES
+    app.config["MAX_FORM_MEMORY_SIZE"] = settings.MAX_UPLOAD_BYTES
+    app.extensions["settings"] = settings
+    classifier = Classifier(settings)
+    app.extensions["classifier"] = classifier
+
+    from . import api, ui
+
+    app.register_blueprint(api.bp)
+    app.register_blueprint(ui.bp)
+
+    def wants_json() -> bool:
+        return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz") \
+            or request.path != "/" and request.accept_mimetypes.best == "application/json"
+
+    def render_error(status: int, code: str, message: str, headers: dict | None = None):
+        body = {"error": {"code": code, "message": message, "status": status}}
+        if wants_json():
+            resp = jsonify(body)
+        else:
+            resp = app.response_class(
+                render_template("index.html", model=classifier.describe(), ready=classifier.ready, answer=None,
+                                error=body["error"], topk=settings.TOP_K), mimetype="text/html")
+        resp.status_code = status
+        resp.headers.update(headers or {})
+        return resp
+
+    @app.errorhandler(ServiceError)
+    def service_error(exc: ServiceError):
+        return render_error(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        code = {413: "too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.code, "http_error")
+        message = exc.description or exc.name
+        if exc.code == 413:
+            message = f"the upload is larger than {settings.MAX_UPLOAD_BYTES:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)"
+        return render_error(exc.code or 500, code, message)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        app.logger.exception("unhandled error on %s %s", request.method, request.path)
+        return render_error(500, "internal_error", "internal server error; it is logged on the server")
+
+    @app.after_request
+    def security_headers(resp):
+        for name, value in SECURITY_HEADERS.items():
+            resp.headers.setdefault(name, value)
+        return resp
+
+    if not os.environ.get(GUNICORN_ENV):
+        classifier.start()
+    return app

@@ -1,0 +1,182 @@
+"""Decode an upload into an RGB photo, then preprocess it into the model's input tensor.
+
+decode: Pillow, restricted to photo formats (never EPS, which would run Ghostscript); the pixel
+count is read from the header and checked before any pixel is decoded; EXIF orientation is
+applied; every mode becomes RGB deterministically (alpha composited on white, 16-bit scaled
+to 8-bit, CMYK converted). preprocess: a ``torchvision.transforms.v2`` pipeline built from the
+model spec (Resize with antialias, CenterCrop, ToDtype with scale, Normalize).
+
+Both run in the request, before queueing, so a bad image fails only its own request. Every
+failure is a ``ServiceError`` with the right status; nothing here raises anything else.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from torchvision.transforms import v2
+
+from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
+from .models import Preprocessing
+
+# Photo formats we decode. Others Pillow knows (EPS via Ghostscript, PSD, FITS, ...) are refused:
+# less attack surface, and none of them is a photo a person uploads.
+FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM", "TGA", "ICO")
+
+# Leading bytes of formats we cannot decode, so the 415 can name them.
+_SIGNATURES = (
+    (b"%PDF", "PDF"), (b"%!PS", "PostScript"), (b"PK\x03\x04", "ZIP"), (b"\x1f\x8b", "gzip"),
+    (b"8BPS", "PSD"), (b"<svg", "SVG"), (b"<?xml", "XML/SVG"),
+)
+_FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF",
+                b"avif": "AVIF", b"avis": "AVIF"}
+
+# When the long side exceeds this many times the short side, only the center of the long side is
+# ever seen by the center crop; cropping it first keeps a 10000x10 strip from becoming a
+# 256000x256 intermediate. Photos up to 2:1 (every camera and phone format) are untouched.
+_MAX_ASPECT = 2.0
+
+
+@dataclass
+class Decoded:
+    """An upload decoded to RGB: ``image`` (PIL, mode RGB), the source ``format``, ``decode_ms``."""
+
+    image: Image.Image
+    format: str
+    decode_ms: float
+
+
+def sniff_format(data: bytes) -> str | None:
+    """Name the format of bytes Pillow cannot open (HEIC, PDF...), for the 415 message; None if unknown."""
+    if data[4:8] == b"ftyp":
+        return _FTYP_BRANDS.get(data[8:12], "ISO media (" + data[8:12].decode("latin-1") + ")")
+    head = data[:64].lstrip()
+    for magic, name in _SIGNATURES:
+        if head.startswith(magic):
+            return name
+    return None
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode -> RGB, deterministically.
+
+    Alpha (RGBA, LA, PA, P or RGB/L with a transparency key) is composited on white; 16-bit
+    grayscale (I;16*, I) is scaled by 1/257 so mid-grey stays mid-grey; float (F) is taken as
+    [0, 1] when its maximum is <= 1 else as [0, 255]; 1, L, P, CMYK, YCbCr, ... use Pillow's
+    conversion (Pillow already un-inverts Adobe CMYK JPEGs).
+
+    :raises UndecodableImage: for a mode Pillow cannot convert to RGB.
+    """
+    mode = img.mode
+    if mode == "RGB" and "transparency" not in img.info:
+        return img
+    if mode.startswith("I;16") or mode == "I":
+        arr = np.asarray(img, dtype=np.float64)
+        return Image.fromarray(np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8), "L").convert("RGB")
+    if mode == "F":
+        arr = np.nan_to_num(np.asarray(img, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        scale = 255.0 if arr.size and arr.max() <= 1.0 else 1.0
+        return Image.fromarray(np.clip(np.rint(arr * scale), 0, 255).astype(np.uint8), "L").convert("RGB")
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
+    try:
+        if has_alpha:
+            rgba = img.convert("RGBA")
+            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            return Image.alpha_composite(white, rgba).convert("RGB")
+        return img.convert("RGB")
+    except (ValueError, OSError) as exc:
+        raise UndecodableImage(f"cannot convert colour mode {mode} to RGB: {exc}") from None
+
+
+def decode(data: bytes, *, max_pixels: int, name: str = "upload") -> Decoded:
+    """Decode image bytes into an upright RGB PIL image.
+
+    ``max_pixels`` bounds width x height, checked from the header before pixels are decoded.
+
+    :raises NoFile: empty upload (400).
+    :raises NotAnImage: not a supported image format (415), naming it where recognisable.
+    :raises TooLarge: more than ``max_pixels`` pixels (413).
+    :raises UndecodableImage: a known format with broken data, e.g. a truncated JPEG (400).
+    """
+    start = time.perf_counter()
+    if not data:
+        raise NoFile(f"{name}: the file is empty (0 bytes)")
+    with warnings.catch_warnings():
+        # We enforce our own, stricter pixel cap below; Pillow's warning would only leak into logs.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            img = Image.open(io.BytesIO(data), formats=FORMATS)
+        except Image.DecompressionBombError as exc:
+            raise TooLarge(f"{name}: {exc}") from None
+        except UnidentifiedImageError:
+            fmt = sniff_format(data)
+            what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
+            raise NotAnImage(f"{name}: {what}; send JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF") from None
+        except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
+            raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
+        width, height = img.size
+        if width * height > max_pixels:
+            raise TooLarge(f"{name}: {width}x{height} is {width * height:,} pixels; the limit is {max_pixels:,} "
+                           f"(CLASSIFIER_MAX_PIXELS)")
+        if width < 1 or height < 1:
+            raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
+        fmt = img.format or "unknown"
+        try:
+            img.load()
+            img = _upright(img)
+            rgb = to_rgb(img)
+        except UndecodableImage:
+            raise
+        except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
+            raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
+    return Decoded(image=rgb, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
+
+
+def _upright(img: Image.Image) -> Image.Image:
+    """Apply EXIF orientation (2-8); a broken EXIF block leaves the image as stored rather than failing it."""
+    try:
+        return ImageOps.exif_transpose(img)
+    except Exception:
+        return img
+
+
+def build_transform(pre: Preprocessing) -> v2.Compose:
+    """The spec's preprocessing as a v2 pipeline: RGB PIL image -> ``(3, crop, crop) float32``.
+
+    Resize (short side, antialiased) and CenterCrop run on the PIL image, exactly as the
+    weights' reference ``transforms()`` do, then ToImage, ToDtype(scale) and Normalize.
+    """
+    return v2.Compose([
+        v2.Resize(pre.resize, interpolation=pre.interpolation, antialias=True),
+        v2.CenterCrop(pre.crop),
+        v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(mean=list(pre.mean), std=list(pre.std)),
+    ])
+
+
+def center_limit(img: Image.Image) -> Image.Image:
+    """Crop the long side of an extreme strip (over 2:1) to 2x the short side, centered.
+
+    Resize + center-crop only ever sees the central ``short * crop / resize`` of the long side,
+    so this changes nothing the model sees beyond sub-pixel rounding, and bounds memory.
+    """
+    w, h = img.size
+    short, long = min(w, h), max(w, h)
+    if long <= _MAX_ASPECT * short:
+        return img
+    keep = int(_MAX_ASPECT * short)
+    off = (long - keep) // 2
+    return img.crop((off, 0, off + keep, h) if w > h else (0, off, w, off + keep))
+
+
+def preprocess(img: Image.Image, transform: v2.Compose) -> torch.Tensor:
+    """RGB PIL image -> model input ``(3, crop, crop) float32`` (a plain tensor, contiguous)."""
+    out = transform(center_limit(img))
+    return out.as_subclass(torch.Tensor).contiguous()

