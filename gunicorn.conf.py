@@ -66,6 +66,12 @@ def pre_fork(server, worker):
 
 def post_fork(server, worker):
     """In the worker, before the app loads: pin to the slot's cores (threads follow the pinning)."""
+    import logging
+
+    # The service's own log lines go where gunicorn's error log goes.
+    app_log = logging.getLogger("webapp")
+    app_log.handlers = list(server.log.error_log.handlers)
+    app_log.propagate = False
     cores = _plan.slots[worker.slot % len(_plan.slots)]
     os.sched_setaffinity(0, cores)
     server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, list(cores))

@@ -43,7 +43,12 @@ def create_app(config: dict | None = None) -> Flask:
     from .service import Classifier
 
     settings = settings_mod.load(overrides=config)
-    logging.getLogger("webapp").setLevel(settings.LOG_LEVEL.upper())
+    log = logging.getLogger("webapp")
+    log.setLevel(settings.LOG_LEVEL.upper())
+    if not log.handlers and not os.environ.get(GUNICORN_ENV):  # gunicorn.conf.py routes it to gunicorn's log
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
+        log.addHandler(handler)
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
     app.config["MAX_CONTENT_LENGTH"] = settings.MAX_UPLOAD_BYTES
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.MAX_UPLOAD_BYTES

@@ -337,11 +337,13 @@ class InferenceBatcher:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread
+        batch: list[_Request] = []
         try:
             while True:
                 batch, stop = self._collect()
                 if batch:
                     self._run_batch(batch)
+                batch = []
                 if stop:
                     break
         except BaseException as exc:  # a bug in the loop itself: never leave a request waiting
@@ -349,7 +351,10 @@ class InferenceBatcher:
             log.critical("inference thread died: %r", exc, exc_info=exc)
             with self._lock:
                 self._accepting = False
-            self._fail_queued(NotReady("the inference thread failed; this worker is restarting"))
+            dead = NotReady("the inference thread failed; this worker is restarting")
+            for r in batch:  # the batch it died on: already off the queue (no-op for those resolved)
+                r.future.reject(dead)
+            self._fail_queued(dead)
             if self.on_death:
                 self.on_death(exc)
         finally:
@@ -378,5 +383,11 @@ def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) 
             if done.acquire(True, every):
                 return
 
+    def stop() -> None:
+        try:
+            done.release()
+        except RuntimeError:  # already stopped
+            pass
+
     p.start_thread(beat, ())
-    return done.release
+    return stop

@@ -56,6 +56,8 @@ class Engine:
             import torch._inductor.config as inductor_config
 
             inductor_config.freezing = True
+            # CUDA builds of torch warn that no CUDA runtime exists on every CPU compile: noise here.
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
             self._fn = torch.compile(self.module, backend="inductor")
         self.warm_batch_sizes: list[int] = []
 

@@ -36,6 +36,7 @@ from .errors import StartupError
 log = logging.getLogger(__name__)
 
 RESNET18_WEIGHTS = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+RESNET18_URL = RESNET18_WEIGHTS.url  # https://download.pytorch.org/models/resnet18-f37072fd.pth
 # ImageNet-1k class order shared by torchvision and the TF-ported EfficientNet-Lite weights.
 IMAGENET_CATEGORIES: list[str] = list(RESNET18_WEIGHTS.meta["categories"])
 # ImageNet-1k indices 151 ("Chihuahua") .. 268 ("Mexican hairless") are the dog breeds.
@@ -163,7 +164,7 @@ def download_weights(url: str, dest: Path, *, timeout: float) -> str | None:
     return None
 
 
-def resolve_resnet18_weights(settings, *, url: str = RESNET18_WEIGHTS.url) -> tuple[Path | None, list[str]]:
+def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path | None, list[str]]:
     """Find a good ResNet-18 weights file: ``WEIGHTS`` path, then hub cache, then download.
 
     Returns ``(path, tried)``: ``path`` is None when no file could be had; ``tried`` says, for
@@ -172,6 +173,7 @@ def resolve_resnet18_weights(settings, *, url: str = RESNET18_WEIGHTS.url) -> tu
     :raises StartupError: when a file exists but is unreadable or fails its hash check (a damaged
         or tampered file is refused, never silently replaced), or ``WEIGHTS`` names a missing file.
     """
+    url = url or RESNET18_URL
     tried: list[str] = []
     if settings.WEIGHTS:
         path = Path(settings.WEIGHTS).expanduser()
@@ -240,8 +242,8 @@ def load_model(settings) -> LoadedModel:
                            weights=f"random, seed {settings.SEED}", untrained=True)
     path, tried = resolve_resnet18_weights(settings)
     if path is None:
-        target = hub_checkpoint_path(RESNET18_WEIGHTS.url)
-        how = (f"put {target.name} (from {RESNET18_WEIGHTS.url}) at {target}, or anywhere and set "
+        target = hub_checkpoint_path(RESNET18_URL)
+        how = (f"put {target.name} (from {RESNET18_URL}) at {target}, or anywhere and set "
                f"CLASSIFIER_WEIGHTS to its path")
         if not settings.FALLBACK:
             raise StartupError(f"ResNet-18 weights not found ({'; '.join(tried)}). To serve ResNet-18, {how}.")
@@ -249,7 +251,10 @@ def load_model(settings) -> LoadedModel:
         log.warning("%s (%s)", reason, "; ".join(tried))
         return _offline_model(reason)
     module = torchvision.models.resnet18(weights=None)
-    module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    try:
+        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as exc:  # hash matched but not a ResNet-18 state dict: refuse, say why
+        raise StartupError(f"weights file {path} cannot be loaded as ResNet-18: {exc}") from None
     log.info("ResNet-18 weights from %s", path)
     return LoadedModel(name="resnet18", title="ResNet-18", module=module.eval(), preprocessing=_resnet18_preprocessing(),
                        categories=IMAGENET_CATEGORIES, weights=str(path))

@@ -24,6 +24,19 @@ from .models import LoadedModel, load_model
 log = logging.getLogger(__name__)
 
 GOLDEN = Path(__file__).parent / "golden" / "dog.jpg"
+# The golden photo is this square around the dog in ../shared/images/dog.jpg (768x576), resized to
+# 224x224: a photo every ImageNet model should call a dog breed. ``make_golden`` remakes it.
+GOLDEN_BOX = (60, 196, 440, 576)
+
+
+def make_golden(source: Path, dest: Path = GOLDEN) -> None:
+    """Cut the golden self-test photo (224x224 JPEG, quality 92) out of ``source`` (the shared dog.jpg)."""
+    from PIL import Image
+
+    with Image.open(source) as img:
+        golden = img.convert("RGB").crop(GOLDEN_BOX).resize((224, 224), Image.Resampling.LANCZOS)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    golden.save(dest, format="JPEG", quality=92)
 
 
 @dataclass

@@ -1,0 +1,189 @@
+"""The JSON API through Flask's test client: answers, statuses and error bodies."""
+
+import io
+
+import pytest
+from PIL import Image
+
+from conftest import png_bytes, shared_image
+from webapp import create_app
+from webapp.errors import Overloaded
+
+DOG_BREEDS = range(151, 269)
+
+
+def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
+    return png_bytes(Image.new("RGB", size, color))
+
+
+def assert_error(resp, status, code):
+    assert resp.status_code == status, resp.get_data(as_text=True)
+    body = resp.get_json()
+    assert body["error"]["status"] == status and body["error"]["code"] == code and body["error"]["message"]
+    return body["error"]["message"]
+
+
+def test_predict_multipart_shape(client):
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(small_png()), "red.png")})
+    assert resp.status_code == 200
+    body = resp.get_json()
+    assert body["model"]["name"] == "resnet18_seeded" and body["model"]["untrained"] is True
+    (result,) = body["results"]
+    assert result["filename"] == "red.png" and len(result["predictions"]) == 3
+    probs = [p["probability"] for p in result["predictions"]]
+    assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0001
+    for p in result["predictions"]:
+        assert set(p) == {"label", "index", "probability"} and 0 <= p["index"] < 1000
+    assert set(body["timing_ms"]) == {"decode", "queue", "inference", "total"}
+    assert all(v >= 0 for v in body["timing_ms"].values())
+
+
+def test_predict_raw_body_and_topk(client):
+    resp = client.post("/api/v1/predict?topk=7", data=small_png(), content_type="image/png")
+    assert resp.status_code == 200
+    assert len(resp.get_json()["results"][0]["predictions"]) == 7
+
+
+def test_several_files_keep_their_order_and_names(client):
+    colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
+    files = [(io.BytesIO(small_png(c)), f"{i}.png") for i, c in enumerate(colors)]
+    resp = client.post("/api/v1/predict", data={"file": files})
+    assert resp.status_code == 200
+    results = resp.get_json()["results"]
+    assert [r["filename"] for r in results] == ["0.png", "1.png", "2.png"]
+    singles = [client.post("/api/v1/predict", data=small_png(c), content_type="image/png").get_json()
+               for c in colors]
+    for r, single in zip(results, singles):  # batched answers equal one-by-one answers
+        assert [p["index"] for p in r["predictions"]] == [p["index"] for p in single["results"][0]["predictions"]]
+
+
+@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5"])
+def test_bad_topk_is_400(client, topk):
+    resp = client.post(f"/api/v1/predict?topk={topk}", data=small_png(), content_type="image/png")
+    assert "topk" in assert_error(resp, 400, "bad_request")
+
+
+def test_no_file_part_is_400(client):
+    resp = client.post("/api/v1/predict", data={"image": (io.BytesIO(small_png()), "x.png")})
+    assert "'file'" in assert_error(resp, 400, "no_file")
+
+
+def test_empty_file_part_is_400(client):
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(b""), "")})
+    assert_error(resp, 400, "no_file")
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(b""), "empty.jpg")})
+    assert "empty" in assert_error(resp, 400, "no_file")
+
+
+def test_not_an_image_is_415(client):
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(b"%PDF-1.7\n..."), "doc.jpg")},
+                       content_type="multipart/form-data")
+    assert "PDF" in assert_error(resp, 415, "unsupported_media_type")
+    resp = client.post("/api/v1/predict", data=b"just some text", content_type="image/jpeg")
+    assert_error(resp, 415, "unsupported_media_type")
+
+
+def test_wrong_raw_content_type_is_415(client):
+    resp = client.post("/api/v1/predict", data=small_png(), content_type="text/plain")
+    assert "Content-Type text/plain" in assert_error(resp, 415, "unsupported_media_type")
+
+
+def test_truncated_image_is_400(client):
+    data = shared_image("dog.jpg").read_bytes()
+    resp = client.post("/api/v1/predict", data=data[: len(data) // 2], content_type="image/jpeg")
+    assert_error(resp, 400, "undecodable_image")
+
+
+def test_one_bad_file_fails_the_request_and_names_it(client):
+    files = [(io.BytesIO(small_png()), "good.png"), (io.BytesIO(b"nope"), "bad.png")]
+    resp = client.post("/api/v1/predict", data={"file": files})
+    assert "bad.png" in assert_error(resp, 415, "unsupported_media_type")
+
+
+@pytest.fixture(scope="module")
+def small_limits_app():
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 2,
+                      "MAX_UPLOAD_BYTES": 4096, "MAX_FILES": 2, "MAX_PIXELS": 10_000})
+    yield app
+    app.extensions["classifier"].stop()
+
+
+def test_too_large_is_413(small_limits_app):
+    client = small_limits_app.test_client()
+    big = png_bytes(Image.effect_noise((64, 64), 100).convert("RGB"))
+    assert len(big) > 4096
+    resp = client.post("/api/v1/predict", data=big, content_type="image/png")
+    assert "4,096 bytes" in assert_error(resp, 413, "too_large")
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(big), "big.png")})
+    assert_error(resp, 413, "too_large")
+    files = [(io.BytesIO(small_png(size=(8, 8))), f"{i}.png") for i in range(3)]
+    assert "limit is 2" in assert_error(client.post("/api/v1/predict", data={"file": files}), 413, "too_large")
+    resp = client.post("/api/v1/predict", data=small_png(size=(200, 60)), content_type="image/png")
+    assert "pixels" in assert_error(resp, 413, "too_large")
+
+
+def test_queue_full_is_429_with_retry_after(app, client, monkeypatch):
+    batcher = app.extensions["classifier"].batcher
+
+    def full(tensors):
+        raise Overloaded("server busy", headers={"Retry-After": "3"})
+
+    monkeypatch.setattr(batcher, "submit", full)
+    resp = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    assert_error(resp, 429, "overloaded")
+    assert resp.headers["Retry-After"] == "3"
+
+
+def test_timeout_is_504(app, client, monkeypatch):
+    batcher = app.extensions["classifier"].batcher
+    monkeypatch.setattr(batcher, "request_timeout", 0.0)
+    resp = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    assert_error(resp, 504, "timeout")
+
+
+def test_inference_failure_is_500_without_traceback(app, client, monkeypatch):
+    batcher = app.extensions["classifier"].batcher
+
+    def broken(batch):
+        raise RuntimeError("secret internals")
+
+    monkeypatch.setattr(batcher, "predict", broken)
+    resp = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    message = assert_error(resp, 500, "inference_failed")
+    assert "secret" not in resp.get_data(as_text=True) and "Traceback" not in message
+    monkeypatch.undo()
+    assert client.post("/api/v1/predict", data=small_png(), content_type="image/png").status_code == 200
+
+
+def test_not_ready_is_503(app, client, monkeypatch):
+    clf = app.extensions["classifier"]
+    monkeypatch.setattr(clf, "_ready", False)
+    resp = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    assert_error(resp, 503, "not_ready")
+    ready = client.get("/readyz")
+    assert ready.status_code == 503 and ready.get_json()["ready"] is False
+    assert client.get("/healthz").status_code == 200  # alive, just not ready
+
+
+def test_healthz_and_readyz(client):
+    health = client.get("/healthz").get_json()
+    assert health["ready"] is True and health["pid"] > 0 and health["cores"] and health["intra_op_threads"] >= 1
+    assert health["model"]["name"] == "resnet18_seeded" and health["precision"] == "fp32"
+    ready = client.get("/readyz")
+    assert ready.status_code == 200 and ready.get_json()["ready"] is True
+
+
+def test_unknown_route_and_method_are_json(client):
+    assert_error(client.get("/api/v1/nope"), 404, "not_found")
+    assert_error(client.get("/api/v1/predict"), 405, "method_not_allowed")
+
+
+def test_real_model_names_the_photos(offline_client):
+    """The offline real-weight model through the API: the shared photos get their expected labels."""
+    expect = {"dog.jpg": set(DOG_BREEDS), "eagle.jpg": {21, 22}, "giraffe.jpg": {340}}
+    files = [(shared_image(name).open("rb"), name) for name in expect]
+    body = offline_client.post("/api/v1/predict", data={"file": files}).get_json()
+    assert body["model"]["name"] == "efficientnet_lite0" and body["model"]["fallback"] is False
+    for result in body["results"]:
+        top3 = {p["index"] for p in result["predictions"]}
+        assert top3 & expect[result["filename"]], (result["filename"], result["predictions"])

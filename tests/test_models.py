@@ -1,0 +1,137 @@
+"""Weights resolution order, hash checks, fallback and the model specs."""
+
+import hashlib
+import http.server
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torchvision
+
+from webapp import models, settings
+from webapp.errors import StartupError
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """An empty torch hub cache of our own ($TORCH_HOME)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    return tmp_path / "torch" / "hub" / "checkpoints"
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    """A ResNet-18 state dict (seeded) saved the way torchvision names files: resnet18-<sha256[:8]>.pth."""
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("w") / "resnet18.pth"
+    torch.save(torchvision.models.resnet18().state_dict(), path)
+    prefix = hashlib.sha256(path.read_bytes()).hexdigest()[:8]
+    named = path.with_name(f"resnet18-{prefix}.pth")
+    path.rename(named)
+    return named
+
+
+@pytest.fixture
+def url(weights_file, monkeypatch):
+    """Make the service expect ``weights_file`` as if it were the published ResNet-18 weights."""
+    fake = f"http://127.0.0.1:9/models/{weights_file.name}"
+    monkeypatch.setattr(models, "RESNET18_URL", fake)
+    return fake
+
+
+def cfg(**kw):
+    return settings.load(environ={}, overrides={"DOWNLOAD": False, **kw})
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_hash_prefix_is_read_from_torchvision_file_name():
+    assert models.expected_hash_prefix(models.RESNET18_WEIGHTS.url) == "f37072fd"
+
+
+def test_explicit_path_comes_first(weights_file, url, hub):
+    m = models.load_model(cfg(WEIGHTS=str(weights_file)))
+    assert m.name == "resnet18" and m.weights == str(weights_file) and not m.untrained and m.fallback_reason is None
+    expected = torch.load(weights_file, weights_only=True)
+    assert torch.equal(m.module.state_dict()["fc.weight"], expected["fc.weight"])
+
+
+def test_explicit_path_missing_is_a_clear_error(hub, tmp_path):
+    with pytest.raises(StartupError, match="CLASSIFIER_WEIGHTS=.*does not exist"):
+        models.load_model(cfg(WEIGHTS=str(tmp_path / "nope.pth")))
+
+
+def test_tampered_file_is_refused(weights_file, url, hub, tmp_path):
+    bad = tmp_path / weights_file.name
+    data = bytearray(weights_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(StartupError, match="damaged or not the expected file"):
+        models.load_model(cfg(WEIGHTS=str(bad)))
+    hub.mkdir(parents=True)
+    (hub / weights_file.name).write_bytes(bytes(data))  # a tampered cache file is refused too
+    with pytest.raises(StartupError, match="damaged"):
+        models.load_model(cfg())
+
+
+def test_hub_cache_comes_second(weights_file, url, hub):
+    hub.mkdir(parents=True)
+    (hub / weights_file.name).write_bytes(weights_file.read_bytes())
+    m = models.load_model(cfg())
+    assert m.name == "resnet18" and m.weights == str(hub / weights_file.name)
+
+
+def test_download_comes_third_and_is_hash_checked(weights_file, hub, monkeypatch):
+    handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=str(weights_file.parent))  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(models, "RESNET18_URL", f"http://127.0.0.1:{server.server_port}/{weights_file.name}")
+        m = models.load_model(cfg(DOWNLOAD=True))
+    finally:
+        server.shutdown()
+    assert m.name == "resnet18" and (hub / weights_file.name).read_bytes() == weights_file.read_bytes()
+
+
+def test_download_without_network_gives_up_fast_and_falls_back(hub, monkeypatch):
+    monkeypatch.setattr(models, "RESNET18_URL", f"http://127.0.0.1:{closed_port()}/resnet18-f37072fd.pth")
+    start = time.monotonic()
+    m = models.load_model(cfg(DOWNLOAD=True, DOWNLOAD_TIMEOUT_S=2))
+    assert time.monotonic() - start < 10
+    assert m.name == "efficientnet_lite0" and m.fallback_reason
+    assert "resnet18-f37072fd.pth" in m.fallback_reason and str(hub) in m.fallback_reason
+    assert m.describe()["fallback"] is True and m.describe()["note"] == m.fallback_reason
+
+
+def test_fallback_off_says_which_file_to_put_where(hub):
+    with pytest.raises(StartupError) as err:
+        models.load_model(cfg(FALLBACK=False))
+    message = str(err.value)
+    assert f"{hub / 'resnet18-f37072fd.pth'}" in message
+    assert "https://download.pytorch.org/models/resnet18-f37072fd.pth" in message and "CLASSIFIER_WEIGHTS" in message
+
+
+def test_seeded_model_is_deterministic_and_marked_untrained():
+    a = models.load_model(cfg(MODEL="resnet18_seeded", SEED=3))
+    b = models.load_model(cfg(MODEL="resnet18_seeded", SEED=3))
+    c = models.load_model(cfg(MODEL="resnet18_seeded", SEED=4))
+    assert torch.equal(a.module.fc.weight, b.module.fc.weight)
+    assert not torch.equal(a.module.fc.weight, c.module.fc.weight)
+    assert a.untrained and a.describe()["untrained"] and "untrained" in a.describe()["note"]
+
+
+def test_specs_carry_their_own_preprocessing_and_categories():
+    resnet = models.load_model(cfg(MODEL="resnet18_seeded"))
+    ref = models.RESNET18_WEIGHTS.transforms()
+    pre = resnet.preprocessing
+    assert (pre.resize, pre.crop, list(pre.mean), list(pre.std)) == (ref.resize_size[0], ref.crop_size[0], ref.mean, ref.std)
+    lite = models.load_model(cfg(MODEL="efficientnet_lite0"))
+    assert lite.preprocessing.mean == (0.498,) * 3 and lite.preprocessing.std == (0.502,) * 3
+    assert lite.categories == models.RESNET18_WEIGHTS.meta["categories"] and len(lite.categories) == 1000
+    assert lite.categories[235] == "German shepherd" and lite.categories[151] == "Chihuahua"

@@ -1,0 +1,184 @@
+"""End to end: the real gunicorn with gevent workers, the compiled offline model, over HTTP.
+
+One server for the module (2 workers pinned to their own cores, ``torch.compile`` on, as in
+production); compiling takes a minute or two on a cold cache, the checks take seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+from PIL import Image, ImageOps
+
+from conftest import ROOT, SHARED_IMAGES, shared_image
+
+DOG_BREEDS = set(range(151, 269))
+READY_TIMEOUT_S = 900
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A gunicorn process started from the repo's own gunicorn.conf.py with ``CLASSIFIER_*`` settings."""
+
+    def __init__(self, log_path: Path, *, args=(), **settings):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_")}
+        env.update({f"CLASSIFIER_{k}": str(v) for k, v in settings.items()})
+        env["CLASSIFIER_BIND"] = f"127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", *args, "wsgi:app"],
+                                     cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, workers: int) -> dict[int, dict]:
+        """Poll /healthz until ``workers`` distinct worker pids report ready; return their health by pid."""
+        seen: dict[int, dict] = {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"gunicorn exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            try:
+                health = requests.get(self.url + "/healthz", timeout=5).json()
+                if health["ready"]:
+                    seen[health["pid"]] = health
+                    if len(seen) >= workers:
+                        return seen
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        pytest.fail(f"not ready within {READY_TIMEOUT_S} s:\n{self.output()[-3000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not SHARED_IMAGES.is_dir():
+        pytest.skip(f"{SHARED_IMAGES} is absent")
+    srv = Server(tmp_path_factory.mktemp("gunicorn") / "server.log", MODEL="efficientnet_lite0", COMPILE=1,
+                 MAX_BATCH_SIZE=4, WORKERS=2, THREADS=1)
+    srv.health = srv.wait_ready(workers=2)
+    yield srv
+    code = srv.stop()
+    out = srv.output()
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out, out[-5000:]
+
+
+def predict(server, data: bytes, name: str, topk: int = 3) -> dict:
+    resp = requests.post(f"{server.url}/api/v1/predict?topk={topk}", files={"file": (name, data, "image/jpeg")},
+                         timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def top3(answer: dict) -> list[int]:
+    return [p["index"] for p in answer["results"][0]["predictions"]]
+
+
+def test_two_workers_pinned_to_different_cores(server):
+    cores = [tuple(h["cores"]) for h in server.health.values()]
+    assert len(set(cores)) == 2, server.health
+    for h in server.health.values():
+        assert h["intra_op_threads"] == len(h["cores"]) == 1
+        assert h["model"]["name"] == "efficientnet_lite0" and h["model"]["compiled"] is True
+        assert h["self_test"]["passed"] is True
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("dog.jpg", DOG_BREEDS),
+    ("eagle.jpg", {21, 22}),      # kite, bald eagle
+    ("giraffe.jpg", {340}),       # zebra
+])
+def test_real_photos_get_their_labels(server, name, expected):
+    answer = predict(server, shared_image(name).read_bytes(), name)
+    assert answer["model"]["name"] == "efficientnet_lite0"
+    assert set(top3(answer)) & expected, answer["results"][0]["predictions"]
+
+
+def test_exif_rotated_phone_photo_matches_upright(server):
+    upright = predict(server, shared_image("phone-12mp.jpg").read_bytes(), "phone-12mp.jpg")
+    rotated = predict(server, shared_image("phone-12mp-exif-rotated.jpg").read_bytes(), "rotated.jpg")
+    assert top3(rotated) == top3(upright)
+    assert set(top3(upright)) & DOG_BREEDS
+
+
+def test_curl_like_multipart_upload(server):
+    """What the README's curl example sends: ``curl -F file=@dog.jpg``."""
+    out = subprocess.run(["curl", "-sS", "-F", f"file=@{shared_image('dog.jpg')}", f"{server.url}/api/v1/predict"],
+                         capture_output=True, text=True, timeout=60)
+    if out.returncode == 127:
+        pytest.skip("curl is not installed")
+    import json
+
+    answer = json.loads(out.stdout)
+    assert answer["model"]["name"] == "efficientnet_lite0" and set(top3(answer)) & DOG_BREEDS
+
+
+def distinct_photos() -> dict[str, bytes]:
+    """16 different photos: the shared ones plus flips and crops of them, as JPEG bytes."""
+    photos = {}
+    for path in sorted(SHARED_IMAGES.glob("*.jpg")):
+        if path.stat().st_size < 2_000_000:
+            photos[path.name] = path.read_bytes()
+    for path in sorted(SHARED_IMAGES.glob("*.jpg")):
+        if len(photos) >= 16 or path.stat().st_size >= 2_000_000:
+            continue
+        img = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+        for tag, variant in (("flip", ImageOps.mirror(img)),
+                             ("crop", img.crop((0, 0, img.width * 3 // 4, img.height * 3 // 4)))):
+            buf = io.BytesIO()
+            variant.save(buf, "JPEG", quality=90)
+            photos[f"{tag}-{path.name}"] = buf.getvalue()
+    return dict(list(photos.items())[:16])
+
+
+def test_concurrent_requests_each_get_their_own_answer(server):
+    photos = distinct_photos()
+    assert len(photos) == 16
+    reference = {name: predict(server, data, name, topk=5) for name, data in photos.items()}
+    names = list(photos) * 3  # 48 requests, 16 distinct photos, all in flight together
+    with ThreadPoolExecutor(max_workers=len(names)) as pool:
+        answers = list(pool.map(lambda n: (n, predict(server, photos[n], n, topk=5)), names))
+    assert len(answers) == len(names)
+    batched = 0
+    for name, answer in answers:
+        ref = reference[name]["results"][0]["predictions"]
+        got = answer["results"][0]["predictions"]
+        assert answer["results"][0]["filename"] == name
+        assert got[0]["index"] == ref[0]["index"], name
+        for g, r in zip(got, ref):  # same probabilities: this photo's own result, not a neighbour's
+            if g["index"] == r["index"]:
+                assert abs(g["probability"] - r["probability"]) < 2e-3, (name, got, ref)
+        batched += answer["results"][0]["batch_size"] > 1
+    assert batched > 0  # concurrent requests really were batched together

@@ -1,0 +1,59 @@
+import pytest
+
+from webapp import settings
+from webapp.settings import SettingsError
+
+
+def test_defaults_come_from_the_table():
+    s = settings.load(environ={})
+    for row in settings.SETTINGS:
+        assert s[row.name] == row.default
+    assert s.MODEL == "resnet18" and s.BIND == "127.0.0.1:8000"  # localhost unless configured
+
+
+def test_env_vars_are_parsed_and_typed():
+    s = settings.load(environ={"CLASSIFIER_MAX_BATCH_SIZE": "16", "CLASSIFIER_COMPILE": "off",
+                               "CLASSIFIER_BATCH_TIMEOUT_MS": "2.5", "CLASSIFIER_MODEL": "efficientnet_lite0"})
+    assert s.MAX_BATCH_SIZE == 16 and s.COMPILE is False and s.BATCH_TIMEOUT_MS == 2.5
+    assert s.MODEL == "efficientnet_lite0"
+
+
+def test_config_overrides_env():
+    s = settings.load(environ={"CLASSIFIER_TOP_K": "5"}, overrides={"TOP_K": 2})
+    assert s.TOP_K == 2
+
+
+@pytest.mark.parametrize("env, value, words", [
+    ("CLASSIFIER_MAX_BATCH_SIZE", "0", "from 1 to 256"),
+    ("CLASSIFIER_MAX_BATCH_SIZE", "eight", "an integer"),
+    ("CLASSIFIER_COMPILE", "maybe", "1/0, true/false"),
+    ("CLASSIFIER_MODEL", "resnet50", "one of resnet18, efficientnet_lite0, resnet18_seeded"),
+    ("CLASSIFIER_BATCH_TIMEOUT_MS", "nan", "a number"),
+    ("CLASSIFIER_TOP_K", "11", "from 1 to 10"),
+])
+def test_bad_values_name_key_value_and_rule(env, value, words):
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={env: value})
+    message = str(err.value)
+    assert env in message and repr(value) in message and words in message
+
+
+def test_unknown_variable_is_an_error_not_ignored():
+    with pytest.raises(SettingsError, match="CLASSIFIER_MAX_BATCH"):
+        settings.load(environ={"CLASSIFIER_MAX_BATCH": "4"})
+    with pytest.raises(SettingsError, match="MAX_BATCHSIZE"):
+        settings.load(environ={}, overrides={"MAX_BATCHSIZE": 4})
+
+
+def test_typed_overrides_are_checked_too():
+    with pytest.raises(SettingsError, match="COMPILE"):
+        settings.load(environ={}, overrides={"COMPILE": "sometimes"})
+    with pytest.raises(SettingsError, match="MAX_BATCH_SIZE"):
+        settings.load(environ={}, overrides={"MAX_BATCH_SIZE": True})
+
+
+def test_issue_minimum_settings_exist():
+    names = set(settings.BY_NAME)
+    assert {"MODEL", "WEIGHTS", "MAX_BATCH_SIZE", "BATCH_TIMEOUT_MS", "QUEUE_SIZE", "REQUEST_TIMEOUT_S", "TOP_K",
+            "MAX_UPLOAD_BYTES", "COMPILE", "THREADS", "BIND", "WORKERS"} <= names
+    assert all(row.help for row in settings.SETTINGS)
