@@ -13,6 +13,7 @@ failure is a ``ServiceError`` with the right status; nothing here raises anythin
 from __future__ import annotations
 
 import io
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -26,8 +27,10 @@ from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
 # Photo formats we decode. Others Pillow knows (EPS via Ghostscript, PSD, FITS, ...) are refused:
-# less attack surface, and none of them is a photo a person uploads.
-FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM", "TGA", "ICO")
+# less attack surface, and none of them is a photo a person uploads. Not ICO: Pillow decodes an
+# icon's embedded image while opening it, before its real size is known, so the pixel check
+# could not come first (a 16x16 entry can hide a 13000x13000 PNG).
+FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
 
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (
@@ -108,12 +111,16 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload") -> Decoded:
     if not data:
         raise NoFile(f"{name}: the file is empty (0 bytes)")
     with warnings.catch_warnings():
-        # We enforce our own, stricter pixel cap below; Pillow's warning would only leak into logs.
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        # Pillow warns about uploads (corrupt EXIF, decompression bombs) where we either raise a
+        # ServiceError or carry on correctly; its warnings would only leak into logs.
+        warnings.simplefilter("ignore")
         try:
             img = Image.open(io.BytesIO(data), formats=FORMATS)
-        except Image.DecompressionBombError as exc:
-            raise TooLarge(f"{name}: {exc}") from None
+        except Image.DecompressionBombError as exc:  # over twice Pillow's own cap, checked from the header
+            found = re.search(r"\((\d+) pixels\)", str(exc))
+            size = f"{int(found.group(1)):,} pixels" if found else f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
+            raise TooLarge(f"{name}: the image is {size}; the limit is {max_pixels:,} "
+                           f"(CLASSIFIER_MAX_PIXELS)") from None
         except UnidentifiedImageError:
             fmt = sniff_format(data)
             what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"

@@ -73,7 +73,7 @@ class Setting:
     def type_name(self) -> str:
         """Short type name for docs: int, float, bool, str or one of the choices."""
         if self.choices:
-            return " | ".join(self.choices)
+            return " / ".join(self.choices)
         return {_bool: "bool", _int: "int", _float: "float", _str: "str"}[self.parse]
 
     def rule(self) -> str:
@@ -161,7 +161,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
             low=0, high=1024),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
-            "between heartbeats before gunicorn replaces it.", low=10, high=86_400),
+            "before gunicorn treats it as hung and replaces it.", low=10, high=86_400),
     Setting("LOG_LEVEL", _str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
 )
 # fmt: on
@@ -223,6 +223,6 @@ def markdown_table() -> str:
     """The README's settings table, generated from ``SETTINGS`` (a test keeps the README in step)."""
     rows = ["| variable | type | default | what it does |", "|---|---|---|---|"]
     for s in SETTINGS:
-        default = "" if s.default == "" else str(s.default).lower() if isinstance(s.default, bool) else s.default
-        rows.append(f"| `{s.env}` | {s.type_name} | `{default}` | {s.help} |")
+        default = "(empty)" if s.default == "" else f"`{str(s.default).lower() if isinstance(s.default, bool) else s.default}`"
+        rows.append(f"| `{s.env}` | {s.type_name} | {default} | {s.help} |")
     return "\n".join(rows)

@@ -1,0 +1,576 @@
+"""webapp.imaging: decode (formats, EXIF orientation, colour modes, limits, errors) and preprocess.
+
+Every fixture is generated here with Pillow (or read from ../shared/images through ``shared_image``);
+no model is needed. The preprocessing is checked against torchvision's own reference transforms.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import EpsImagePlugin, Image, ImageFile, ImageOps
+from torchvision.transforms import InterpolationMode, v2
+
+from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
+from webapp.imaging import build_transform, center_limit, decode, preprocess
+from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
+from webapp.settings import BY_NAME
+
+from conftest import png_bytes, shared_image
+
+PHOTOS = ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg", "scream.jpg",
+          "phone-12mp.jpg", "phone-12mp-exif-rotated.jpg"]
+BIG = 10**7  # a max_pixels that never gets in the way of the small fixtures
+DEFAULT_MAX_PIXELS = BY_NAME["MAX_PIXELS"].default
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+def encode(img: Image.Image, fmt: str, **save) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
+def reopen(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data))
+
+
+def pixels(img: Image.Image) -> np.ndarray:
+    return np.asarray(img, dtype=np.int16)
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose IHDR is patched to declare ``width`` x ``height`` (CRC fixed): no pixel data for it."""
+    data = bytearray(png_bytes(Image.new("RGB", (1, 1), (10, 20, 30))))
+    assert data[12:16] == b"IHDR"
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+@pytest.fixture(scope="module")
+def small_dog() -> Image.Image:
+    """A real photo, downscaled (non-square, so a wrong rotation shows in the size too)."""
+    with Image.open(shared_image("dog.jpg")) as im:
+        return ImageOps.exif_transpose(im).convert("RGB").resize((120, 90), Image.Resampling.LANCZOS)
+
+
+def rgb_of(data: bytes, **kw) -> np.ndarray:
+    d = decode(data, max_pixels=kw.pop("max_pixels", BIG), **kw)
+    assert d.image.mode == "RGB"
+    return pixels(d.image)
+
+
+# ------------------------------------------------------------------------ 1. preprocessing = reference
+
+@pytest.mark.parametrize("name", PHOTOS)
+def test_resnet18_preprocessing_equals_the_weights_reference(name):
+    path = shared_image(name)
+    got = preprocess(decode(path.read_bytes(), max_pixels=DEFAULT_MAX_PIXELS).image,
+                     build_transform(_resnet18_preprocessing()))
+    with Image.open(path) as im:
+        ref = RESNET18_WEIGHTS.transforms()(ImageOps.exif_transpose(im).convert("RGB"))
+    assert type(got) is torch.Tensor and got.is_contiguous()
+    assert got.shape == (3, 224, 224) and got.dtype == torch.float32
+    assert ref.shape == got.shape
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_resnet18_spec_is_the_weights_spec():
+    pre, ref = _resnet18_preprocessing(), RESNET18_WEIGHTS.transforms()
+    assert (pre.resize, pre.crop) == (256, 224)
+    assert pre.mean == pytest.approx((0.485, 0.456, 0.406)) and pre.std == pytest.approx((0.229, 0.224, 0.225))
+    assert pre.interpolation == ref.interpolation == InterpolationMode.BILINEAR
+
+
+@pytest.mark.parametrize("name", ["dog.jpg", "scream.jpg"])
+def test_lite0_preprocessing_equals_a_hand_written_pipeline(name):
+    img = decode(shared_image(name).read_bytes(), max_pixels=DEFAULT_MAX_PIXELS).image
+    hand = v2.Compose([
+        v2.Resize(256, interpolation=InterpolationMode.BILINEAR, antialias=True),
+        v2.CenterCrop(224),
+        v2.ToImage(),
+        v2.ToDtype(torch.float32, scale=True),
+        v2.Normalize(mean=[0.498] * 3, std=[0.502] * 3),
+    ])
+    got = preprocess(img, build_transform(LITE0_PREPROCESSING))
+    want = hand(img).as_subclass(torch.Tensor)
+    assert got.shape == (3, 224, 224) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # TF's (x*255 - 127) / 128 on the center pixel: the normalisation really is the TF one.
+    x = np.asarray(v2.CenterCrop(224)(v2.Resize(256, antialias=True)(img)), dtype=np.float64)[112, 112]
+    assert got[:, 112, 112].double().numpy() == pytest.approx((x - 127) / 128, abs=2e-3)
+
+
+def test_strip_crop_does_not_change_what_the_model_sees():
+    """center_limit crops a 10:1 strip before resizing; the result equals transforming the whole strip."""
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 256, (100, 1000, 3), dtype=np.uint8), "RGB")
+    t = build_transform(_resnet18_preprocessing())
+    got = preprocess(img, t)
+    full = t(img).as_subclass(torch.Tensor)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------ 2. EXIF orientation
+
+# What the camera stored for each tag, given the upright picture (numpy, independent of Pillow's table):
+# the tag says how to turn the stored pixels upright, so the stored pixels are the inverse of that.
+STORED = {
+    1: lambda a: a,
+    2: lambda a: a[:, ::-1],                  # mirrored horizontally
+    3: lambda a: a[::-1, ::-1],               # rotated 180
+    4: lambda a: a[::-1, :],                  # mirrored vertically
+    5: lambda a: a.transpose(1, 0, 2),        # transposed (mirror + rotate 90)
+    6: lambda a: np.rot90(a, 1),              # "rotate 90 CW to view": stored turned 90 CCW
+    7: lambda a: np.rot90(a, 2).transpose(1, 0, 2),  # transverse (anti-diagonal mirror)
+    8: lambda a: np.rot90(a, -1),             # "rotate 90 CCW to view": stored turned 90 CW
+}
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_applied(small_dog, orientation):
+    upright = pixels(small_dog)
+    stored = Image.fromarray(np.ascontiguousarray(STORED[orientation](np.asarray(small_dog))), "RGB")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(stored, "JPEG", exif=exif.tobytes(), quality=95, subsampling=0)
+    assert reopen(data).getexif().get(0x0112) == orientation
+
+    d = decode(data, max_pixels=BIG)
+    assert d.image.mode == "RGB" and d.format == "JPEG"
+    assert d.image.size == small_dog.size == (120, 90)
+    got = pixels(d.image)
+    assert np.abs(got - upright).mean() < 3
+    if orientation != 1:  # the check can fail: ignoring the tag (or misreading it) is far off
+        for other in range(2, 9):
+            wrong = STORED[other](np.asarray(small_dog))
+            if wrong.shape == got.shape:  # includes the stored pixels themselves (tag ignored)
+                assert np.abs(got - wrong.astype(np.int16)).mean() > 10
+
+
+def test_phone_photo_with_rotation_tag_decodes_upright():
+    with Image.open(shared_image("phone-12mp.jpg")) as plain:
+        plain_size = ImageOps.exif_transpose(plain).size
+    raw = shared_image("phone-12mp-exif-rotated.jpg").read_bytes()
+    with Image.open(io.BytesIO(raw)) as stored:
+        assert stored.getexif().get(0x0112) in (5, 6, 7, 8)  # stored sideways
+        assert stored.size == plain_size[::-1]
+    d = decode(raw, max_pixels=DEFAULT_MAX_PIXELS)
+    assert d.image.size == plain_size
+    # Same picture: the content is upright too (a 6/8 mix-up would keep the size but turn it upside down).
+    thumb = pixels(d.image.reduce(32))
+    with Image.open(shared_image("phone-12mp.jpg")) as plain:
+        want = pixels(ImageOps.exif_transpose(plain).convert("RGB").reduce(32))
+    assert np.abs(thumb - want).mean() < 3
+    assert np.abs(thumb - want[::-1, ::-1]).mean() > 10
+
+
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF data")  # Pillow warns while reading it; decode lets that through
+def test_broken_exif_does_not_fail_the_image(small_dog):
+    data = bytearray(encode(small_dog, "JPEG", exif=b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff garbage"))
+    d = decode(bytes(data), max_pixels=BIG)
+    assert d.image.size == (120, 90) and d.image.mode == "RGB"
+
+
+# ------------------------------------------------------------------------------------- 3. colour modes
+
+def _palette_image(transparency=None) -> bytes:
+    im = Image.new("P", (4, 2), 0)
+    im.putpalette([255, 0, 0, 0, 0, 255, 0, 255, 0] + [0, 0, 0] * 253)
+    im.putpixel((0, 0), 1)  # blue
+    im.putpixel((1, 0), 2)  # green
+    return png_bytes(im) if transparency is None else png_bytes(im, transparency=transparency)
+
+
+def _rgba() -> bytes:
+    im = Image.new("RGBA", (3, 1), (0, 0, 255, 255))
+    im.putpixel((0, 0), (0, 0, 0, 0))        # fully transparent black
+    im.putpixel((1, 0), (255, 0, 0, 128))    # half-transparent red
+    return png_bytes(im)
+
+
+def _la() -> bytes:
+    im = Image.new("LA", (3, 1), (40, 255))
+    im.putpixel((0, 0), (0, 0))
+    im.putpixel((1, 0), (0, 128))
+    return png_bytes(im)
+
+
+def _one_bit() -> bytes:
+    im = Image.new("1", (2, 1), 0)
+    im.putpixel((1, 0), 1)
+    return png_bytes(im)
+
+
+def _gray16() -> bytes:
+    return png_bytes(Image.fromarray(np.array([[0, 32768, 65535]], dtype=np.uint16)))
+
+
+def _mode_i() -> bytes:
+    return encode(Image.fromarray(np.array([[0, 32768, 65535]], dtype=np.int32)), "TIFF")
+
+
+def _mode_f(top: float) -> bytes:
+    return encode(Image.fromarray(np.array([[0.0, top / 2, top]], dtype=np.float32)), "TIFF")
+
+
+def _l_with_key() -> bytes:
+    im = Image.new("L", (2, 1), 0)
+    im.putpixel((1, 0), 100)
+    return png_bytes(im, transparency=0)
+
+
+def _rgb_with_key() -> bytes:
+    im = Image.new("RGB", (2, 1), (1, 2, 3))
+    im.putpixel((1, 0), (100, 0, 0))
+    return png_bytes(im, transparency=(1, 2, 3))
+
+
+# name -> (bytes, mode Pillow opens it as, expected RGB of row 0, tolerance)
+MODES = {
+    "L": (lambda: png_bytes(Image.new("L", (2, 1), 77)), "L", [(77, 77, 77)] * 2, 0),
+    "1": (_one_bit, "1", [(0, 0, 0), (255, 255, 255)], 0),
+    "LA": (_la, "LA", [(255, 255, 255), (127, 127, 127), (40, 40, 40)], 1),
+    "RGBA": (_rgba, "RGBA", [(255, 255, 255), (255, 127, 127), (0, 0, 255)], 1),
+    "P": (_palette_image, "P", [(0, 0, 255), (0, 255, 0), (255, 0, 0)], 0),
+    "P+transparency index": (lambda: _palette_image(transparency=1), "P",
+                             [(255, 255, 255), (0, 255, 0), (255, 0, 0)], 0),
+    "P+alpha table": (lambda: _palette_image(transparency=bytes([255, 0, 128])), "P",
+                      [(255, 255, 255), (127, 255, 127), (255, 0, 0)], 1),
+    "L+transparency key": (_l_with_key, "L", [(255, 255, 255), (100, 100, 100)], 0),
+    "RGB+transparency key": (_rgb_with_key, "RGB", [(255, 255, 255), (100, 0, 0)], 0),
+    "I;16": (_gray16, ("I;16", "I"), [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
+    "I": (_mode_i, "I", [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
+    "F in [0,1]": (lambda: _mode_f(1.0), "F", [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
+    "F in [0,255]": (lambda: _mode_f(255.0), "F", [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
+}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_every_mode_becomes_rgb_deterministically(name, recwarn):
+    make, mode, want, tol = MODES[name]
+    data = make()
+    assert reopen(data).mode in ((mode,) if isinstance(mode, str) else mode)  # the fixture is what it claims
+    recwarn.clear()
+    first = rgb_of(data)
+    assert not [str(w.message) for w in recwarn], "decode emitted warnings"
+    assert np.array_equal(first, rgb_of(data))
+    row = first[0, : len(want)]
+    assert np.abs(row - np.array(want)).max() <= tol, f"{name}: got {row.tolist()}, want {want}"
+
+
+@pytest.mark.parametrize("cmyk,rgb", [
+    ((255, 0, 0, 0), (0, 255, 255)),      # cyan
+    ((0, 255, 0, 0), (255, 0, 255)),      # magenta
+    ((0, 0, 255, 0), (255, 255, 0)),      # yellow
+    ((0, 255, 255, 0), (255, 0, 0)),      # red
+    ((0, 0, 0, 0), (255, 255, 255)),      # paper white
+    ((0, 0, 0, 255), (0, 0, 0)),          # black
+])
+def test_adobe_cmyk_jpeg_colours_are_not_inverted(cmyk, rgb, recwarn):
+    data = encode(Image.new("CMYK", (16, 16), cmyk), "JPEG", quality=95, subsampling=0)
+    src = reopen(data)
+    assert src.mode == "CMYK" and "adobe" in src.info  # Pillow writes Adobe (inverted) CMYK
+    recwarn.clear()
+    got = rgb_of(data)[8, 8]
+    assert not recwarn.list
+    assert np.abs(got - np.array(rgb)).max() <= 6, f"CMYK {cmyk} -> {got.tolist()}, want {rgb}"
+
+
+def test_animated_gif_takes_the_first_frame():
+    frames = [Image.new("RGB", (8, 6), c) for c in [(255, 0, 0), (0, 255, 0), (0, 0, 255)]]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:], duration=100, loop=0)
+    assert reopen(data).n_frames == 3
+    a, b = decode(data, max_pixels=BIG), decode(data, max_pixels=BIG)
+    assert a.format == "GIF" and a.image.mode == "RGB" and a.image.size == (8, 6)
+    assert np.array_equal(pixels(a.image), pixels(b.image))
+    assert (pixels(a.image) == (255, 0, 0)).all()
+
+
+def test_animated_webp_takes_the_first_frame():
+    frames = [Image.new("RGB", (8, 6), c) for c in [(0, 0, 255), (255, 0, 0), (0, 255, 0)]]
+    data = encode(frames[0], "WEBP", save_all=True, append_images=frames[1:], duration=100, loop=0, lossless=True)
+    assert reopen(data).n_frames == 3
+    a, b = decode(data, max_pixels=BIG), decode(data, max_pixels=BIG)
+    assert a.format == "WEBP" and a.image.mode == "RGB" and a.image.size == (8, 6)
+    assert np.array_equal(pixels(a.image), pixels(b.image))
+    assert (pixels(a.image) == (0, 0, 255)).all()
+
+
+def test_progressive_jpeg(small_dog):
+    data = encode(small_dog, "JPEG", quality=95, subsampling=0, progressive=True)
+    assert reopen(data).info.get("progressive") or reopen(data).info.get("progression")
+    d = decode(data, max_pixels=BIG)
+    assert d.format == "JPEG" and d.image.size == (120, 90)
+    assert np.array_equal(pixels(d.image), pixels(reopen(data).convert("RGB")))
+    baseline = rgb_of(encode(small_dog, "JPEG", quality=95, subsampling=0))
+    assert np.abs(pixels(d.image) - baseline).mean() < 2
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "BMP", "TIFF", "WEBP", "PPM"])
+def test_other_photo_formats_decode(small_dog, fmt):
+    save = {"lossless": True} if fmt == "WEBP" else {"quality": 95, "subsampling": 0} if fmt == "JPEG" else {}
+    d = decode(encode(small_dog, fmt, **save), max_pixels=BIG)
+    assert d.format == fmt and d.image.mode == "RGB" and d.image.size == (120, 90)
+    assert np.abs(pixels(d.image) - pixels(small_dog)).mean() < 3
+
+
+@pytest.mark.parametrize("size", [(1, 1), (10000, 10), (10, 10000), (3, 7)])
+def test_tiny_and_extreme_strips_preprocess_fast(size):
+    w, h = size
+    grad = (np.add.outer(np.arange(h), np.arange(w)) % 256).astype(np.uint8)
+    data = png_bytes(Image.fromarray(np.stack([grad, 255 - grad, np.full_like(grad, 60)], -1), "RGB"))
+    transform = build_transform(_resnet18_preprocessing())
+    start = time.perf_counter()
+    d = decode(data, max_pixels=BIG)
+    x = preprocess(d.image, transform)
+    elapsed = time.perf_counter() - start
+    assert d.image.size == size
+    assert x.shape == (3, 224, 224) and x.dtype == torch.float32 and torch.isfinite(x).all()
+    assert elapsed < 2.0, f"{size}: decode+preprocess took {elapsed:.2f} s"
+    if size == (1, 1):  # one pixel stretched: every position has the same value per channel
+        assert (x == x[:, :1, :1]).all()
+
+
+# --------------------------------------------------------------------------------------------- 4. errors
+
+def _raises(data: bytes, cls: type[ServiceError], status: int, *, max_pixels: int = BIG) -> ServiceError:
+    with pytest.raises(cls) as info:
+        decode(data, max_pixels=max_pixels, name="photo.x")
+    exc = info.value
+    assert exc.status == status and type(exc) is cls
+    assert exc.message and "photo.x" in exc.message
+    return exc
+
+
+def test_empty_upload_is_no_file():
+    _raises(b"", NoFile, 400)
+
+
+def test_truncated_jpeg_is_undecodable():
+    raw = shared_image("dog.jpg").read_bytes()
+    _raises(raw[: len(raw) // 2], UndecodableImage, 400)
+
+
+@pytest.mark.parametrize("data,named", [
+    (b"hello, this is a text file and not a photo\n" * 20, None),
+    (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + b"\x00" * 200, "PDF"),
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 200, "HEIC"),
+    (b"PK\x03\x04" + b"\x00" * 200, "ZIP"),
+    (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>', "SVG"),
+])
+def test_non_images_are_415_and_named(data, named):
+    exc = _raises(data, NotAnImage, 415)
+    if named:
+        assert named in exc.message
+
+
+EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\n"
+       b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n")
+
+
+@pytest.mark.parametrize("data", [
+    EPS,
+    # DOS binary EPS: the C5D0D3C6 header, then the PostScript section.
+    b"\xc5\xd0\xd3\xc6" + struct.pack("<IIIIIIH", 30, len(EPS), 0, 0, 0, 0, 0xFFFF) + EPS,
+], ids=["eps", "dos-eps"])
+def test_eps_is_refused_and_never_reaches_ghostscript(data, monkeypatch):
+    calls = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: calls.append("gs"))
+    monkeypatch.setattr(EpsImagePlugin.EpsImageFile, "_open", lambda self: calls.append("open"))
+    _raises(data, NotAnImage, 415)
+    assert calls == []
+
+
+def test_huge_declared_png_is_refused_from_the_header(monkeypatch):
+    data = png_declaring(20000, 20000)
+    with monkeypatch.context() as m:  # the patched header is valid (Pillow's own bomb check off to see it)
+        m.setattr(Image, "MAX_IMAGE_PIXELS", None)
+        assert reopen(data).size == (20000, 20000)
+    start = time.perf_counter()
+    exc = _raises(data, TooLarge, 413, max_pixels=DEFAULT_MAX_PIXELS)
+    assert time.perf_counter() - start < 1.0
+    assert "400000000" in exc.message.replace(",", "")  # says how big it is
+
+
+def test_just_over_the_default_pixel_limit_is_413(recwarn):
+    assert DEFAULT_MAX_PIXELS == 80_000_000
+    start = time.perf_counter()
+    _raises(png_declaring(9500, 9500), TooLarge, 413, max_pixels=DEFAULT_MAX_PIXELS)
+    assert time.perf_counter() - start < 1.0
+    assert not recwarn.list  # Pillow's DecompressionBombWarning does not leak
+
+
+@pytest.mark.parametrize("max_pixels,ok", [(5000, False), (9999, False), (10000, True), (10001, True)])
+def test_max_pixels_is_honoured(max_pixels, ok):
+    data = png_bytes(Image.new("RGB", (100, 100), (5, 6, 7)))
+    if ok:
+        assert decode(data, max_pixels=max_pixels).image.size == (100, 100)
+    else:
+        _raises(data, TooLarge, 413, max_pixels=max_pixels)
+
+
+def test_icon_hiding_a_huge_png_is_refused_without_decoding_it(monkeypatch):
+    """An ICO's directory says 16x16; its embedded PNG is 9000x9000 (81 M pixels, 80 KB compressed).
+
+    Pillow's ICO plugin decodes the embedded image while *opening* the file, before decode() can
+    check the size; no image over the limit may ever be loaded.
+    """
+    w = h = 9000
+    z = zlib.compressobj(9)
+    row = b"\x00" + bytes(w)
+    body = b"".join(z.compress(row) for _ in range(h)) + z.flush()
+    png = (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 0, 0, 0, 0))
+           + png_chunk(b"IDAT", body) + png_chunk(b"IEND", b""))
+    png += bytes(140_000 - len(png))  # an entry size of 2xxxx hex keeps TGA (no magic number) from claiming it
+    ico = struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 16, 16, 0, 0, 0, 32, len(png), 22) + png
+
+    loaded = []
+    real_load = ImageFile.ImageFile.load
+
+    def spy(self):
+        loaded.append(self.size)
+        return real_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
+    start = time.perf_counter()
+    with pytest.raises(ServiceError) as info:
+        decode(ico, max_pixels=DEFAULT_MAX_PIXELS)
+    assert info.value.status in (413, 415)
+    assert not [s for s in loaded if s[0] * s[1] > DEFAULT_MAX_PIXELS], f"decoded {loaded} before the size check"
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_garbage_after_a_valid_header_is_400(seed):
+    rng = np.random.default_rng(seed)
+    noise = Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8), "RGB")
+    head = png_bytes(noise)[:100]
+    data = head + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    assert reopen(data).size == (64, 64)  # the header still reads
+    try:
+        decode(data, max_pixels=BIG)
+    except ServiceError as exc:
+        assert type(exc) is UndecodableImage and exc.status == 400
+    else:
+        pytest.fail("random pixel data decoded as a PNG")
+
+
+def _png_idat_length_understated() -> bytes:
+    data = bytearray(png_bytes(Image.new("RGB", (16, 12), (1, 2, 3))))
+    assert data[37:41] == b"IDAT"
+    n = struct.unpack(">I", data[33:37])[0]
+    data[33:37] = struct.pack(">I", n - 7)  # the next chunk is read from the middle of the data
+    return bytes(data)
+
+
+def _ppm_wrong_maxval() -> bytes:
+    data = encode(Image.new("RGB", (16, 12), (1, 2, 3)), "PPM")
+    assert data.startswith(b"P6\n16 12\n255\n")
+    return data.replace(b"\n255\n", b"\n955\n", 1)  # says 16-bit samples, carries 8-bit ones
+
+
+@pytest.mark.parametrize("make", [_png_idat_length_understated, _ppm_wrong_maxval], ids=["png-chunk", "ppm-maxval"])
+def test_damage_pillow_reports_as_syntax_or_value_error_is_400(make):
+    """Pillow raises SyntaxError / ValueError (not OSError) for these; they are still a 400."""
+    _raises(make(), UndecodableImage, 400)
+
+
+@pytest.mark.parametrize("size,kept", [((10000, 10), (20, 10)), ((10, 10000), (10, 20)), ((300, 150), (300, 150)),
+                                       ((150, 301), (150, 300)), ((640, 480), (640, 480))])
+def test_center_limit_bounds_extreme_strips(size, kept):
+    img = Image.new("RGB", size)
+    out = center_limit(img)
+    assert out.size == kept
+    if kept == size:
+        assert out is img
+
+
+@pytest.mark.parametrize("cut", [8, 20, 33, 40, 60])
+def test_png_cut_anywhere_is_a_client_error(cut):
+    data = png_bytes(Image.new("RGB", (32, 32), (1, 2, 3)))[:cut]
+    with pytest.raises(ServiceError) as info:
+        decode(data, max_pixels=BIG)
+    assert info.value.status in (400, 415)
+
+
+# --------------------------------------------------------------------------------- 5. property tests
+
+def _seeds() -> list[bytes]:
+    rng = np.random.default_rng(1)
+    im = Image.fromarray(rng.integers(0, 256, (12, 16, 3), dtype=np.uint8), "RGB")
+    return [png_bytes(im), encode(im, "JPEG", quality=80), encode(im.convert("P"), "GIF"),
+            png_bytes(im.convert("RGBA"))]
+
+
+SEEDS = _seeds()
+ALLOWED = {NoFile: 400, UndecodableImage: 400, TooLarge: 413, NotAnImage: 415}
+
+
+def _check_decode(data: bytes) -> None:
+    try:
+        d = decode(data, max_pixels=1_000_000)
+    except ServiceError as exc:  # anything else propagates and fails the test
+        assert ALLOWED.get(type(exc)) == exc.status, f"{type(exc).__name__} {exc.status}: {exc.message}"
+    else:
+        assert d.image.mode == "RGB"
+        w, h = d.image.size
+        assert 1 <= w * h <= 1_000_000
+        d.image.tobytes()  # really decoded
+
+
+def test_property_arbitrary_bytes():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=100, deadline=None, database=None)
+    @hypothesis.given(st.binary(max_size=2048))
+    def run(data):
+        _check_decode(data)
+
+    run()
+
+
+def test_property_mutated_images():
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @st.composite
+    def mutated(draw):
+        data = bytearray(draw(st.sampled_from(SEEDS)))
+        for _ in range(draw(st.integers(1, 6))):
+            pos = draw(st.one_of(st.integers(0, 63), st.integers(0, len(data) - 1)))
+            pos = min(pos, len(data) - 1)
+            op = draw(st.sampled_from(["set", "flip", "insert", "delete", "truncate"]))
+            if op == "set":
+                data[pos] = draw(st.integers(0, 255))
+            elif op == "flip":
+                data[pos] ^= 1 << draw(st.integers(0, 7))
+            elif op == "insert":
+                data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+            elif op == "delete":
+                del data[pos:pos + draw(st.integers(1, 16))]
+            else:
+                del data[pos:]
+            if not data:
+                break
+        return bytes(data)
+
+    @hypothesis.settings(max_examples=100, deadline=None, database=None)
+    @hypothesis.given(mutated())
+    def run(data):
+        _check_decode(data)
+
+    run()

@@ -1,0 +1,47 @@
+"""Start-up (golden self-test) and encode."""
+
+import pytest
+import torch
+from PIL import Image, ImageChops, ImageStat
+
+from conftest import shared_image
+from webapp import service, settings
+from webapp.errors import StartupError
+from webapp.service import Classifier, encode
+
+
+def test_golden_photo_is_the_one_make_golden_cuts(tmp_path):
+    made = tmp_path / "dog.jpg"
+    service.make_golden(shared_image("dog.jpg"), made)
+    a, b = Image.open(made).convert("RGB"), Image.open(service.GOLDEN).convert("RGB")
+    assert a.size == b.size == (224, 224)
+    assert max(ImageStat.Stat(ImageChops.difference(a, b)).mean) < 1.0
+
+
+def test_self_test_passes_on_real_weights(offline_app):
+    clf = offline_app.extensions["classifier"]
+    assert clf.ready and clf.self_test["passed"] is True
+    assert any(label in clf.self_test["top3"] for label in ("malamute", "German shepherd", "Eskimo dog"))
+
+
+def test_failed_self_test_never_reports_ready(tmp_path, monkeypatch):
+    not_a_dog = tmp_path / "zebra.jpg"
+    Image.open(shared_image("giraffe.jpg")).convert("RGB").save(not_a_dog)
+    monkeypatch.setattr(service, "GOLDEN", not_a_dog)
+    clf = Classifier(settings.load(environ={}, overrides={"MODEL": "efficientnet_lite0", "COMPILE": False,
+                                                          "MAX_BATCH_SIZE": 1}))
+    with pytest.raises(StartupError, match="self-test failed"):
+        clf.start()
+    assert not clf.ready and clf.status == "self-test failed"
+
+
+def test_self_test_is_skipped_for_untrained_weights(app):
+    assert app.extensions["classifier"].self_test == {"skipped": "untrained weights"}
+
+
+def test_encode_top_k():
+    logits = torch.tensor([0.0, 3.0, 1.0, 2.0])
+    out = encode(logits, ["a", "b", "c", "d"], topk=3)
+    assert [p["label"] for p in out] == ["b", "d", "c"] and [p["index"] for p in out] == [1, 3, 2]
+    assert abs(sum(p["probability"] for p in out) - float(torch.softmax(logits, 0)[1:].sum())) < 1e-5
+    assert len(encode(logits, list("abcd"), topk=10)) == 4
