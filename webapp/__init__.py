@@ -49,7 +49,10 @@ def create_app(config: dict | None = None) -> Flask:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
         log.addHandler(handler)
+    from .uploads import UploadRequest, drain_body
+
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
+    app.request_class = UploadRequest
     app.config["MAX_CONTENT_LENGTH"] = settings.MAX_UPLOAD_BYTES
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.MAX_UPLOAD_BYTES
     app.extensions["settings"] = settings
@@ -87,6 +90,9 @@ def create_app(config: dict | None = None) -> Flask:
         message = exc.description or exc.name
         if exc.code == 413:
             message = f"the upload is larger than {settings.MAX_UPLOAD_BYTES:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)"
+            # The client is still sending: read the rest so it gets this answer, not a reset.
+            if not drain_body(request.environ):
+                return render_error(413, code, message, {"Connection": "close"})
         return render_error(exc.code or 500, code, message)
 
     @app.errorhandler(Exception)

@@ -6,12 +6,50 @@ HTTP only: no decoding here. Filenames are kept as the client sent them, only to
 
 from __future__ import annotations
 
+import io
+
 from flask import Request
+from werkzeug.exceptions import HTTPException
 
 from .errors import BadRequest, NoFile, NotAnImage, TooLarge
 from .service import Upload
 
 RAW_TYPES = ("application/octet-stream",)
+
+# After a 413 we read and discard at most this much more of the body, so the client (which is
+# still sending) receives the 413 instead of a connection reset; past it we close regardless.
+DRAIN_LIMIT = 256 * 1024 * 1024
+
+
+class UploadRequest(Request):
+    """Flask's request, with multipart files kept in memory: an upload never touches the disk.
+
+    (Werkzeug spools file parts over 500 KB to a temporary file by default.) Memory stays
+    bounded by ``MAX_CONTENT_LENGTH``, which is checked before parsing.
+    """
+
+    def _get_file_stream(self, total_content_length, content_type, filename=None, content_length=None):
+        return io.BytesIO()
+
+
+def drain_body(environ: dict, limit: int = DRAIN_LIMIT) -> bool:
+    """Read and discard what is left of the request body, up to ``limit`` bytes.
+
+    Returns True if the body was read to its end (the connection can be reused cleanly).
+    """
+    stream = environ.get("wsgi.input")
+    if stream is None:
+        return True
+    left = limit
+    try:
+        while left > 0:
+            chunk = stream.read(min(65536, left))
+            if not chunk:
+                return True
+            left -= len(chunk)
+    except Exception:  # client went away, or a malformed chunked body: nothing more to save
+        return False
+    return False
 
 
 def parse_topk(raw: str | None, default: int) -> int:
@@ -36,28 +74,58 @@ def _clean_name(name: str | None) -> str:
     return name[:255] or "upload"
 
 
+def _over_limit(request: Request) -> bool:
+    """True if a body sent without Content-Length (chunked) went past ``MAX_CONTENT_LENGTH``.
+
+    Werkzeug stops reading such a body at the limit without saying so; one more byte tells.
+    """
+    limit = request.max_content_length
+    if request.content_length is not None or limit is None:
+        return False
+    try:
+        return bool(request.environ["wsgi.input"].read(1))
+    except Exception:
+        return False
+
+
+def _too_large(request: Request) -> TooLarge:
+    drain_body(request.environ)
+    return TooLarge(f"the upload is larger than {request.max_content_length:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)")
+
+
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     """The uploads in ``request``, in order.
 
     :raises NoFile: multipart without a ``file`` part, or with only empty ones (400).
-    :raises TooLarge: more than ``max_files`` files (413); a body over the byte limit is
-        refused by Werkzeug (413) as soon as it is read.
+    :raises TooLarge: more than ``max_files`` files, or a body over ``MAX_CONTENT_LENGTH`` (413;
+        Werkzeug raises its own 413 when Content-Length already says so).
+    :raises BadRequest: a malformed multipart body (400).
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
     """
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
-        parts = [f for f in request.files.getlist("file")]
+        try:
+            parts = list(request.files.getlist("file"))
+        except HTTPException as exc:
+            if exc.code == 413 or _over_limit(request):
+                raise _too_large(request) from None
+            raise BadRequest(f"malformed multipart body: {exc.description}") from None
+        if _over_limit(request):
+            raise _too_large(request)
         if not parts:
             other = ", ".join(sorted(request.files)) or "none"
             raise NoFile(f"no image: send it as multipart field 'file' (file fields received: {other})")
         if len(parts) > max_files:
             raise TooLarge(f"{len(parts)} files in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
         uploads = [Upload(_clean_name(p.filename), p.read()) for p in parts]
-        if all(not (u.data) for u in uploads) and all(not p.filename for p in parts):
+        if all(not u.data for u in uploads) and all(not p.filename for p in parts):
             raise NoFile("no image: the 'file' field is empty; choose a photo first")
         return uploads
     if mimetype.startswith("image/") or mimetype in RAW_TYPES:
         name = request.headers.get("X-Filename") or "upload"
-        return [Upload(_clean_name(name), request.get_data(cache=False))]
+        data = request.get_data(cache=False)
+        if _over_limit(request):
+            raise _too_large(request)
+        return [Upload(_clean_name(name), data)]
     raise NotAnImage(f"Content-Type {mimetype or '(none)'} is not accepted: send multipart/form-data with an "
                      f"image in field 'file', or the raw image with Content-Type image/*")
