@@ -60,9 +60,13 @@ def create_app(config: dict | None = None) -> Flask:
     app.extensions["classifier"] = classifier
 
     from . import api, ui
+    from .access import init_access
 
     app.register_blueprint(api.bp)
     app.register_blueprint(ui.bp)
+    init_access(app, settings)
+    if os.environ.get(GUNICORN_ENV):
+        app.debug = False  # never the interactive debugger in a served app, whatever FLASK_DEBUG says
 
     def wants_json() -> bool:
         return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz") \
@@ -86,8 +90,11 @@ def create_app(config: dict | None = None) -> Flask:
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
-        code = {413: "too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.code, "http_error")
+        code = {413: "too_large", 404: "not_found", 405: "method_not_allowed", 429: "rate_limited"}.get(
+            exc.code, "http_error")
         message = exc.description or exc.name
+        if exc.code == 429:
+            message = f"too many requests from this address (limit {exc.description}); try again later"
         if exc.code == 413:
             message = f"the upload is larger than {settings.MAX_UPLOAD_BYTES:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)"
             # The client is still sending: read the rest so it gets this answer, not a reset.

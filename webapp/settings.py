@@ -156,6 +156,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024),
     Setting("MAX_PIXELS", _int, 80_000_000, "Largest image in pixels (width x height, read from the header before "
             "decoding); larger gets 413. 80 MP admits 64 MP phone photos.", low=1, high=2**40),
+    # -- access --
+    Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* needs 'Authorization: Bearer <token>' (compared in "
+            "constant time); else 401. The page and /healthz, /readyz stay open."),
+    Setting("RATE_LIMIT", _str, "", "Per-client-address limit on classify requests (API and page), in "
+            "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off."),
+    Setting("RATE_LIMIT_STORAGE", _str, "memory://", "Where rate-limit counters live (Flask-Limiter storage URI). "
+            "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts."),
     # -- server --
     Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port). Localhost unless you open it."),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",

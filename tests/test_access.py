@@ -1,0 +1,62 @@
+"""Optional API token, optional rate limit, and no debugger under gunicorn."""
+
+import pytest
+from PIL import Image
+
+from conftest import png_bytes
+from webapp import GUNICORN_ENV, create_app
+from webapp.access import check_token
+from webapp.settings import SettingsError
+
+PNG = png_bytes(Image.new("RGB", (32, 32), (10, 120, 200)))
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1,
+                      "API_TOKEN": "s3cret-token", "RATE_LIMIT": "4/minute"})
+    yield app
+    app.extensions["classifier"].stop()
+
+
+def post(client, **headers):
+    return client.post("/api/v1/predict", data=PNG, content_type="image/png", headers=headers)
+
+
+def test_check_token():
+    assert check_token("Bearer abc", "abc") and check_token("bearer abc ", "abc")
+    assert not check_token("Bearer abd", "abc") and not check_token("abc", "abc") and not check_token(None, "abc")
+    assert not check_token("Basic abc", "abc")
+
+
+def test_token_is_required_for_the_api_only(guarded):
+    client = guarded.test_client()
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret-token"}):
+        resp = post(client, **headers)
+        assert resp.status_code == 401 and resp.get_json()["error"]["code"] == "unauthorized"
+        assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+    assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
+    assert client.get("/").status_code == 200
+
+
+def test_rate_limit_answers_429_with_retry_after(guarded):
+    client = guarded.test_client()
+    statuses = [post(client, Authorization="Bearer s3cret-token").status_code for _ in range(6)]
+    assert statuses[:4] == [200] * 4 and statuses[4:] == [429, 429]
+    resp = post(client, Authorization="Bearer s3cret-token")
+    body = resp.get_json()["error"]
+    assert body["code"] == "rate_limited" and body["status"] == 429 and "4 per 1 minute" in body["message"]
+    assert int(resp.headers["Retry-After"]) >= 1
+    assert client.get("/healthz").status_code == 200  # probes are never limited
+
+
+def test_bad_rate_limit_is_a_settings_error():
+    with pytest.raises(SettingsError, match="CLASSIFIER_RATE_LIMIT='lots'"):
+        create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "RATE_LIMIT": "lots"})
+
+
+def test_debug_is_never_on_under_gunicorn(monkeypatch):
+    monkeypatch.setenv("FLASK_DEBUG", "1")
+    monkeypatch.setenv(GUNICORN_ENV, "1")  # as gunicorn.conf.py sets it; the model is then started by its hook
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False})
+    assert app.debug is False

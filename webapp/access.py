@@ -1,0 +1,67 @@
+"""Who may classify, and how often: the optional API token and the optional per-client rate limit.
+
+Both are off by default (a localhost service needs neither) and switched on by settings.
+The rate limit uses Flask-Limiter; its counters live where ``RATE_LIMIT_STORAGE`` says
+(``memory://`` is per worker process, so N workers admit up to N times the limit; point it
+at Redis or Memcached to share one count).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from flask import Flask, request
+
+from .errors import ServiceError
+from .settings import SettingsError
+
+# Endpoints that classify (and so cost CPU): the token and the rate limit apply to these.
+CLASSIFY_ENDPOINTS = ("api.predict", "ui.classify")
+
+
+class Unauthorized(ServiceError):
+    """401: ``API_TOKEN`` is set and the request did not carry it."""
+
+    status = 401
+    code = "unauthorized"
+
+
+def check_token(header: str | None, token: str) -> bool:
+    """True if ``header`` is ``Bearer <token>``; constant-time in the token's content."""
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
+
+
+def init_access(app: Flask, settings) -> None:
+    """Install the token check and the rate limit on ``app`` as ``settings`` say.
+
+    :raises SettingsError: ``RATE_LIMIT`` is not in Flask-Limiter's notation, or its storage is unknown.
+    """
+    if settings.API_TOKEN:
+        @app.before_request
+        def require_token():
+            if request.endpoint == "api.predict" and not check_token(request.headers.get("Authorization"),
+                                                                      settings.API_TOKEN):
+                raise Unauthorized("this API needs a token: send 'Authorization: Bearer <token>'",
+                                   headers={"WWW-Authenticate": 'Bearer realm="classifier"'})
+
+    if not settings.RATE_LIMIT:
+        return
+    from flask_limiter import Limiter
+    from flask_limiter.util import get_remote_address
+    from limits import parse_many
+    from limits.storage import storage_from_string
+
+    try:
+        parse_many(settings.RATE_LIMIT)
+    except ValueError as exc:
+        raise SettingsError(f"CLASSIFIER_RATE_LIMIT={settings.RATE_LIMIT!r} is not valid: {exc}; allowed: "
+                            f"Flask-Limiter notation such as '120/minute' or '10/second;500/hour'") from None
+    try:
+        storage_from_string(settings.RATE_LIMIT_STORAGE)
+    except Exception as exc:
+        raise SettingsError(f"CLASSIFIER_RATE_LIMIT_STORAGE={settings.RATE_LIMIT_STORAGE!r} is not valid: {exc}") from None
+    limiter = Limiter(get_remote_address, app=app, storage_uri=settings.RATE_LIMIT_STORAGE, headers_enabled=True,
+                      strategy="moving-window")
+    for endpoint in CLASSIFY_ENDPOINTS:
+        app.view_functions[endpoint] = limiter.limit(settings.RATE_LIMIT)(app.view_functions[endpoint])
