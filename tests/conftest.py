@@ -39,7 +39,7 @@ def _make_app(config):
 @pytest.fixture(scope="session")
 def app():
     """Seeded untrained ResNet-18, eager, small batches: for view and error tests."""
-    app = _make_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 4})
+    app = _make_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 4, "PRECISION": "fp32"})
     yield app
     app.extensions["classifier"].stop()
 
@@ -52,7 +52,7 @@ def client(app):
 @pytest.fixture(scope="session")
 def offline_app():
     """The offline EfficientNet-Lite0 with real ImageNet weights, eager: for real predictions."""
-    app = _make_app({"MODEL": "efficientnet_lite0", "COMPILE": False, "MAX_BATCH_SIZE": 4})
+    app = _make_app({"MODEL": "efficientnet_lite0", "COMPILE": False, "MAX_BATCH_SIZE": 4, "PRECISION": "fp32"})
     yield app
     app.extensions["classifier"].stop()
 

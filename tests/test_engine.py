@@ -39,3 +39,43 @@ def test_compiled_matches_eager_and_never_recompiles(resnet):
         assert rel < 1e-3, (n, float(rel))
     with pytest.raises(Exception, match="(?i)recompil"):
         engine.predict(torch.randn(1, 3, 160, 160))  # a new shape would compile on a request: refused
+
+
+def test_auto_precision_follows_onednn_not_cpu_flags(monkeypatch):
+    from webapp import engine
+
+    monkeypatch.setattr(engine, "native_bf16", lambda: True)
+    assert engine.choose_precision("auto")[0] == "bf16"
+    monkeypatch.setattr(engine, "native_bf16", lambda: False)
+    precision, reason = engine.choose_precision("auto")
+    assert precision == "fp32" and "emulated" in reason
+    assert engine.choose_precision("int8") == ("int8", "set by CLASSIFIER_PRECISION")
+
+
+def test_bf16_stays_close_to_fp32(resnet):
+    x = torch.randn(4, 3, 224, 224)
+    with torch.inference_mode():
+        ref = resnet(x)
+    engine = Engine(resnet, input_size=224, compile=False, precision="bf16")
+    got = engine.predict(x)
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() / ref.abs().max() < 0.03
+
+
+def test_int8_is_calibrated_compiled_and_cached(resnet, tmp_path):
+    torch.manual_seed(1)
+    calibration = list(torch.randn(8, 3, 224, 224))
+    x = torch.randn(3, 3, 224, 224)
+    with torch.inference_mode():
+        ref = resnet(x)
+    engine = Engine(resnet, input_size=224, compile=True, precision="int8",
+                    calibration=calibration, cache_dir=tmp_path, cache_id="seeded")
+    engine.warm_up(3)
+    got = engine.predict(x)
+    assert (got - ref).abs().max() / ref.abs().max() < 0.08
+    saved = list(tmp_path.glob("int8-*.pt2"))
+    assert len(saved) == 1
+    # A second worker loads the saved program: no calibration needed, same answers.
+    again = Engine(resnet, input_size=224, compile=False, precision="int8",
+                   calibration=[], cache_dir=tmp_path, cache_id="seeded")
+    assert (again.predict(x) - got).abs().max() / got.abs().max() < 0.02

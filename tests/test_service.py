@@ -5,15 +5,15 @@ import torch
 from PIL import Image, ImageChops, ImageStat
 
 from conftest import shared_image
-from webapp import service, settings
+from webapp import assets, service, settings
 from webapp.errors import StartupError
 from webapp.service import Classifier, encode
 
 
 def test_golden_photo_is_the_one_make_golden_cuts(tmp_path):
     made = tmp_path / "dog.jpg"
-    service.make_golden(shared_image("dog.jpg"), made)
-    a, b = Image.open(made).convert("RGB"), Image.open(service.GOLDEN).convert("RGB")
+    assets.make_golden(shared_image("dog.jpg"), made)
+    a, b = Image.open(made).convert("RGB"), Image.open(assets.GOLDEN).convert("RGB")
     assert a.size == b.size == (224, 224)
     assert max(ImageStat.Stat(ImageChops.difference(a, b)).mean) < 1.0
 

@@ -1,25 +1,42 @@
 """The compiled model: the only code that runs a forward pass.
 
 ``torch.compile`` (inductor) with ``freezing`` (weights folded into the graph as constants, BN
-folded into convs) and channels_last inputs (oneDNN's native layout for convs on x86), under
-``torch.inference_mode()``. Compilation happens only in ``warm_up``, which runs every batch size
-1..``max_batch_size`` once in the calling thread: under gunicorn's gevent worker that must be the
-worker's main thread (inductor's C++ compile uses ``subprocess``, which gevent only allows
-there; see ``shared/notes/gevent-threads.md``). After warm-up, recompiling is made an error,
-so no request can ever pay for, or hang in, a compile.
+folded into convs, int8 weights prepacked) and channels_last inputs (oneDNN's native layout
+for convs on x86), under ``torch.inference_mode()``, in one of three precisions:
+
+- ``fp32``: the reference.
+- ``bf16``: ``torch.autocast("cpu", bfloat16)`` around the compiled call; oneDNN runs convs and
+  matmuls in bf16 where the CPU has native bf16 (avx512_bf16, AMX), about 2x fp32 there.
+- ``int8``: static post-training quantization through PT2E: strict ``torch.export`` with a
+  dynamic batch dimension (non-strict export of ResNet-18 trips the quantizer, pytorch/ao#4478,
+  because BasicBlock reuses one ReLU module), torchao's ``X86InductorQuantizer`` (per-channel
+  int8 weights, per-tensor uint8 activations), calibration on real photos, ``convert_pt2e``,
+  then ``torch.compile`` which lowers the q/dq pattern to oneDNN int8 kernels. The quantized
+  program is saved to the cache directory, so later workers skip export and calibration.
+
+Compilation happens only in ``warm_up``, which runs every batch size 1..``max_batch_size`` once
+in the calling thread: under gunicorn's gevent worker that must be the worker's main thread
+(inductor's C++ compile uses ``subprocess``, which gevent only allows there; see
+``shared/notes/gevent-threads.md``). After warm-up, recompiling is made an error, so no request
+can ever pay for, or hang in, a compile.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
+
+PRECISIONS = ("fp32", "bf16", "int8")
 
 
 def configure_threads(threads: int) -> int:
@@ -36,21 +53,109 @@ def configure_threads(threads: int) -> int:
     return torch.get_num_threads()
 
 
-class Engine:
-    """Runs ``module`` on batches: ``predict((N, 3, S, S) float32) -> (N, C) float32`` logits.
+def native_bf16() -> bool:
+    """True when oneDNN will run bf16 convs natively on this CPU, as this process runs it.
 
-    ``compile=False`` runs eager (still channels_last, inference mode): starts in about a
-    second, for unit tests. ``precision`` is ``"fp32"``.
+    Asks oneDNN (``_is_mkldnn_bf16_supported``), not ``/proc/cpuinfo``: flags still list
+    avx512_bf16 when the ISA is capped (``ONEDNN_MAX_CPU_ISA=AVX2``), where bf16 is emulated
+    and about 5x slower than fp32.
+    """
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def choose_precision(requested: str) -> tuple[str, str]:
+    """Resolve ``auto`` (or pass through an explicit mode); return ``(precision, reason)`` for the log and /healthz."""
+    if requested != "auto":
+        return requested, "set by CLASSIFIER_PRECISION"
+    if native_bf16():
+        return "bf16", "auto: oneDNN has native bf16 on this CPU (avx512_bf16 or AMX)"
+    return "fp32", "auto: no native bf16 in oneDNN on this CPU, so bf16 would be emulated and slower"
+
+
+def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int) -> torch.export.ExportedProgram:
+    """PT2E static int8 quantization of ``module`` (see module docstring); returns the exported, converted program.
+
+    ``calibration``: normalized images ``(3, S, S) float32`` (real photos), run in batches of
+    up to 8 to collect activation ranges.
+
+    :raises ValueError: no calibration images.
+    """
+    from torch.export import Dim, export
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+
+    if not calibration:
+        raise ValueError("int8 needs calibration images")
+    batch = Dim("batch", min=1, max=1024)  # any batch the batcher may form (max_batch_size <= 256)
+    example = (torch.zeros(2, 3, input_size, input_size),)
+    with torch.no_grad():
+        exported = export(module, example, dynamic_shapes=({0: batch},), strict=True)
+        quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
+        prepared = prepare_pt2e(exported.module(), quantizer)
+        for i in range(0, len(calibration), 8):
+            prepared(torch.stack(calibration[i:i + 8]))
+        converted = convert_pt2e(prepared)
+        return export(converted, example, dynamic_shapes=({0: batch},), strict=True)
+
+
+def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
+                     cache_dir: Path | None, cache_key: str) -> nn.Module:
+    """The int8 model, from ``cache_dir`` when a program for ``cache_key`` was saved there, else quantized now and saved."""
+    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the q/dq ops torch.export.load needs
+
+    path = cache_dir / f"int8-{cache_key}.pt2" if cache_dir else None
+    if path and path.is_file():
+        try:
+            program = torch.export.load(path)
+            log.info("int8 program from cache %s", path)
+            return program.module()
+        except Exception as exc:  # a cache from another version: rebuild it
+            log.warning("ignoring int8 cache %s: %s", path, exc)
+    t0 = time.perf_counter()
+    program = quantize_int8(module, calibration, input_size=input_size)
+    log.info("int8: quantized with %d calibration images in %.1f s", len(calibration), time.perf_counter() - t0)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.export.save(program, tmp)
+        os.replace(tmp, path)  # atomic: workers starting together never read half a file
+    return program.module()
+
+
+def cache_key(*parts) -> str:
+    """A short stable key for a cached artefact: model, weights, torch version, calibration..."""
+    return hashlib.sha256("|".join(map(str, (*parts, torch.__version__))).encode()).hexdigest()[:16]
+
+
+class Engine:
+    """Runs a model on batches: ``predict((N, 3, S, S) float32) -> (N, C) float32`` logits.
+
+    ``precision`` is ``fp32``, ``bf16`` or ``int8`` (see module docstring); int8 needs
+    ``calibration`` images. ``compile=False`` runs eager (still channels_last, inference mode):
+    it starts in about a second, for unit tests; int8 without compile runs the reference
+    (simulated) quantized graph, slow, for tests only.
     """
 
-    precision = "fp32"
-
-    def __init__(self, module: nn.Module, *, input_size: int, compile: bool):
+    def __init__(self, module: nn.Module, *, input_size: int, compile: bool, precision: str = "fp32",
+                 calibration: list[torch.Tensor] | None = None,
+                 cache_dir: Path | None = None, cache_id: str = ""):
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.input_size = input_size
         self.compiled = compile
-        self.module = module.eval().to(memory_format=torch.channels_last)
-        for p in self.module.parameters():
+        self.precision = precision
+        module = module.eval()
+        for p in module.parameters():
             p.requires_grad_(False)
+        if precision == "int8":
+            module = load_or_quantize(module, calibration or [], input_size=input_size, cache_dir=cache_dir,
+                                      cache_key=cache_key(cache_id))
+        else:
+            module = module.to(memory_format=torch.channels_last)
+        self.module = module
         self._fn: Callable[[torch.Tensor], torch.Tensor] = self.module
         if compile:
             import torch._inductor.config as inductor_config
@@ -61,9 +166,14 @@ class Engine:
             self._fn = torch.compile(self.module, backend="inductor")
         self.warm_batch_sizes: list[int] = []
 
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def predict(self, batch: torch.Tensor) -> torch.Tensor:
         """``(N, 3, S, S) float32`` normalized images -> ``(N, C) float32`` logits."""
-        with torch.inference_mode():
+        with torch.inference_mode(), self._autocast():
             x = batch.contiguous(memory_format=torch.channels_last)
             return self._fn(x).float()
 

@@ -16,28 +16,13 @@ from pathlib import Path
 import torch
 
 from . import imaging
+from .assets import GOLDEN, calibration_files
 from .batcher import InferenceBatcher, keep_alive
-from .engine import Engine, configure_threads
+from .engine import Engine, choose_precision, configure_threads
 from .errors import NotReady, StartupError
 from .models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
-
-GOLDEN = Path(__file__).parent / "golden" / "dog.jpg"
-# The golden photo is this square around the dog in ../shared/images/dog.jpg (768x576), resized to
-# 224x224: a photo every ImageNet model should call a dog breed. ``make_golden`` remakes it.
-GOLDEN_BOX = (60, 196, 440, 576)
-
-
-def make_golden(source: Path, dest: Path = GOLDEN) -> None:
-    """Cut the golden self-test photo (224x224 JPEG, quality 92) out of ``source`` (the shared dog.jpg)."""
-    from PIL import Image
-
-    with Image.open(source) as img:
-        golden = img.convert("RGB").crop(GOLDEN_BOX).resize((224, 224), Image.Resampling.LANCZOS)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    golden.save(dest, format="JPEG", quality=92)
-
 
 @dataclass
 class Upload:
@@ -65,6 +50,7 @@ class Classifier:
         self.batcher: InferenceBatcher | None = None
         self.transform = None
         self.threads = 0
+        self.precision_reason = ""
         self.status = "not started"  # for people: why not ready
         self.self_test: dict | None = None
         self.startup_s: float | None = None
@@ -89,10 +75,15 @@ class Classifier:
             self.threads = configure_threads(s.THREADS)
             self.model = load_model(s)
             self.transform = imaging.build_transform(self.model.preprocessing)
-            self.engine = Engine(self.model.module, input_size=self.model.preprocessing.crop, compile=s.COMPILE)
-            self.status = "warming up"
-            log.info("model %s (%s), %s, compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
-                     self.model.name, self.model.weights, self.engine.precision, s.COMPILE, self.threads,
+            precision, self.precision_reason = choose_precision(s.PRECISION)
+            cache = self._cache_dir()
+            calibration = self._calibration() if precision == "int8" else []
+            self.status = "compiling" if s.COMPILE else "warming up"
+            self.engine = Engine(self.model.module, input_size=self.model.preprocessing.crop, compile=s.COMPILE,
+                                 precision=precision, calibration=calibration,
+                                 cache_dir=cache, cache_id=f"{self.model.name}|{self.model.weights}|{self._calib_id}")
+            log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
+                     self.model.name, self.model.weights, precision, self.precision_reason, s.COMPILE, self.threads,
                      sorted(os.sched_getaffinity(0)), s.MAX_BATCH_SIZE)
             warm = self.engine.warm_up(s.MAX_BATCH_SIZE)
             self.batcher = InferenceBatcher(self.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
@@ -109,6 +100,31 @@ class Classifier:
         if self.model.note():
             log.warning("serving %s: %s", self.model.name, self.model.note())
         log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, warm)
+
+    def _cache_dir(self) -> Path:
+        """The persistent cache (inductor's compiled kernels, the int8 program); survives restarts.
+
+        ``TORCHINDUCTOR_CACHE_DIR`` already set in the environment wins for inductor.
+        """
+        cache = Path(self.settings.CACHE_DIR or Path.home() / ".cache" / "photo-classifier").expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        return cache
+
+    _calib_id = "none"
+
+    def _calibration(self) -> list[torch.Tensor]:
+        """Preprocessed calibration photos for int8 (``CALIBRATION_DIR`` or the shipped set)."""
+        files = calibration_files(self.settings.CALIBRATION_DIR)
+        if not files:
+            raise StartupError(f"int8 needs calibration photos; none found in {self.settings.CALIBRATION_DIR}")
+        tensors, names = [], []
+        for f in files:
+            d = imaging.decode(f.read_bytes(), max_pixels=self.settings.MAX_PIXELS, name=f.name)
+            tensors.append(imaging.preprocess(d.image, self.transform))
+            names.append(f"{f.name}:{f.stat().st_size}")
+        self._calib_id = "|".join(names)
+        return tensors
 
     def _self_test_enabled(self) -> bool:
         mode = self.settings.SELF_TEST
@@ -169,7 +185,7 @@ class Classifier:
         start = time.perf_counter()
         decoded, tensors = [], []
         for up in uploads:
-            d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name)
+            d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name, min_side=self._min_side())
             tensors.append(imaging.preprocess(d.image, self.transform))
             decoded.append(d)
         decode_ms = (time.perf_counter() - start) * 1e3
@@ -192,6 +208,10 @@ class Classifier:
             },
         }
 
+    def _min_side(self) -> int | None:
+        """With FAST_DECODE, decode big photos only as large as the resize needs (short side >= resize)."""
+        return self.model.preprocessing.resize if self.settings.FAST_DECODE else None
+
     def health(self) -> dict:
         """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue."""
         b = self.batcher
@@ -204,6 +224,7 @@ class Classifier:
             "intra_op_threads": torch.get_num_threads(),
             "model": self.describe(),
             "precision": self.engine.precision if self.engine else None,
+            "precision_reason": self.precision_reason,
             "self_test": self.self_test,
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
             "max_batch_size": self.settings.MAX_BATCH_SIZE,

@@ -137,6 +137,15 @@ SETTINGS: tuple[Setting, ...] = (
     # -- engine --
     Setting("COMPILE", _bool, True, "torch.compile the model (inductor, freezing, channels_last). Off: eager, "
             "starts in about a second (unit tests)."),
+    Setting("PRECISION", _str, "auto", "Arithmetic of the forward pass. auto: bf16 where oneDNN has native bf16 "
+            "(avx512_bf16, AMX), else fp32; int8: static quantization calibrated on real photos (see README).",
+            choices=("auto", "fp32", "bf16", "int8")),
+    Setting("CACHE_DIR", _str, "", "Directory for compiled kernels and the int8 program; survives restarts so "
+            "workers start fast. Empty: ~/.cache/photo-classifier."),
+    Setting("CALIBRATION_DIR", _str, "", "Photos to calibrate int8 on (JPEG/PNG/WebP). Empty: the 28 shipped ones "
+            "(webapp/calibration). Your own photos suit a narrow domain better."),
+    Setting("FAST_DECODE", _bool, True, "Decode large JPEGs at a reduced DCT scale (Pillow draft) and shrink other "
+            "large images by an integer factor first, never below the resize size: 12 MP photos decode ~6x faster."),
     Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to.",
             low=0, high=1024),
     # -- batching --
