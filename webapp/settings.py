@@ -172,6 +172,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off."),
     Setting("RATE_LIMIT_STORAGE", _str, "memory://", "Where rate-limit counters live (Flask-Limiter storage URI). "
             "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts."),
+    # -- operations --
+    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted)."),
+    Setting("ACCESS_LOG", _str, "text", "Access log lines: text (gunicorn's), json (one JSON object per request, "
+            "with its request id), or off.", choices=("text", "json", "off")),
     # -- server --
     Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port). Localhost unless you open it."),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
