@@ -79,3 +79,13 @@ def test_int8_is_calibrated_compiled_and_cached(resnet, tmp_path):
     again = Engine(resnet, input_size=224, compile=False, precision="int8",
                    calibration=[], cache_dir=tmp_path, cache_id="seeded")
     assert (again.predict(x) - got).abs().max() / got.abs().max() < 0.02
+
+
+def test_int8_reduce_range_follows_vnni_as_this_process_may_use_it(monkeypatch):
+    from webapp import engine
+
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an old-CPU deployment: no VNNI for oneDNN
+    assert not engine.int8_vnni() and engine.choose_reduce_range("auto") is True
+    monkeypatch.setattr(engine, "int8_vnni", lambda: True)
+    assert engine.choose_reduce_range("auto") is False
+    assert engine.choose_reduce_range("on") is True and engine.choose_reduce_range("off") is False

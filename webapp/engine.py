@@ -66,6 +66,26 @@ def native_bf16() -> bool:
         return False
 
 
+def int8_vnni() -> bool:
+    """True when oneDNN's int8 kernels will use VNNI (u8 x s8 dot products without saturation).
+
+    CPUID says whether the CPU has it; ``ONEDNN_MAX_CPU_ISA`` / ``ATEN_CPU_CAPABILITY`` say
+    whether this process may use it (both are how an old-CPU deployment is tested here).
+    """
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    isa_allows = cap == "ALL" or any(word in cap for word in ("VNNI", "BF16", "AMX", "AVX10"))
+    return bool(torch.cpu._is_vnni_supported()) and isa_allows and torch.backends.cpu.get_cpu_capability() != "AVX2"
+
+
+def choose_reduce_range(setting: str) -> bool:
+    """int8 activations in 7 bits (0..127) instead of 8: ``auto`` does so where VNNI is missing.
+
+    Without VNNI, oneDNN's u8 x s8 path sums pairs of products in 16 bits, which can saturate;
+    halving the activation range avoids that (torchao's quantizer documents this option).
+    """
+    return setting == "on" or (setting == "auto" and not int8_vnni())
+
+
 def choose_precision(requested: str) -> tuple[str, str]:
     """Resolve ``auto`` (or pass through an explicit mode); return ``(precision, reason)`` for the log and /healthz."""
     if requested != "auto":
@@ -75,11 +95,12 @@ def choose_precision(requested: str) -> tuple[str, str]:
     return "fp32", "auto: no native bf16 in oneDNN on this CPU, so bf16 would be emulated and slower"
 
 
-def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int) -> torch.export.ExportedProgram:
+def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
+                  reduce_range: bool = False) -> torch.export.ExportedProgram:
     """PT2E static int8 quantization of ``module`` (see module docstring); returns the exported, converted program.
 
     ``calibration``: normalized images ``(3, S, S) float32`` (real photos), run in batches of
-    up to 8 to collect activation ranges.
+    up to 8 to collect activation ranges. ``reduce_range``: 7-bit activations (see ``choose_reduce_range``).
 
     :raises ValueError: no calibration images.
     """
@@ -93,7 +114,8 @@ def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_s
     example = (torch.zeros(2, 3, input_size, input_size),)
     with torch.no_grad():
         exported = export(module, example, dynamic_shapes=({0: batch},), strict=True)
-        quantizer = xiq.X86InductorQuantizer().set_global(xiq.get_default_x86_inductor_quantization_config())
+        config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
+        quantizer = xiq.X86InductorQuantizer().set_global(config)
         prepared = prepare_pt2e(exported.module(), quantizer)
         for i in range(0, len(calibration), 8):
             prepared(torch.stack(calibration[i:i + 8]))
@@ -102,7 +124,7 @@ def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_s
 
 
 def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
-                     cache_dir: Path | None, cache_key: str) -> nn.Module:
+                     cache_dir: Path | None, cache_key: str, reduce_range: bool = False) -> nn.Module:
     """The int8 model, from ``cache_dir`` when a program for ``cache_key`` was saved there, else quantized now and saved."""
     import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the q/dq ops torch.export.load needs
 
@@ -115,7 +137,7 @@ def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, inpu
         except Exception as exc:  # a cache from another version: rebuild it
             log.warning("ignoring int8 cache %s: %s", path, exc)
     t0 = time.perf_counter()
-    program = quantize_int8(module, calibration, input_size=input_size)
+    program = quantize_int8(module, calibration, input_size=input_size, reduce_range=reduce_range)
     log.info("int8: quantized with %d calibration images in %.1f s", len(calibration), time.perf_counter() - t0)
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -140,19 +162,20 @@ class Engine:
     """
 
     def __init__(self, module: nn.Module, *, input_size: int, compile: bool, precision: str = "fp32",
-                 calibration: list[torch.Tensor] | None = None,
+                 calibration: list[torch.Tensor] | None = None, reduce_range: bool = False,
                  cache_dir: Path | None = None, cache_id: str = ""):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.input_size = input_size
         self.compiled = compile
         self.precision = precision
+        self.reduce_range = reduce_range if precision == "int8" else None
         module = module.eval()
         for p in module.parameters():
             p.requires_grad_(False)
         if precision == "int8":
             module = load_or_quantize(module, calibration or [], input_size=input_size, cache_dir=cache_dir,
-                                      cache_key=cache_key(cache_id))
+                                      cache_key=cache_key(cache_id, reduce_range), reduce_range=reduce_range)
         else:
             module = module.to(memory_format=torch.channels_last)
         self.module = module

@@ -18,7 +18,7 @@ import torch
 from . import imaging
 from .assets import GOLDEN, calibration_files
 from .batcher import InferenceBatcher, keep_alive
-from .engine import Engine, choose_precision, configure_threads
+from .engine import Engine, choose_precision, choose_reduce_range, configure_threads
 from .errors import NotReady, StartupError
 from .models import LoadedModel, load_model
 
@@ -81,6 +81,7 @@ class Classifier:
             self.status = "compiling" if s.COMPILE else "warming up"
             self.engine = Engine(self.model.module, input_size=self.model.preprocessing.crop, compile=s.COMPILE,
                                  precision=precision, calibration=calibration,
+                                 reduce_range=choose_reduce_range(s.INT8_REDUCE_RANGE),
                                  cache_dir=cache, cache_id=f"{self.model.name}|{self.model.weights}|{self._calib_id}")
             log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
                      self.model.name, self.model.weights, precision, self.precision_reason, s.COMPILE, self.threads,
@@ -225,6 +226,7 @@ class Classifier:
             "model": self.describe(),
             "precision": self.engine.precision if self.engine else None,
             "precision_reason": self.precision_reason,
+            "int8_reduce_range": self.engine.reduce_range if self.engine else None,
             "self_test": self.self_test,
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
             "max_batch_size": self.settings.MAX_BATCH_SIZE,

@@ -140,6 +140,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PRECISION", _str, "auto", "Arithmetic of the forward pass. auto: bf16 where oneDNN has native bf16 "
             "(avx512_bf16, AMX), else fp32; int8: static quantization calibrated on real photos (see README).",
             choices=("auto", "fp32", "bf16", "int8")),
+    Setting("INT8_REDUCE_RANGE", _str, "auto", "int8 activations in 7 bits instead of 8. auto: on where oneDNN "
+            "has no VNNI (pre-2019 CPUs, AVX2-only), where 8-bit products can saturate.", choices=("auto", "on", "off")),
     Setting("CACHE_DIR", _str, "", "Directory for compiled kernels and the int8 program; survives restarts so "
             "workers start fast. Empty: ~/.cache/photo-classifier."),
     Setting("CALIBRATION_DIR", _str, "", "Photos to calibrate int8 on (JPEG/PNG/WebP). Empty: the 28 shipped ones "
