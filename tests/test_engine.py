@@ -89,3 +89,17 @@ def test_int8_reduce_range_follows_vnni_as_this_process_may_use_it(monkeypatch):
     monkeypatch.setattr(engine, "int8_vnni", lambda: True)
     assert engine.choose_reduce_range("auto") is False
     assert engine.choose_reduce_range("on") is True and engine.choose_reduce_range("off") is False
+
+
+def test_auto_picks_what_the_kernels_can_do_here():
+    """Meaningful in both CI runs: uncapped, and capped to AVX2 (`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2`)."""
+    import os
+
+    from webapp import engine
+
+    precision, reason = engine.choose_precision("auto")
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() == "AVX2":
+        assert precision == "fp32" and "emulated" in reason  # bf16 would be ~5x slower than fp32 there
+        assert engine.choose_reduce_range("auto") is True
+    else:
+        assert precision == ("bf16" if engine.native_bf16() else "fp32")
