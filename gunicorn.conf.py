@@ -6,7 +6,9 @@ worker pins itself to its cores, then builds, compiles and warms up its own mode
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
 from webapp import GUNICORN_ENV
 from webapp import cpu, settings
@@ -25,6 +27,9 @@ _plan = cpu.plan(cpu.usable_cores(), workers=_s.WORKERS, threads=_s.THREADS)
 # -- server socket -------------------------------------------------------------------------------
 bind = [_s.BIND]
 backlog = 2048
+# gunicorn 27's control socket is one fixed path per user: two servers on one host (tests,
+# blue/green) would delete each other's. Nothing here uses it.
+control_socket_disable = True
 
 # -- workers ---------------------------------------------------------------------------------------
 # gevent: a request waiting for its batch costs a greenlet, not a thread; the forward pass runs
@@ -44,13 +49,37 @@ limit_request_fields = 100
 
 # -- logging ---------------------------------------------------------------------------------------
 loglevel = _s.LOG_LEVEL
-accesslog = "-"
+# CLASSIFIER_ACCESS_LOG: text is gunicorn's own line (with the request id at its end); json is one
+# JSON object per request written by the app (webapp/logs.py) to stdout; off is none.
+accesslog = "-" if _s.ACCESS_LOG == "text" else None
 errorlog = "-"
-access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms'
+access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
+
+# -- metrics ---------------------------------------------------------------------------------------
+# prometheus-client's multiprocess mode: every worker writes its values to files in this folder and
+# a scrape of /metrics adds them all up. Set here, in the master, before any worker forks (and before
+# prometheus_client is imported anywhere: it picks its mode from the environment on import). A folder
+# we make is ours: emptied at start, removed at exit; one given in the environment is emptied at start.
+_metrics_dir_made = None
+if _s.METRICS and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    _metrics_dir_made = tempfile.mkdtemp(prefix="classifier-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_dir_made
+
+
+def _clear_metrics_dir():
+    """Start from zero: values left by an earlier run (same folder, reused pids) would be counted again."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not (_s.METRICS and path):
+        return
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".db"):
+            os.remove(os.path.join(path, name))
 
 
 # -- hooks -----------------------------------------------------------------------------------------
 def on_starting(server):
+    _clear_metrics_dir()
     server.log.info("cores %s -> %d workers x %d intra-op threads%s", list(cpu.usable_cores()), _plan.workers,
                     _plan.threads, " (oversubscribed: workers share cores)" if _plan.shared else "")
     if server.cfg.workers != _plan.workers:
@@ -72,6 +101,11 @@ def post_fork(server, worker):
     app_log = logging.getLogger("webapp")
     app_log.handlers = list(server.log.error_log.handlers)
     app_log.propagate = False
+    from webapp.logs import configure_access_logger, install_request_id_filter
+
+    install_request_id_filter(app_log)  # its lines written while serving a request end with its id
+    if _s.ACCESS_LOG == "json":
+        configure_access_logger(sys.stdout)  # where gunicorn's access log would go
     cores = _plan.slots[worker.slot % len(_plan.slots)]
     os.sched_setaffinity(0, cores)
     server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, list(cores))
@@ -93,6 +127,9 @@ def post_worker_init(worker):
     except StartupError as exc:
         worker.log.error("cannot start: %s", exc)
         sys.exit(3)  # gunicorn's WORKER_BOOT_ERROR: the master halts instead of respawning forever
+    metrics = worker.wsgi.extensions.get("metrics")
+    if metrics is not None:  # this worker's gauges (ready, model) are in every scrape from now on
+        metrics.sample(classifier)
 
 
 def worker_exit(server, worker):
@@ -100,3 +137,17 @@ def worker_exit(server, worker):
     wsgi = getattr(worker, "wsgi", None)
     if wsgi is not None:
         wsgi.extensions["classifier"].stop()
+
+
+def child_exit(server, worker):
+    """In the master: a worker is gone; drop its live gauges (its counters stay in the totals)."""
+    if _s.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(worker.pid)
+
+
+def on_exit(server):
+    """In the master, last: remove the metrics folder if it is the one we made."""
+    if _metrics_dir_made:
+        shutil.rmtree(_metrics_dir_made, ignore_errors=True)

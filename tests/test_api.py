@@ -187,3 +187,11 @@ def test_real_model_names_the_photos(offline_client):
     for result in body["results"]:
         top3 = {p["index"] for p in result["predictions"]}
         assert top3 & expect[result["filename"]], (result["filename"], result["predictions"])
+
+
+@pytest.mark.parametrize("name, size", [("dog.jpg", (768, 576)), ("phone-12mp.jpg", (4032, 3024)),
+                                        ("phone-12mp-exif-rotated.jpg", (4032, 3024))])
+def test_reported_size_is_the_upright_photo_not_the_fast_decode(client, name, size):
+    resp = client.post("/api/v1/predict", data=shared_image(name).read_bytes(), content_type="image/jpeg")
+    result = resp.get_json()["results"][0]
+    assert (result["width"], result["height"]) == size

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageChops, ImageOps, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
@@ -49,9 +49,11 @@ _MAX_ASPECT = 2.0
 
 @dataclass
 class Decoded:
-    """An upload decoded to RGB: ``image`` (PIL, mode RGB), the source ``format``, ``decode_ms``."""
+    """An upload decoded to RGB: ``image`` (PIL, mode RGB; smaller than the photo on the fast path),
+    ``size`` (the photo's upright width, height in px), the source ``format``, ``decode_ms``."""
 
     image: Image.Image
+    size: tuple[int, int]
     format: str
     decode_ms: float
 
@@ -73,7 +75,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
     Alpha (RGBA, LA, PA, P or RGB/L with a transparency key) is composited on white; 16-bit
     grayscale (I;16*, I) is scaled by 1/257 so mid-grey stays mid-grey; float (F) is taken as
     [0, 1] when its maximum is <= 1 else as [0, 255]; 1, L, P, CMYK, YCbCr, ... use Pillow's
-    conversion (Pillow already un-inverts Adobe CMYK JPEGs).
+    conversion (CMYK JPEGs are normalised to plain CMYK in ``decode`` first).
 
     :raises UndecodableImage: for a mode Pillow cannot convert to RGB.
     """
@@ -90,9 +92,13 @@ def to_rgb(img: Image.Image) -> Image.Image:
     has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
     try:
         if has_alpha:
-            rgba = img.convert("RGBA")
-            white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(white, rgba).convert("RGB")
+            rgba = img if mode == "RGBA" else img.convert("RGBA")
+            alpha = rgba.getchannel("A")
+            if alpha.getextrema()[0] == 255:  # fully opaque: skip the composite (and its copies)
+                return rgba.convert("RGB")
+            out = Image.new("RGB", rgba.size, (255, 255, 255))
+            out.paste(rgba, mask=alpha)  # rgb * a + white * (1 - a)
+            return out
         return img.convert("RGB")
     except (ValueError, OSError) as exc:
         raise UndecodableImage(f"cannot convert colour mode {mode} to RGB: {exc}") from None
@@ -144,15 +150,21 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             if min_side and fmt == "JPEG":
                 _draft(img, min_side)
             img.load()
+            if fmt == "JPEG" and img.mode == "CMYK" and "adobe" not in img.info:
+                # Pillow reads every CMYK JPEG as Adobe-inverted; without the Adobe marker the
+                # samples are plain CMYK (libvips' convention), so undo that inversion.
+                img = ImageChops.invert(img)
+            stored = img.size
             img = _upright(img)
-            rgb = to_rgb(img)
+            size = (height, width) if img.size != stored else (width, height)  # orientations 5-8 swap
             if min_side:
-                rgb = _reduce(rgb, min_side)
+                img = _reduce(img, min_side)  # before to_rgb: its copies are then small too
+            rgb = to_rgb(img)
         except UndecodableImage:
             raise
         except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
             raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
-    return Decoded(image=rgb, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
+    return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
 
 
 def _draft(img: Image.Image, min_side: int) -> None:
@@ -164,9 +176,17 @@ def _draft(img: Image.Image, min_side: int) -> None:
 
 
 def _reduce(img: Image.Image, min_side: int) -> Image.Image:
-    """Box-reduce by the largest integer factor that keeps the short side >= 2x ``min_side``."""
+    """Box-reduce by the largest integer factor that keeps the short side >= 2x ``min_side``.
+
+    Modes ``reduce`` cannot handle (1, P, I;16...) are left for ``to_rgb`` as they are.
+    """
     factor = min(img.size) // (2 * min_side)
-    return img.reduce(factor) if factor >= 2 else img
+    if factor < 2:
+        return img
+    try:
+        return img.reduce(factor)
+    except (ValueError, TypeError):
+        return img
 
 
 def _upright(img: Image.Image) -> Image.Image:

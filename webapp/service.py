@@ -32,6 +32,13 @@ class Upload:
     data: bytes
 
 
+def thumbnail(img, size: int = 320):
+    """A copy of ``img`` no larger than ``size`` px on its long side (for the page's preview)."""
+    thumb = img.copy()
+    thumb.thumbnail((size, size))
+    return thumb
+
+
 def encode(logits: torch.Tensor, categories: list[str], topk: int) -> list[dict]:
     """Logits ``(C,) float32`` -> top-k ``[{"label", "index", "probability"}]`` (softmax, highest first)."""
     probs = torch.softmax(logits.float(), dim=0)
@@ -176,7 +183,8 @@ class Classifier:
         """Decode, preprocess, batch-predict and encode several uploads; all succeed or the request fails.
 
         Returns ``{"model", "results": [{"filename", "predictions", ...}], "timing_ms": {decode,
-        queue, inference, total}}``; with ``keep_images`` each result also holds its RGB ``image``.
+        queue, inference, total}}``; with ``keep_images`` each result also holds ``image``, an RGB
+        thumbnail (PIL, <= 320 px) for the page.
 
         :raises ServiceError: the first upload that cannot be decoded (400/413/415), a full queue
             (429), not ready (503), timeout (504), a failed batch (500).
@@ -184,19 +192,23 @@ class Classifier:
         if not (self.ready or _starting and self.batcher is not None):
             raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
         start = time.perf_counter()
-        decoded, tensors = [], []
+        decoded, tensors, images = [], [], []
         for up in uploads:
             d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name, min_side=self._min_side())
             tensors.append(imaging.preprocess(d.image, self.transform))
+            # Keep only what the answer needs: a full-size image held while the batch waits would
+            # multiply memory by the number of requests in flight.
+            images.append(thumbnail(d.image) if keep_images else None)
+            d.image = None
             decoded.append(d)
         decode_ms = (time.perf_counter() - start) * 1e3
         outcomes = self.batcher.classify(tensors)
         results = []
-        for up, d, out in zip(uploads, decoded, outcomes):
-            item = {"filename": up.name, "width": d.image.width, "height": d.image.height, "format": d.format,
+        for up, d, image, out in zip(uploads, decoded, images, outcomes):
+            item = {"filename": up.name, "width": d.size[0], "height": d.size[1], "format": d.format,
                     "predictions": encode(out.logits, self.model.categories, topk), "batch_size": out.batch_size}
             if keep_images:
-                item["image"] = d.image
+                item["image"] = image
             results.append(item)
         return {
             "model": self.describe(),
