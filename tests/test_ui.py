@@ -1,4 +1,5 @@
-"""The upload page: a plain form that works without JavaScript, results rendered into the page."""
+"""The upload page: a plain form that works without JavaScript, results rendered into the page,
+in English or Simplified Chinese (``?lang=``, the ``lang`` cookie, ``Accept-Language``)."""
 
 import io
 import re
@@ -6,6 +7,7 @@ import re
 from PIL import Image
 
 from conftest import png_bytes, shared_image
+from webapp.errors import Overloaded
 
 
 def test_index_has_a_plain_form(client):
@@ -14,8 +16,16 @@ def test_index_has_a_plain_form(client):
     assert resp.status_code == 200 and resp.mimetype == "text/html"
     assert re.search(r'<form method="post" action="/" enctype="multipart/form-data">', html)
     assert 'type="file"' in html and 'name="file"' in html and 'accept="image/*"' in html
-    assert '<label for="file">' in html and "<script" not in html  # no JavaScript needed
+    assert re.search(r'<label for="file"[^>]*>', html) and re.search(r'<button type="submit"[^>]*>Classify</button>', html)
+    # A phone can take a photo straight from the camera; the multiple picker stays a picker.
+    assert re.search(r'<input id="camera" name="file" type="file" accept="image/\*" capture="environment">', html)
+    assert not re.search(r'<input id="file"[^>]*capture', html) and re.search(r'<input id="file"[^>]*multiple', html)
+    # JavaScript only enhances the page: one external module, no inline script, no inline style.
+    scripts = re.findall(r"<script[^>]*>(.*?)</script>", html, flags=re.S)
+    assert scripts == [""] and '<script type="module" src="/static/app.js"></script>' in html
+    assert not re.search(r"<[^>]+\s(style|on[a-z]+)=", html)  # no inline style or event handler (CSP)
     assert "untrained" in html  # the seeded model is marked on the page
+    assert '<html lang="en"' in html and 'aria-live="polite"' in html
 
 
 def test_security_headers(client):
@@ -26,7 +36,7 @@ def test_security_headers(client):
 
 def test_upload_shows_top3_with_percentages(offline_client):
     data = shared_image("dog.jpg").read_bytes()
-    resp = offline_client.post("/", data={"file": (io.BytesIO(data), "dog.jpg")})
+    resp = offline_client.post("/", data={"file": (io.BytesIO(data), "dog.jpg")}, headers={"Accept-Language": "en"})
     html = resp.get_data(as_text=True)
     assert resp.status_code == 200
     labels = re.findall(r'<span class="label">([^<]+)</span>', html)
@@ -34,6 +44,27 @@ def test_upload_shows_top3_with_percentages(offline_client):
     assert len(labels) == 3 and len(pcts) == 3
     assert "German shepherd" in labels
     assert 'src="data:image/jpeg;base64,' in html and 'alt="Uploaded photo dog.jpg"' in html
+    assert "EfficientNet-Lite0" in html and re.search(r"· (fp32|bf16|int8)", html)  # model and precision
+    assert re.search(r"decode [\d.]+ ms · queue [\d.]+ ms · inference [\d.]+ ms", html)
+
+
+def test_upload_in_chinese_shows_chinese_labels(offline_client):
+    data = shared_image("dog.jpg").read_bytes()
+    resp = offline_client.post("/", data={"file": (io.BytesIO(data), "dog.jpg")},
+                               headers={"Accept-Language": "zh-CN,zh;q=0.9,en;q=0.8"})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and '<html lang="zh-Hans"' in html
+    labels = re.findall(r'<span class="label">([^<]+)</span>', html)
+    assert "德国牧羊犬" in labels and "German shepherd" not in labels
+    assert 'alt="上传的照片 dog.jpg"' in html and "解码" in html and "推理" in html
+
+
+def test_empty_camera_input_is_not_a_photo(client):
+    """Without JavaScript both inputs are sent; the empty one must not fail the request."""
+    photo = png_bytes(Image.new("RGB", (32, 32), "red"))
+    resp = client.post("/", data={"file": [(io.BytesIO(photo), "red.png"), (io.BytesIO(b""), "")]})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and html.count('class="result"') == 1 and "red.png" in html
 
 
 def test_filename_is_escaped_never_a_path(client):
@@ -48,11 +79,82 @@ def test_errors_are_shown_in_words_on_the_page(client):
     resp = client.post("/", data={"file": (io.BytesIO(b"not a photo"), "notes.txt")})
     html = resp.get_data(as_text=True)
     assert resp.status_code == 415 and resp.mimetype == "text/html"
-    assert 'role="alert"' in html and "not an image format" in html
+    assert 'role="alert"' in html and "Not a photo" in html and "not an image format" in html
     resp = client.post("/", data={"file": (io.BytesIO(b""), "")})
     assert resp.status_code == 400 and "choose a photo" in resp.get_data(as_text=True)
 
 
-def test_static_css_is_served(client):
+def test_errors_in_chinese(client):
+    client.set_cookie("lang", "zh")
+    resp = client.post("/", data={"file": (io.BytesIO(b"not a photo"), "notes.txt")})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 415 and "这不是照片" in html and "无法识别" in html
+    assert '<span lang="en">' in html  # the server's own (English) detail is marked as English
+
+
+def test_busy_is_said_in_words(client, app, monkeypatch):
+    def busy(*args, **kwargs):
+        raise Overloaded("server busy: 70 images queued (limit 64); try again in 3 s", headers={"Retry-After": "3"})
+
+    monkeypatch.setattr(app.extensions["classifier"], "classify", busy)
+    photo = png_bytes(Image.new("RGB", (32, 32)))
+    resp = client.post("/", data={"file": (io.BytesIO(photo), "a.png")})
+    assert resp.status_code == 429 and resp.headers["Retry-After"] == "3"
+    assert "The server is busy: try again in" in resp.get_data(as_text=True)
+    resp = client.post("/", data={"file": (io.BytesIO(photo), "a.png")}, headers={"Accept-Language": "zh"})
+    assert "服务器繁忙" in resp.get_data(as_text=True)
+
+
+def test_error_page_says_when_to_try_again(app):
+    """With the answer's Retry-After passed to the template, the wait is said in seconds."""
+    from flask import render_template
+
+    with app.test_request_context("/", headers={"Accept-Language": "zh-CN"}):
+        html = render_template("index.html", model={"name": "m"}, ready=True, answer=None, topk=3, retry_after="7",
+                               error={"code": "overloaded", "message": "server busy", "status": 429})
+    assert "服务器繁忙：请 7 秒后再试。" in html and 'role="alert"' in html
+
+
+def test_language_from_accept_language_cookie_and_link(client):
+    assert '<html lang="zh-Hans"' in client.get("/", headers={"Accept-Language": "zh-CN,zh;q=0.9"}).get_data(as_text=True)
+    assert '<html lang="en"' in client.get("/", headers={"Accept-Language": "en-US,en;q=0.9,zh;q=0.5"}).get_data(as_text=True)
+    assert '<html lang="en"' in client.get("/", headers={"Accept-Language": "fr-FR"}).get_data(as_text=True)
+    # A plain link switches and remembers (works without JavaScript).
+    resp = client.get("/?lang=zh", headers={"Accept-Language": "en"})
+    html = resp.get_data(as_text=True)
+    assert '<html lang="zh-Hans"' in html and "<h1" in html and "照片识别" in html
+    cookie = resp.headers["Set-Cookie"]
+    assert cookie.startswith("lang=zh;") and "Max-Age=" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie
+    assert {"Cookie", "Accept-Language"} <= set(resp.vary)
+    assert '<html lang="zh-Hans"' in client.get("/", headers={"Accept-Language": "en"}).get_data(as_text=True)
+    # The switch links: both languages, the current one marked.
+    assert re.search(r'<a href="/\?lang=en"[^>]*lang="en"', html)
+    assert re.search(r'<a href="/\?lang=zh"[^>]*aria-current="true"', html)
+    resp = client.get("/?lang=en")
+    assert "lang=en" in resp.headers["Set-Cookie"] and '<html lang="en"' in resp.get_data(as_text=True)
+    assert "Set-Cookie" not in client.get("/?lang=xx").headers  # unknown: ignored, not stored
+
+
+def test_i18n_bundle_for_the_script(client):
+    resp = client.get("/i18n/zh.json")
+    body = resp.get_json()
+    assert resp.status_code == 200 and body["lang"] == "zh" and body["htmlLang"] == "zh-Hans"
+    assert len(body["labels"]) == 1000 and body["labels"][235] == "德国牧羊犬"
+    assert body["strings"]["title"] == "照片识别"
+    en = client.get("/i18n/en.json").get_json()
+    assert en["labels"] is None and set(en["strings"]) == set(body["strings"])
+    # The page links it with its content hash: cached for long, revalidated by ETag.
+    html = client.get("/?lang=zh").get_data(as_text=True)
+    url = re.search(r'<body data-lang="zh" data-i18n="([^"]+)"', html).group(1)
+    resp = client.get(url)
+    assert resp.headers["Cache-Control"].startswith("public") and "max-age=31536000" in resp.headers["Cache-Control"]
+    assert client.get(url, headers={"If-None-Match": resp.headers["ETag"]}).status_code == 304
+    assert client.get("/i18n/fr.json").status_code == 404
+
+
+def test_static_files_are_served(client):
     resp = client.get("/static/style.css")
     assert resp.status_code == 200 and "text/css" in resp.content_type
+    resp = client.get("/static/app.js")
+    assert resp.status_code == 200 and "javascript" in resp.content_type
+    assert "eval(" not in resp.get_data(as_text=True) and "innerHTML" not in resp.get_data(as_text=True)

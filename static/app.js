@@ -1,0 +1,291 @@
+// Progressive enhancement of the upload form (the page works without this file).
+// Photos come from the file picker, the camera input, drag and drop or paste; each is sent on its
+// own to POST /api/v1/predict (the server batches concurrent requests), previewed locally, and
+// rendered with its top labels, model, precision and timing. The language switch applies in place.
+// Strings and Chinese labels come from /i18n/<lang>.json (labels by ImageNet class index).
+
+const MAX_PARALLEL = 4;     // photos in flight at once
+const MAX_RETRIES = 2;      // automatic retries of a 429/503 that asks to wait at most RETRY_MAX_S
+const RETRY_MAX_S = 10;
+const THUMB_PX = 320;       // preview size (long side), drawn to a canvas: the CSP allows data: images only
+
+const doc = document.documentElement;
+const body = document.body;
+const form = document.querySelector("form");
+const drop = document.getElementById("drop");
+const cards = document.getElementById("cards");
+const results = cards.closest("section");
+const status = document.getElementById("status");
+const clearButton = document.getElementById("clear");
+const topk = document.getElementById("topk");
+const pickers = [document.getElementById("file"), document.getElementById("camera")];
+
+doc.classList.replace("no-js", "js");
+
+const state = { lang: body.dataset.lang, i18n: null, items: [], queue: [], running: 0, batch: null };
+let loading = loadI18n(body.dataset.i18n);
+
+async function loadI18n(url) {
+  const resp = await fetch(url);
+  if (!resp.ok) throw new Error(`${url}: HTTP ${resp.status}`);
+  return resp.json();
+}
+
+const tr = (key, vars = {}) =>
+  (state.i18n?.strings[key] ?? key).replace(/\{(\w+)\}/g, (m, k) => (k in vars ? vars[k] : m));
+
+function h(tag, props = {}, ...children) {
+  const el = document.createElement(tag);
+  for (const [k, v] of Object.entries(props)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k in el && k !== "lang") el[k] = v; else el.setAttribute(k, v);
+  }
+  el.append(...children.filter((c) => c !== null && c !== undefined));
+  return el;
+}
+
+// -- taking photos in -------------------------------------------------------------------------
+function add(files) {
+  files = [...files].filter((f) => f instanceof File);
+  if (!files.length) return;
+  results.hidden = false;
+  clearButton.hidden = false;
+  const fresh = files.map((file, i) => ({
+    file, name: file.name || `photo-${state.items.length + i + 1}.png`, thumb: undefined,
+    answer: null, error: null, waiting: null, card: null,
+  }));
+  state.items.push(...fresh);
+  state.batch = { items: fresh };
+  const frag = document.createDocumentFragment();
+  for (const item of fresh) {
+    item.card = h("article", { className: "result" });
+    frag.append(item.card);
+    render(item);
+    preview(item);
+    state.queue.push(item);
+  }
+  cards.prepend(frag);
+  showStatus();
+  pump();
+}
+
+for (const input of pickers) {
+  input.addEventListener("change", () => { add(input.files); input.value = ""; });
+}
+form.addEventListener("submit", (e) => {
+  e.preventDefault();
+  add(pickers.flatMap((p) => [...p.files]));
+  for (const p of pickers) p.value = "";
+});
+clearButton.addEventListener("click", () => {
+  state.items = state.items.filter((it) => !it.answer && !it.error);  // keep the ones still running
+  cards.replaceChildren(...state.items.map((it) => it.card));
+  status.textContent = "";
+  clearButton.hidden = state.items.length === 0;
+  results.hidden = state.items.length === 0;
+  pickers[0].focus();
+});
+
+// Drag and drop anywhere on the page; the drop zone lights up.
+let dragDepth = 0;
+const hasFiles = (e) => [...(e.dataTransfer?.types ?? [])].includes("Files");
+document.addEventListener("dragenter", (e) => {
+  if (!hasFiles(e)) return;
+  dragDepth += 1;
+  drop.classList.add("dragging");
+});
+document.addEventListener("dragleave", () => {
+  dragDepth = Math.max(0, dragDepth - 1);
+  if (!dragDepth) drop.classList.remove("dragging");
+});
+document.addEventListener("dragover", (e) => {
+  if (!hasFiles(e)) return;
+  e.preventDefault();
+  e.dataTransfer.dropEffect = "copy";
+});
+document.addEventListener("drop", (e) => {
+  dragDepth = 0;
+  drop.classList.remove("dragging");
+  if (!e.dataTransfer?.files.length) return;
+  e.preventDefault();
+  add(e.dataTransfer.files);
+});
+
+// Paste a copied image (or copied image files) anywhere.
+document.addEventListener("paste", (e) => {
+  const files = [...(e.clipboardData?.files ?? [])];
+  if (!files.length) return;
+  e.preventDefault();
+  add(files);
+});
+
+// -- previews ----------------------------------------------------------------------------------
+async function preview(item) {
+  try {
+    const bmp = await createImageBitmap(item.file);   // EXIF orientation applied
+    const scale = Math.min(1, THUMB_PX / Math.max(bmp.width, bmp.height));
+    const canvas = h("canvas", { width: Math.max(1, Math.round(bmp.width * scale)), height: Math.max(1, Math.round(bmp.height * scale)) });
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff";
+    ctx.fillRect(0, 0, canvas.width, canvas.height);
+    ctx.imageSmoothingQuality = "high";
+    ctx.drawImage(bmp, 0, 0, canvas.width, canvas.height);
+    bmp.close();
+    item.thumb = canvas.toDataURL("image/jpeg", 0.85);
+  } catch {
+    item.thumb = null;   // a format this browser cannot draw (TIFF, HEIC...): the server may still read it
+  }
+  render(item);
+}
+
+// -- classifying -------------------------------------------------------------------------------
+function pump() {
+  while (state.running < MAX_PARALLEL && state.queue.length) {
+    const item = state.queue.shift();
+    state.running += 1;
+    classify(item).finally(() => { state.running -= 1; showStatus(); pump(); });
+  }
+}
+
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+async function classify(item) {
+  const k = Math.min(10, Math.max(1, parseInt(topk.value, 10) || 3));
+  for (let attempt = 0; ; attempt += 1) {
+    const data = new FormData();
+    data.append("file", item.file, item.name);
+    let resp, json = null;
+    try {
+      resp = await fetch(`${body.dataset.api}?topk=${k}`, { method: "POST", body: data, headers: { Accept: "application/json" } });
+      json = await resp.json().catch(() => null);
+    } catch {
+      item.error = { code: "network" };
+      break;
+    }
+    if (resp.ok && json?.results?.length) {
+      item.answer = json;
+      break;
+    }
+    if (resp.status === 401) return submitPlainForm();   // API token set: the page itself stays open
+    const wait = parseInt(resp.headers.get("Retry-After"), 10);
+    const code = json?.error?.code ?? (resp.status === 429 ? "overloaded" : resp.status === 413 ? "too_large" : "other");
+    if ((resp.status === 429 || resp.status === 503) && wait >= 0 && wait <= RETRY_MAX_S && attempt < MAX_RETRIES) {
+      for (let s = Math.max(1, wait); s > 0; s -= 1) {
+        item.waiting = s;
+        render(item);
+        await sleep(1000);
+      }
+      item.waiting = null;
+      continue;
+    }
+    item.error = { code, message: json?.error?.message, retryAfter: Number.isFinite(wait) ? wait : null };
+    break;
+  }
+  await loading.catch(() => {});
+  render(item);
+}
+
+// The API needs a token this page does not have: send the photos through the plain form instead.
+let submitted = false;
+function submitPlainForm() {
+  if (submitted) return;
+  submitted = true;
+  const dt = new DataTransfer();
+  for (const it of state.items) dt.items.add(it.file);
+  pickers[0].files = dt.files;
+  pickers[1].disabled = true;
+  form.submit();
+}
+
+// -- rendering ---------------------------------------------------------------------------------
+function errorWords(err) {
+  const retryable = ["overloaded", "rate_limited", "not_ready"].includes(err.code);
+  if (retryable) return err.retryAfter != null ? tr(`err_${err.code}`, { n: Math.max(1, err.retryAfter) }) : tr(`err_${err.code}_later`);
+  const key = `err_${err.code}`;
+  return state.i18n && key in state.i18n.strings ? tr(key) : tr("err_other");
+}
+
+const ms = (v) => (v < 10 ? v.toFixed(1) : v.toFixed(0));
+
+function labelOf(p) {
+  return state.i18n?.labels?.[p.index] ?? p.label;
+}
+
+function render(item) {
+  const { answer, error } = item;
+  const thumb = item.thumb === undefined ? h("div", { className: "thumb none", "aria-hidden": "true" })
+    : item.thumb === null ? h("div", { className: "thumb none" }, tr("no_preview"))
+    : h("img", { className: "thumb", src: item.thumb, alt: tr("preview_alt", { name: item.name }) });
+  const parts = [h("h3", { className: "filename" }, item.name)];
+  if (answer) {
+    const res = answer.results[0], m = answer.model;
+    parts.push(
+      h("ol", { className: "predictions", "aria-label": tr("predictions", { name: item.name }) },
+        ...res.predictions.map((p) => h("li", {},
+          h("span", { className: "label" }, labelOf(p)),
+          h("span", { className: "pct" }, `${(p.probability * 100).toFixed(1)}%`),
+          h("progress", { className: "bar", max: 1, value: p.probability, "aria-hidden": "true" })))),
+      h("p", { className: "meta" },
+        tr("meta", { model: m.title || m.name, precision: m.precision ?? "" }),
+        m.untrained ? " · " + tr("untrained") : null,
+        " · ", tr("size", { width: res.width, height: res.height, format: res.format })),
+      h("p", { className: "timing" },
+        h("span", { className: "visually-hidden" }, tr("timing_label") + ": "),
+        tr("timing", Object.fromEntries(Object.entries(answer.timing_ms).map(([k, v]) => [k, ms(v)])))));
+  } else if (error) {
+    parts.push(h("p", { className: "problem" }, errorWords(error)));
+    if (error.message) parts.push(h("p", { className: "detail", lang: "en" }, error.message));
+  } else {
+    parts.push(h("p", { className: "pending" }, item.waiting ? tr("retrying", { n: item.waiting }) : tr("pending")));
+  }
+  item.card.className = error ? "result failed" : "result";
+  item.card.replaceChildren(thumb, h("div", { className: "body" }, ...parts));
+}
+
+function showStatus() {
+  const batch = state.batch?.items ?? [];
+  const n = batch.length, ok = batch.filter((it) => it.answer).length;
+  const left = batch.filter((it) => !it.answer && !it.error).length;
+  results.setAttribute("aria-busy", left ? "true" : "false");
+  if (!n) { status.textContent = ""; return; }
+  if (left) status.textContent = n === 1 ? tr("working_one") : tr("working", { n });
+  else if (n === 1) status.textContent = ok ? tr("done_one") : tr("failed_one");
+  else status.textContent = tr("done", { ok, n });
+}
+
+// -- language ----------------------------------------------------------------------------------
+function applyStrings() {
+  doc.lang = state.i18n.htmlLang;
+  body.dataset.lang = state.lang;
+  document.title = tr("title");   // (pages with an error in the title reload instead)
+  for (const el of document.querySelectorAll("[data-t]")) el.textContent = tr(el.dataset.t);
+  for (const el of document.querySelectorAll("[data-t-aria-label]")) el.setAttribute("aria-label", tr(el.dataset.tAriaLabel));
+  for (const a of document.querySelectorAll(".langs a")) {
+    if (a.dataset.lang === state.lang) a.setAttribute("aria-current", "true"); else a.removeAttribute("aria-current");
+  }
+  for (const item of state.items) render(item);
+  showStatus();
+}
+
+for (const a of document.querySelectorAll(".langs a")) {
+  a.addEventListener("click", async (e) => {
+    // A page rendered with server-side results or an error: let the plain link reload it.
+    if (document.querySelector("[data-server], .error") || e.ctrlKey || e.metaKey || e.shiftKey) return;
+    e.preventDefault();
+    try {
+      const next = loadI18n(a.dataset.i18n);
+      state.i18n = await next;
+      loading = next;
+    } catch {
+      window.location.href = a.href;   // fall back to the plain link
+      return;
+    }
+    state.lang = a.dataset.lang;
+    document.cookie = `lang=${state.lang}; path=/; max-age=31536000; samesite=lax${location.protocol === "https:" ? "; secure" : ""}`;
+    applyStrings();
+    if (new URLSearchParams(location.search).has("lang")) history.replaceState(null, "", location.pathname);
+  });
+}
+
+loading.then((data) => { state.i18n = data; for (const item of state.items) render(item); showStatus(); })
+  .catch(() => {});

@@ -1,0 +1,232 @@
+"""The page in English and Simplified Chinese: which language a request gets, the UI strings, the labels.
+
+The language comes from, in order: ``?lang=en|zh`` (a plain link, so it works without JavaScript),
+the ``lang`` cookie (set by that link, or by the page's script), then ``Accept-Language`` (any
+``zh-*`` gets Simplified Chinese), else English.
+
+ImageNet labels in Chinese live in one data file, ``webapp/data/imagenet_zh.txt``: one line per
+class in index order, ``index<TAB>English<TAB>Chinese`` (the English column is torchvision's
+name, kept for review and checked against ``webapp.models.IMAGENET_CATEGORIES`` by the tests).
+The API keeps answering English labels and class indices; the page maps the index to its label.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+LANGS = ("en", "zh")
+DEFAULT_LANG = "en"
+COOKIE = "lang"
+COOKIE_MAX_AGE = 365 * 24 * 3600
+# What each language is called in itself (the switch shows these) and its BCP 47 tag for <html lang>.
+LANG_NAMES = {"en": "English", "zh": "简体中文"}
+HTML_LANG = {"en": "en", "zh": "zh-Hans"}
+LABELS_FILE = Path(__file__).with_name("data") / "imagenet_zh.txt"
+
+# UI strings. ``{name}`` placeholders are filled by the template (str.format) or by static/app.js.
+STRINGS: dict[str, dict[str, str]] = {
+    "en": {
+        "title": "Photo classifier",
+        "intro": "Choose photos and the model names what it sees in each, with its top labels.",
+        "language": "Language",
+        "model": "Model:",
+        "untrained": "untrained",
+        "fallback": "offline fallback",
+        "note_fallback": "ResNet-18 weights were not found on this server, so the offline EfficientNet-Lite0 answers instead.",
+        "note_untrained": "This model has random weights (for speed tests): its labels mean nothing.",
+        "details": "Details",
+        "starting": "The model is still starting; photos are answered once it is ready.",
+        "photos": "Choose photos",
+        "photos_hint": "JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF; several at once.",
+        "camera": "Take a photo",
+        "drop_hint": "You can also drop photos here, or paste one (Ctrl+V).",
+        "dropping": "Drop the photos to classify them",
+        "topk": "Labels per photo",
+        "submit": "Classify",
+        "clear_results": "Clear results",
+        "results": "Results",
+        "predictions": "Top labels for {name}",
+        "preview_alt": "Uploaded photo {name}",
+        "no_preview": "No preview",
+        "pending": "Classifying…",
+        "retrying": "The server is busy: trying again in {n} s…",
+        "working": "Classifying {n} photos…",
+        "working_one": "Classifying 1 photo…",
+        "done": "{ok} of {n} photos classified.",
+        "done_one": "Photo classified.",
+        "failed_one": "The photo could not be classified.",
+        "meta": "{model} · {precision}",
+        "size": "{width}×{height} {format}",
+        "timing": "decode {decode} ms · queue {queue} ms · inference {inference} ms · total {total} ms",
+        "timing_label": "Time taken",
+        "error_title": "Could not classify that",
+        "err_no_file": "No photo was received: choose a photo first.",
+        "err_too_large": "Too large: this photo (or this many photos at once) is more than the server accepts.",
+        "err_unsupported_media_type": "Not a photo: the server cannot read this kind of file "
+                                      "(it reads JPEG, PNG, WebP, GIF, BMP, TIFF and AVIF).",
+        "err_undecodable_image": "The photo is damaged (perhaps cut short while copying) and cannot be read.",
+        "err_overloaded": "The server is busy: try again in {n} s.",
+        "err_overloaded_later": "The server is busy: try again in a few seconds.",
+        "err_rate_limited": "Too many photos in a short time: try again in {n} s.",
+        "err_rate_limited_later": "Too many photos in a short time: try again in a minute.",
+        "err_not_ready": "The model is still starting: try again in {n} s.",
+        "err_not_ready_later": "The model is still starting: try again in a few seconds.",
+        "err_timeout": "That took too long (the server is very busy): try again.",
+        "err_unauthorized": "This server's API needs an access token.",
+        "err_bad_request": "The request was not understood (labels per photo must be a number from 1 to 10).",
+        "err_not_found": "There is no such page.",
+        "err_network": "The server could not be reached: check the connection and try again.",
+        "err_other": "Something went wrong on the server (it is logged there): try again.",
+    },
+    "zh": {
+        "title": "照片识别",
+        "intro": "选择照片，模型会说出每张照片里最可能是什么。",
+        "language": "语言",
+        "model": "模型：",
+        "untrained": "未训练",
+        "fallback": "离线备用模型",
+        "note_fallback": "此服务器上没有 ResNet-18 权重，现由离线模型 EfficientNet-Lite0 识别。",
+        "note_untrained": "此模型为随机权重（仅用于测速），识别结果没有意义。",
+        "details": "详情",
+        "starting": "模型仍在启动，就绪后即可识别照片。",
+        "photos": "选择照片",
+        "photos_hint": "支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF，可一次选多张。",
+        "camera": "拍照",
+        "drop_hint": "也可以把照片拖到这里，或直接粘贴（Ctrl+V）。",
+        "dropping": "松开即可识别这些照片",
+        "topk": "每张照片的标签数",
+        "submit": "识别",
+        "clear_results": "清除结果",
+        "results": "识别结果",
+        "predictions": "{name} 最可能的标签",
+        "preview_alt": "上传的照片 {name}",
+        "no_preview": "无法预览",
+        "pending": "识别中…",
+        "retrying": "服务器繁忙：{n} 秒后自动重试…",
+        "working": "正在识别 {n} 张照片…",
+        "working_one": "正在识别 1 张照片…",
+        "done": "已识别 {ok}/{n} 张照片。",
+        "done_one": "照片已识别。",
+        "failed_one": "这张照片无法识别。",
+        "meta": "{model} · {precision}",
+        "size": "{width}×{height} {format}",
+        "timing": "解码 {decode} 毫秒 · 排队 {queue} 毫秒 · 推理 {inference} 毫秒 · 总计 {total} 毫秒",
+        "timing_label": "耗时",
+        "error_title": "无法识别",
+        "err_no_file": "没有收到照片：请先选择一张照片。",
+        "err_too_large": "文件太大：这张照片（或一次上传的照片数量）超出了服务器的限制。",
+        "err_unsupported_media_type": "这不是照片：服务器无法读取这种文件（支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF）。",
+        "err_undecodable_image": "照片已损坏（可能在复制时被截断），无法读取。",
+        "err_overloaded": "服务器繁忙：请 {n} 秒后再试。",
+        "err_overloaded_later": "服务器繁忙：请几秒后再试。",
+        "err_rate_limited": "短时间内上传太多：请 {n} 秒后再试。",
+        "err_rate_limited_later": "短时间内上传太多：请一分钟后再试。",
+        "err_not_ready": "模型仍在启动：请 {n} 秒后再试。",
+        "err_not_ready_later": "模型仍在启动：请几秒后再试。",
+        "err_timeout": "处理超时（服务器非常繁忙）：请重试。",
+        "err_unauthorized": "此服务器的 API 需要访问令牌。",
+        "err_bad_request": "请求无法识别（每张照片的标签数须为 1 到 10 的整数）。",
+        "err_not_found": "页面不存在。",
+        "err_network": "无法连接服务器：请检查网络后重试。",
+        "err_other": "服务器出错（已记录）：请重试。",
+    },
+}
+
+# Error codes whose words say "try again in N s" when the answer carries Retry-After.
+RETRY_CODES = ("overloaded", "rate_limited", "not_ready")
+
+
+def normalize(value: str | None) -> str | None:
+    """``"zh"``, ``"zh-CN"``, ``"ZH_hans"``... -> ``"zh"``; ``"en-GB"`` -> ``"en"``; anything else -> None."""
+    if not value:
+        return None
+    primary = value.strip().replace("_", "-").split("-")[0].lower()
+    return primary if primary in LANGS else None
+
+
+def choose(arg: str | None, cookie: str | None, accept_languages) -> str:
+    """The language of a request: ``?lang=``, else the ``lang`` cookie, else ``Accept-Language``, else English.
+
+    ``accept_languages`` is Werkzeug's ``request.accept_languages`` (its ``best_match`` falls back
+    from ``zh-CN`` to ``zh``), or None.
+    """
+    for value in (arg, cookie):
+        lang = normalize(value)
+        if lang:
+            return lang
+    if accept_languages is not None:
+        best = accept_languages.best_match(LANGS)
+        if best:
+            return best
+    return DEFAULT_LANG
+
+
+def read_labels(path: Path = LABELS_FILE) -> list[tuple[int, str, str]]:
+    """The data file's rows ``(index, english, chinese)``, in file order; ``#`` lines are comments.
+
+    :raises ValueError: a line without exactly three tab-separated fields, or an index that is not an integer.
+    """
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        fields = line.split("\t")
+        if len(fields) != 3:
+            raise ValueError(f"{path}:{n}: expected index<TAB>English<TAB>Chinese, got {line!r}")
+        rows.append((int(fields[0]), fields[1], fields[2].strip()))
+    return rows
+
+
+@lru_cache(maxsize=None)
+def labels(lang: str) -> tuple[str, ...] | None:
+    """The 1000 ImageNet labels in ``lang`` by class index; None for English (the model's own labels)."""
+    if lang == "en":
+        return None
+    rows = read_labels()
+    if [r[0] for r in rows] != list(range(len(rows))):
+        raise ValueError(f"{LABELS_FILE}: the indices are not 0..{len(rows) - 1} in order")
+    return tuple(r[2] for r in rows)
+
+
+def label(index: int, english: str, lang: str) -> str:
+    """One prediction's label in ``lang`` (the English one where there is no translation)."""
+    names = labels(lang)
+    if names is None or not 0 <= index < len(names):
+        return english
+    return names[index]
+
+
+def translate(answer: dict, lang: str) -> dict:
+    """Put ``lang`` labels into a classify answer's predictions, in place (``index`` stays as it is)."""
+    if lang != "en":
+        for item in answer.get("results", ()):
+            for p in item.get("predictions", ()):
+                p["label"] = label(p["index"], p["label"], lang)
+    return answer
+
+
+def strings(lang: str) -> dict[str, str]:
+    return STRINGS.get(lang, STRINGS[DEFAULT_LANG])
+
+
+def error_text(code: str, lang: str, retry_after: str | int | None = None) -> str:
+    """An error ``code`` (and the 429/503 ``Retry-After`` seconds, if known) in words for people."""
+    t = strings(lang)
+    if code in RETRY_CODES:
+        try:
+            n = int(retry_after)
+        except (TypeError, ValueError):
+            return t[f"err_{code}_later"]
+        return t[f"err_{code}"].format(n=max(n, 1))
+    return t.get(f"err_{code}", t["err_other"])
+
+
+@lru_cache(maxsize=None)
+def bundle(lang: str) -> tuple[bytes, str]:
+    """What ``static/app.js`` loads for ``lang``: ``{"lang", "strings", "labels"}`` as JSON bytes, and its short hash."""
+    body = json.dumps({"lang": lang, "htmlLang": HTML_LANG[lang], "strings": strings(lang), "labels": labels(lang)},
+                      ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return body, hashlib.sha256(body).hexdigest()[:12]
