@@ -391,3 +391,42 @@ def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) 
 
     p.start_thread(beat, ())
     return stop
+
+
+def client_pool(workers: int):
+    """A ``concurrent.futures`` pool of ``workers`` real OS threads that submit work and wait on it.
+
+    For callers outside a server (the CLI's ``classify``): each thread submits one file's image
+    and blocks on its future, so the inference thread sees several at once and forms batches.
+    Never used under gevent (a server's requests are already concurrent greenlets).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="classify")
+
+
+def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, object]:
+    """Run ``fn`` on a real OS thread; return ``(True, result)``, or ``(False, None)`` after ``timeout`` s.
+
+    For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server
+    is unreachable). The thread is left to finish on its own; it holds nothing.
+    """
+    p = _Primitives.for_this_process()
+    done = p.make_lock()
+    done.acquire()
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # handed back to the caller
+            box.append(exc)
+        finally:
+            done.release()
+
+    p.start_thread(run, ())
+    if not done.acquire(True, timeout):
+        return False, None
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return True, box[0]

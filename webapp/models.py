@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import socket
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
@@ -133,11 +134,22 @@ def hub_checkpoint_path(url: str) -> Path:
 
 def _can_connect(url: str, timeout: float) -> str | None:
     """Return None if a TCP connection to ``url``'s host (or its https proxy) opens within ``timeout`` s, else why not."""
+    from .batcher import call_with_timeout
+
     proxy = urllib.request.getproxies().get(urllib.parse.urlparse(url).scheme)
     target = urllib.parse.urlparse(proxy if proxy else url)
     port = target.port or (443 if target.scheme == "https" else 80)
+    start = time.monotonic()
     try:
-        socket.create_connection((target.hostname, port), timeout=timeout).close()
+        # The name lookup has no timeout of its own (an unreachable DNS server takes tens of seconds).
+        resolved, addresses = call_with_timeout(
+            lambda: socket.getaddrinfo(target.hostname, port, type=socket.SOCK_STREAM), timeout)
+        if not resolved:
+            return f"cannot resolve {target.hostname} within {timeout:g} s"
+        family, kind, proto, _, address = addresses[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(max(0.1, timeout - (time.monotonic() - start)))
+            sock.connect(address)
     except OSError as exc:
         return f"cannot connect to {target.hostname}:{port} within {timeout:g} s ({exc})"
     return None

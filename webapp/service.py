@@ -116,7 +116,12 @@ class Classifier:
         """
         cache = Path(self.settings.CACHE_DIR or Path.home() / ".cache" / "photo-classifier").expanduser()
         cache.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        # Importing torchvision already sets the variable to torch's default (/tmp/torchinductor_<user>,
+        # gone after a reboot): only a value the user chose wins over ours.
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
         return cache
 
     _calib_id = "none"

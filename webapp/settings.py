@@ -83,10 +83,11 @@ class Setting:
         if self.parse is _bool:
             return "a boolean (1/0, true/false, yes/no, on/off)"
         kind = "an integer" if self.parse is _int else "a number" if self.parse is _float else "a string"
+        low, high = ("" if v is None else f"{v:,}" if self.parse is _int else f"{v:g}" for v in (self.low, self.high))
         if self.low is not None and self.high is not None:
-            return f"{kind} from {self.low:g} to {self.high:g}"
+            return f"{kind} from {low} to {high}"
         if self.low is not None:
-            return f"{kind} >= {self.low:g}"
+            return f"{kind} >= {low}"
         return kind
 
     def convert(self, raw: Any, source: str) -> Any:

@@ -1,0 +1,313 @@
+"""The command line, ``python -m webapp``: mostly run as a real subprocess from the repo root.
+
+classify runs the offline EfficientNet-Lite0 eager (``--no-compile``, fp32, batches of 4), so
+each run starts in seconds; what only needs the parser or the settings table runs in-process.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import http.server
+import io
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SHARED_IMAGES
+from webapp import cli, settings
+
+DOG_BREEDS = range(151, 269)
+PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
+# Fast, deterministic classify runs: real weights, eager, fp32 on every CPU, small batches.
+QUICK = ("--model", "efficientnet_lite0", "--no-compile", "--precision", "fp32", "--max-batch-size", "4")
+
+
+def clean_env(**extra) -> dict[str, str]:
+    """This process's environment without CLASSIFIER_* variables or proxies, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX) and k not in PROXY_VARS}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "webapp", *args], cwd=ROOT, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def no_classifier_env(monkeypatch):
+    for key in [k for k in os.environ if k.startswith(settings.PREFIX)] + list(PROXY_VARS):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture(scope="module")
+def photos(tmp_path_factory) -> Path:
+    """A folder: a truncated JPEG, a text file (not an image name: skipped), a hidden file, a subfolder with a PNG."""
+    if not (SHARED_IMAGES / "dog.jpg").is_file():
+        pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
+    folder = tmp_path_factory.mktemp("photos")
+    (folder / "broken.jpg").write_bytes((SHARED_IMAGES / "dog.jpg").read_bytes()[:3000])
+    (folder / "notes.txt").write_text("not a photo")
+    (folder / ".hidden.jpg").write_bytes(b"junk")
+    (folder / "sub").mkdir()
+    from PIL import Image
+
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(folder / "sub" / "red.png")
+    return folder
+
+
+def dog_breed_labels() -> set[str]:
+    from webapp.models import IMAGENET_CATEGORIES
+
+    return {IMAGENET_CATEGORIES[i] for i in DOG_BREEDS}
+
+
+# -- no torch: parser, help, settings -------------------------------------------------------------------
+def test_importing_the_cli_imports_no_torch():
+    code = "import sys, webapp.cli; print(sorted(m for m in ('torch', 'torchvision') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=clean_env(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_help_lists_every_setting_from_the_table():
+    serve = run_cli("serve", "--help", env=clean_env(COLUMNS="200"))
+    assert serve.returncode == 0, serve.stderr
+    for s in settings.SETTINGS:
+        assert s.env in serve.stdout and cli.option_name(s) in serve.stdout, s.name
+        line = next(line for line in serve.stdout.splitlines() if s.env + " " in line)
+        assert f"(default {cli.default_text(s)}" in line
+    assert "--no-compile" in serve.stdout and "--" in serve.stdout
+    classify = run_cli("classify", "--help", env=clean_env(COLUMNS="200"))
+    assert classify.returncode == 0, classify.stderr
+    for s in settings.SETTINGS:
+        assert (s.env in classify.stdout) == (s.name not in cli.SERVER_ONLY), s.name
+    assert "--topk" in classify.stdout and "--format" in classify.stdout
+    top = run_cli("--help")
+    assert top.returncode == 0 and all(c in top.stdout for c in ("serve", "classify", "weights", "info", "settings"))
+
+
+def test_server_only_settings_exist():
+    assert cli.SERVER_ONLY <= set(settings.BY_NAME), "SERVER_ONLY names a setting the table no longer has"
+    assert cli.SECRET <= set(settings.BY_NAME)
+
+
+def test_serve_sets_the_variables_and_passes_the_rest_to_gunicorn():
+    out = run_cli("serve", "--dry-run", "--model", "efficientnet_lite0", "--no-compile", "--workers", "2",
+                  "--bind", "0.0.0.0:9001", "--api-token", "s3cret", "--", "--preload", "--timeout", "90",
+                  env=clean_env(CLASSIFIER_TOP_K="5"))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    for expected in ("CLASSIFIER_MODEL=efficientnet_lite0", "CLASSIFIER_COMPILE=0", "CLASSIFIER_WORKERS=2",
+                     "CLASSIFIER_BIND=0.0.0.0:9001", "CLASSIFIER_TOP_K=5"):
+        assert expected in lines
+    assert "s3cret" not in out.stdout, "the token must never be printed"
+    assert lines[-1].endswith(f"-m gunicorn -c {ROOT / 'gunicorn.conf.py'} wsgi:app --preload --timeout 90")
+
+
+def test_serve_execs_gunicorn():
+    # gunicorn's --version exits before loading the config or the app: proves the exec and the pass-through
+    # cheaply (tests/test_server.py runs the real server from the same CLASSIFIER_* variables).
+    out = run_cli("serve", "--workers", "3", "--", "--version")
+    assert out.returncode == 0, out.stderr
+    assert re.match(r"gunicorn \(version [0-9.]+\)", out.stdout + out.stderr), out.stdout + out.stderr
+
+
+def test_bad_values_are_usage_errors(no_classifier_env, monkeypatch, capsys):
+    out = run_cli("serve", "--max-batch-size", "0")
+    assert out.returncode == 2 and "--max-batch-size" in out.stderr and "1 to 256" in out.stderr
+    out = run_cli("serve", "--dry-run", env=clean_env(CLASSIFIER_MAX_BATCH_SIZE="abc"))
+    assert out.returncode == 2 and "CLASSIFIER_MAX_BATCH_SIZE='abc'" in out.stderr
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["classify", "--format", "xml", "x.jpg"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["classify"])
+    assert exc.value.code == 2
+    monkeypatch.setenv("CLASSIFIER_TOP_KK", "3")  # a typo: refused, before any model is built
+    assert cli.main(["classify", "x.jpg"]) == 2
+    assert "unknown setting CLASSIFIER_TOP_KK" in capsys.readouterr().err
+
+
+def test_settings_markdown_is_the_readme_table(no_classifier_env, capsys):
+    assert cli.main(["settings", "--markdown"]) == 0
+    assert capsys.readouterr().out == settings.markdown_table() + "\n"
+
+
+def test_settings_shows_values_and_flags_bad_ones(no_classifier_env, monkeypatch, capsys):
+    monkeypatch.setenv("CLASSIFIER_PRECISION", "fp32")
+    monkeypatch.setenv("CLASSIFIER_API_TOKEN", "s3cret")
+    monkeypatch.setenv("CLASSIFIER_RATE_LIMIT_STORAGE", "redis://:pw@cache:6379")
+    assert cli.main(["settings"]) == 0
+    out = capsys.readouterr().out
+    assert "CLASSIFIER_PRECISION = fp32  (from the environment; default auto)" in out
+    assert "s3cret" not in out and ":pw@" not in out
+    assert all(s.env in out for s in settings.SETTINGS)
+    monkeypatch.setenv("CLASSIFIER_THREADS", "many")
+    monkeypatch.setenv("CLASSIFIER_THREAD", "2")
+    assert cli.main(["settings"]) == 2
+    out = capsys.readouterr().out
+    assert "CLASSIFIER_THREADS = many  (INVALID" in out and "CLASSIFIER_THREAD: UNKNOWN" in out
+
+
+def test_classify_with_no_image_files_fails_before_loading_a_model(no_classifier_env, tmp_path, capsys):
+    (tmp_path / "readme.txt").write_text("x")
+    assert cli.main(["classify", str(tmp_path), str(tmp_path / "missing.jpg")]) == 1
+    err = capsys.readouterr().err
+    assert "no such file" in err and "no image files" in err and "1 other file skipped" in err
+
+
+# -- classify: the real engine ----------------------------------------------------------------------------
+def test_classify_table_reports_every_file_and_goes_on_past_a_broken_one(photos, tmp_path):
+    out = run_cli("classify", *QUICK, str(SHARED_IMAGES), str(photos),
+                  env=clean_env(CLASSIFIER_CACHE_DIR=tmp_path))
+    assert out.returncode == 1, out.stderr  # one file failed
+    rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
+    shared = sorted(p for p in SHARED_IMAGES.iterdir() if p.suffix.lower() in cli.IMAGE_SUFFIXES)
+    assert set(rows) == {str(p) for p in shared} | {str(photos / "broken.jpg"), str(photos / "sub" / "red.png")}
+    assert "error:" in rows[str(photos / "broken.jpg")] and "undecodable_image" in rows[str(photos / "broken.jpg")]
+    assert sum("error:" in line for line in rows.values()) == 1
+    labels = re.findall(r"(\S.*?) \d+\.\d%", rows[str(SHARED_IMAGES / "dog.jpg")].split(None, 1)[1])
+    assert len(labels) == 3 and set(labels) & dog_breed_labels(), labels
+    # progress bar and summary on stderr, never on stdout
+    assert "img/s" in out.stderr and "100%" in out.stderr
+    assert "img/s" not in out.stdout and "\r" not in out.stdout
+    assert f"{len(rows)} files: {len(rows) - 1} classified, 1 failed" in out.stderr
+
+
+def test_classify_json_in_process(photos, tmp_path, no_classifier_env, monkeypatch, capsys):
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
+    dog = SHARED_IMAGES / "dog.jpg"
+    code = cli.main(["classify", *QUICK, "--format", "json", "--topk", "5", str(dog), str(photos / "broken.jpg"),
+                     str(photos / "missing.jpg")])
+    out = capsys.readouterr()
+    assert code == 1, out.err
+    results = json.loads(out.out)
+    assert [r["path"] for r in results] == [str(dog), str(photos / "broken.jpg"), str(photos / "missing.jpg")]
+    good, broken, missing = results
+    assert good["error"] is None and len(good["predictions"]) == 5 and good["model"] == "efficientnet_lite0"
+    assert any(p["index"] in DOG_BREEDS for p in good["predictions"][:3])
+    assert (good["width"], good["height"], good["format"]) == (768, 576, "JPEG")
+    assert broken["error"]["code"] == "undecodable_image" and broken["predictions"] == []
+    assert missing["error"]["code"] == "not_found"
+
+
+def test_classify_csv_in_process(photos, tmp_path, no_classifier_env, monkeypatch, capsys):
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
+    code = cli.main(["classify", *QUICK, "-f", "csv", "-k", "2", str(SHARED_IMAGES / "dog.jpg"),
+                     str(photos / "broken.jpg")])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    rows = list(csv.DictReader(io.StringIO(captured.out)))
+    assert list(rows[0]) == ["path", "rank", "label", "index", "probability", "error"]
+    dog = [r for r in rows if r["path"].endswith("dog.jpg")]
+    assert [r["rank"] for r in dog] == ["1", "2"] and all(r["error"] == "" for r in dog)
+    assert int(dog[0]["index"]) in DOG_BREEDS and 0 < float(dog[0]["probability"]) <= 1
+    (broken,) = [r for r in rows if r["path"].endswith("broken.jpg")]
+    assert broken["error"] and broken["label"] == "" and broken["rank"] == ""
+    assert "img/s" in captured.err
+
+
+# -- weights ---------------------------------------------------------------------------------------------
+def _named_by_its_hash(folder: Path, data: bytes, stem: str = "model") -> Path:
+    path = folder / f"{stem}-{hashlib.sha256(data).hexdigest()[:8]}.pth"
+    path.write_bytes(data)
+    return path
+
+
+def test_weights_verify(tmp_path, capsys):
+    good = _named_by_its_hash(tmp_path, os.urandom(4096))
+    assert cli.main(["weights", "verify", str(good)]) == 0
+    assert capsys.readouterr().out.startswith(f"OK {good}")
+    tampered = tmp_path / "tampered" / good.name
+    tampered.parent.mkdir()
+    data = bytearray(good.read_bytes())
+    data[100] ^= 1
+    tampered.write_bytes(bytes(data))
+    assert cli.main(["weights", "verify", str(tampered)]) == 1
+    assert capsys.readouterr().out.startswith(f"MISMATCH {tampered}")
+    unnamed = tmp_path / "resnet18.pth"
+    unnamed.write_bytes(b"not resnet")
+    assert cli.main(["weights", "verify", str(unnamed)]) == 1
+    out = capsys.readouterr().out
+    assert "f37072fd" in out and "no sha256 prefix" in out
+    assert cli.main(["weights", "verify", str(good), "--sha256", hashlib.sha256(good.read_bytes()).hexdigest()]) == 0
+    assert cli.main(["weights", "verify", str(tmp_path / "absent.pth")]) == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_weights_fetch_without_network_fails_fast(tmp_path, no_classifier_env, capsys):
+    url = f"http://127.0.0.1:{_closed_port()}/resnet18-f37072fd.pth"
+    start = time.monotonic()
+    assert cli.main(["weights", "fetch", "--dest", str(tmp_path / "w"), "--url", url, "--timeout", "2"]) == 1
+    assert time.monotonic() - start < 10
+    err = capsys.readouterr().err
+    assert "cannot connect to 127.0.0.1" in err and "carry the file over" in err
+    assert not (tmp_path / "w" / "resnet18-f37072fd.pth").exists()
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """A local HTTP server for ``tmp_path/served``: a stand-in for download.pytorch.org."""
+    root = tmp_path / "served"
+    root.mkdir()
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_weights_fetch_downloads_checks_and_says_what_to_do(file_server, tmp_path, no_classifier_env, capsys):
+    root, base = file_server
+    good = _named_by_its_hash(root, os.urandom(50_000), "resnet18")
+    dest = tmp_path / "carry"
+    assert cli.main(["weights", "fetch", "--dest", str(dest), "--url", f"{base}/{good.name}"]) == 0
+    out = capsys.readouterr().out
+    assert (dest / good.name).read_bytes() == good.read_bytes()
+    assert f"saved {dest / good.name}" in out and "CLASSIFIER_WEIGHTS" in out and "hub/checkpoints" in out
+    assert cli.main(["weights", "fetch", "--dest", str(dest), "--url", f"{base}/{good.name}"]) == 0
+    assert "already here" in capsys.readouterr().out
+    # the server hands out a file that does not match its name: refused, nothing left behind
+    liar = root / "resnet18-00000000.pth"
+    liar.write_bytes(b"tampered")
+    assert cli.main(["weights", "fetch", "--dest", str(dest), "--url", f"{base}/{liar.name}"]) == 1
+    assert not (dest / liar.name).exists()
+    assert "00000000" in capsys.readouterr().err
+
+
+# -- info ------------------------------------------------------------------------------------------------
+def test_info(no_classifier_env, capsys):
+    assert cli.main(["info", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info) == {"cpu", "torch", "precision", "cores", "plan", "weights", "cache_dir"}
+    assert {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"} <= set(info["cpu"]["flags"])
+    assert info["torch"]["aten_cpu_capability"] and isinstance(info["torch"]["native_bf16"], bool)
+    assert info["precision"]["chosen"] in ("fp32", "bf16") and info["precision"]["reason"]
+    assert info["cores"]["usable"] == sorted(os.sched_getaffinity(0))
+    assert info["plan"]["workers"] >= 1 and len(info["plan"]["slots"]) == info["plan"]["workers"]
+    assert info["weights"]["hub"]["path"].endswith("checkpoints/resnet18-f37072fd.pth")
+    assert info["weights"]["would_serve"]
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "precision" in text and "plan" in text and "hub cache" in text

@@ -1,0 +1,7 @@
+"""``python -m webapp``: the command line (see ``webapp/cli.py``)."""
+
+import sys
+
+from webapp.cli import main
+
+sys.exit(main())
