@@ -60,26 +60,29 @@ access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
 # a scrape of /metrics adds them all up. Set here, in the master, before any worker forks (and before
 # prometheus_client is imported anywhere: it picks its mode from the environment on import). A folder
 # we make is ours: emptied at start, removed at exit; one given in the environment is emptied at start.
-_metrics_dir_made = None
+# (Which folder we made is kept in the environment: a SIGHUP re-reads this file.)
+_MADE = "WEBAPP_METRICS_DIR_MADE"
 if _s.METRICS and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    _metrics_dir_made = tempfile.mkdtemp(prefix="classifier-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_dir_made
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[_MADE] = tempfile.mkdtemp(prefix="classifier-metrics-")
 
 
-def _clear_metrics_dir():
+def _clear_metrics_dir() -> str | None:
     """Start from zero: values left by an earlier run (same folder, reused pids) would be counted again."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not (_s.METRICS and path):
-        return
+        return None
     os.makedirs(path, exist_ok=True)
     for name in os.listdir(path):
         if name.endswith(".db"):
             os.remove(os.path.join(path, name))
+    return path
 
 
 # -- hooks -----------------------------------------------------------------------------------------
 def on_starting(server):
-    _clear_metrics_dir()
+    metrics_dir = _clear_metrics_dir()
+    if metrics_dir:
+        server.log.info("/metrics counts all workers: PROMETHEUS_MULTIPROC_DIR=%s", metrics_dir)
     server.log.info("cores %s -> %d workers x %d intra-op threads%s", list(cpu.usable_cores()), _plan.workers,
                     _plan.threads, " (oversubscribed: workers share cores)" if _plan.shared else "")
     if server.cfg.workers != _plan.workers:
@@ -149,5 +152,6 @@ def child_exit(server, worker):
 
 def on_exit(server):
     """In the master, last: remove the metrics folder if it is the one we made."""
-    if _metrics_dir_made:
-        shutil.rmtree(_metrics_dir_made, ignore_errors=True)
+    made = os.environ.get(_MADE)
+    if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        shutil.rmtree(made, ignore_errors=True)

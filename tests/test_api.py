@@ -195,3 +195,43 @@ def test_reported_size_is_the_upright_photo_not_the_fast_decode(client, name, si
     resp = client.post("/api/v1/predict", data=shared_image(name).read_bytes(), content_type="image/jpeg")
     result = resp.get_json()["results"][0]
     assert (result["width"], result["height"]) == size
+
+
+def test_models_lists_every_model_and_marks_the_serving_one(client):
+    body = client.get("/api/v1/models").get_json()
+    assert body["requested"] == body["serving"] == "resnet18_seeded"
+    models = {m["name"]: m for m in body["models"]}
+    assert list(models) == ["resnet18", "efficientnet_lite0", "resnet18_seeded"]
+    assert [m["name"] for m in body["models"] if m["serving"]] == ["resnet18_seeded"]
+    for m in models.values():
+        assert m["categories"] == 1000 and m["input_size"] == 224 and m["precision"] == "fp32"
+        assert m["title"] and m["description"]
+    serving = models["resnet18_seeded"]
+    assert serving["weights"] == "random, seed 0" and serving["untrained"] is True and serving["fallback"] is False
+    assert "untrained" in serving["note"] and serving["compiled"] is False
+    assert "weights" not in models["resnet18"] and "weights" not in models["efficientnet_lite0"]
+
+
+def test_models_names_the_fallback(tmp_path, monkeypatch):
+    """No ResNet-18 weights anywhere: the list says resnet18 was asked for and the offline model serves."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty hub cache
+    app = create_app({"MODEL": "resnet18", "DOWNLOAD": False, "COMPILE": False, "MAX_BATCH_SIZE": 1,
+                      "PRECISION": "fp32"})
+    try:
+        body = app.test_client().get("/api/v1/models").get_json()
+    finally:
+        app.extensions["classifier"].stop()
+    assert body["requested"] == "resnet18" and body["serving"] == "efficientnet_lite0"
+    models = {m["name"]: m for m in body["models"]}
+    assert models["resnet18"]["serving"] is False and models["efficientnet_lite0"]["serving"] is True
+    lite = models["efficientnet_lite0"]
+    assert lite["fallback"] is True and "ResNet-18 weights not found" in lite["note"]
+    assert lite["weights"] == "efficientnet-lite0-57934424.pth" and lite["untrained"] is False
+
+
+def test_openapi_document_is_served(client):
+    resp = client.get("/openapi.json")
+    assert resp.status_code == 200 and resp.mimetype == "application/json"
+    doc = resp.get_json()
+    assert doc["openapi"].startswith("3.") and "/api/v1/predict" in doc["paths"]
+    assert resp.headers["X-Request-ID"]

