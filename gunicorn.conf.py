@@ -91,9 +91,17 @@ def on_starting(server):
 
 
 def pre_fork(server, worker):
-    """In the master: give the new worker the lowest free slot, so a replacement reuses its cores."""
-    taken = {getattr(w, "slot", None) for w in server.WORKERS.values()}
-    worker.slot = next(i for i in range(len(taken) + 1) if i not in taken)
+    """In the master: give the new worker the plan slot (core set) that the fewest live workers hold.
+
+    A replacement thus takes the cores its dead predecessor had; during a reload (SIGHUP), when
+    old and new workers overlap, the new ones still spread over the cores evenly.
+    """
+    n = len(_plan.slots)
+    held = [0] * n
+    for w in server.WORKERS.values():
+        if getattr(w, "slot", None) is not None:
+            held[w.slot % n] += 1
+    worker.slot = min(range(n), key=lambda i: (held[i], i))
 
 
 def post_fork(server, worker):

@@ -225,6 +225,19 @@ class InferenceBatcher:
         drain = math.ceil(self._waiting / self.max_batch_size) * per_batch
         return max(1, math.ceil(max(drain, self.ewma_queue_wait)))
 
+    def check_capacity(self, n: int) -> None:
+        """Refuse early, before any decoding, when ``n`` more images would not fit (``submit`` checks again).
+
+        :raises Overloaded: 429 with ``Retry-After``. :raises NotReady: 503 when not serving.
+        """
+        if not self.alive:
+            raise NotReady("the model is not serving (starting, stopping or failed); try again shortly",
+                           headers={"Retry-After": "1"})
+        if self._waiting + n > self.queue_size:
+            wait = self.retry_after()
+            raise Overloaded(f"server busy: {self._waiting} images queued (limit {self.queue_size}); "
+                             f"try again in {wait} s", headers={"Retry-After": str(wait)})
+
     def submit(self, tensors: list[torch.Tensor]) -> list[_Request]:
         """Queue images ``(3, H, W) float32`` all together or not at all.
 
@@ -234,13 +247,7 @@ class InferenceBatcher:
         deadline = time.monotonic() + self.request_timeout
         reqs = [_Request(t, deadline, self._p.make_future()) for t in tensors]
         with self._lock:
-            if not self.alive:
-                raise NotReady("the model is not serving (starting, stopping or failed); try again shortly",
-                               headers={"Retry-After": "1"})
-            if self._waiting + len(reqs) > self.queue_size:
-                wait = self.retry_after()
-                raise Overloaded(f"server busy: {self._waiting} images queued (limit {self.queue_size}); "
-                                 f"try again in {wait} s", headers={"Retry-After": str(wait)})
+            self.check_capacity(len(reqs))
             self._waiting += len(reqs)
             for r in reqs:
                 self._queue.put(r)
@@ -430,3 +437,39 @@ def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, o
     if isinstance(box[0], BaseException):
         raise box[0]
     return True, box[0]
+
+
+class Offloader:
+    """Runs CPU-heavy request work (decoding a photo) on real OS threads, at most ``max_threads`` at once.
+
+    Under gevent, decoding in the request greenlet would hold the worker's hub: no other request,
+    not even ``/healthz`` or gunicorn's heartbeat, is served until it ends (80 MP uploads held a
+    worker for a minute). Pillow and torch release the GIL while they work, so on a gevent
+    ``ThreadPool`` (real threads) the greenlet waits cooperatively and the hub keeps serving;
+    ``max_threads`` bounds how many decodes compete with the model for the worker's cores.
+    Outside gevent ``run`` just calls the function: there the caller is already a thread.
+    """
+
+    def __init__(self, max_threads: int):
+        self.max_threads = max_threads
+        self._pool = None
+        if gevent_active():
+            from gevent.threadpool import ThreadPool
+
+            self._pool = ThreadPool(maxsize=max_threads)
+
+    def run(self, fn: Callable, *args):
+        """``fn(*args)``, its exception re-raised in the caller."""
+        if self._pool is None:
+            return fn(*args)
+        ok, value = self._pool.apply(_capture, (fn, args))
+        if not ok:
+            raise value  # re-raised here: gevent's pool would print it as an unhandled traceback
+        return value
+
+
+def _capture(fn: Callable, args: tuple) -> tuple[bool, object]:
+    try:
+        return True, fn(*args)
+    except Exception as exc:
+        return False, exc

@@ -33,6 +33,13 @@ from .models import Preprocessing
 # could not come first (a 16x16 entry can hide a 13000x13000 PNG).
 FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
 
+# Pillow warns about uploads (corrupt EXIF, decompression bombs, palette transparency) where
+# decode either raises a ServiceError or carries on correctly: such warnings would only leak
+# into logs. Set once here, not with catch_warnings per call, which is not thread-safe and
+# decodes run on several threads (batcher.Offloader).
+warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
+warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (
     (b"%PDF", "PDF"), (b"%!PS", "PostScript"), (b"PK\x03\x04", "ZIP"), (b"\x1f\x8b", "gzip"),
@@ -122,48 +129,44 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     start = time.perf_counter()
     if not data:
         raise NoFile(f"{name}: the file is empty (0 bytes)")
-    with warnings.catch_warnings():
-        # Pillow warns about uploads (corrupt EXIF, decompression bombs) where we either raise a
-        # ServiceError or carry on correctly; its warnings would only leak into logs.
-        warnings.simplefilter("ignore")
-        try:
-            img = Image.open(io.BytesIO(data), formats=FORMATS)
-        except Image.DecompressionBombError as exc:  # over twice Pillow's own cap, checked from the header
-            found = re.search(r"\((\d+) pixels\)", str(exc))
-            size = f"{int(found.group(1)):,} pixels" if found else f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
-            raise TooLarge(f"{name}: the image is {size}; the limit is {max_pixels:,} "
-                           f"(CLASSIFIER_MAX_PIXELS)") from None
-        except UnidentifiedImageError:
-            fmt = sniff_format(data)
-            what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
-            raise NotAnImage(f"{name}: {what}; send JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF") from None
-        except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
-            raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
-        width, height = img.size
-        if width * height > max_pixels:
-            raise TooLarge(f"{name}: {width}x{height} is {width * height:,} pixels; the limit is {max_pixels:,} "
-                           f"(CLASSIFIER_MAX_PIXELS)")
-        if width < 1 or height < 1:
-            raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
-        fmt = img.format or "unknown"
-        try:
-            if min_side and fmt == "JPEG":
-                _draft(img, min_side)
-            img.load()
-            if fmt == "JPEG" and img.mode == "CMYK" and "adobe" not in img.info:
-                # Pillow reads every CMYK JPEG as Adobe-inverted; without the Adobe marker the
-                # samples are plain CMYK (libvips' convention), so undo that inversion.
-                img = ImageChops.invert(img)
-            stored = img.size
-            img = _upright(img)
-            size = (height, width) if img.size != stored else (width, height)  # orientations 5-8 swap
-            if min_side:
-                img = _reduce(img, min_side)  # before to_rgb: its copies are then small too
-            rgb = to_rgb(img)
-        except UndecodableImage:
-            raise
-        except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
-            raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
+    try:
+        img = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Image.DecompressionBombError as exc:  # over twice Pillow's own cap, checked from the header
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        size = f"{int(found.group(1)):,} pixels" if found else f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
+        raise TooLarge(f"{name}: the image is {size}; the limit is {max_pixels:,} "
+                       f"(CLASSIFIER_MAX_PIXELS)") from None
+    except UnidentifiedImageError:
+        fmt = sniff_format(data)
+        what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
+        raise NotAnImage(f"{name}: {what}; send JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF") from None
+    except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
+        raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
+    width, height = img.size
+    if width * height > max_pixels:
+        raise TooLarge(f"{name}: {width}x{height} is {width * height:,} pixels; the limit is {max_pixels:,} "
+                       f"(CLASSIFIER_MAX_PIXELS)")
+    if width < 1 or height < 1:
+        raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
+    fmt = img.format or "unknown"
+    try:
+        if min_side and fmt == "JPEG":
+            _draft(img, min_side)
+        img.load()
+        if fmt == "JPEG" and img.mode == "CMYK" and "adobe" not in img.info:
+            # Pillow reads every CMYK JPEG as Adobe-inverted; without the Adobe marker the
+            # samples are plain CMYK (libvips' convention), so undo that inversion.
+            img = ImageChops.invert(img)
+        stored = img.size
+        img = _upright(img)
+        size = (height, width) if img.size != stored else (width, height)  # orientations 5-8 swap
+        if min_side:
+            img = _reduce(img, min_side)  # before to_rgb: its copies are then small too
+        rgb = to_rgb(img)
+    except UndecodableImage:
+        raise
+    except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
+        raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
 
 

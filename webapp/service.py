@@ -17,7 +17,7 @@ import torch
 
 from . import imaging
 from .assets import GOLDEN, calibration_files
-from .batcher import InferenceBatcher, keep_alive
+from .batcher import InferenceBatcher, Offloader, keep_alive
 from .engine import Engine, choose_precision, choose_reduce_range, configure_threads
 from .errors import NotReady, StartupError
 from .models import LoadedModel, load_model
@@ -64,6 +64,7 @@ class Classifier:
         self._ready = False
         self.on_death = None  # set by the server: what to do if the inference thread dies
         self.on_outcomes = None  # set by webapp.metrics: called with each request's batcher Results
+        self.offloader = None
 
     # -- start-up ------------------------------------------------------------------------------
     def start(self, heartbeat=None) -> None:
@@ -99,6 +100,7 @@ class Classifier:
                                             batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
                                             request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died)
             self.batcher.start()
+            self.offloader = Offloader(max_threads=max(2, self.threads))
             self._run_self_test()
         finally:
             if stop_beats:
@@ -198,15 +200,13 @@ class Classifier:
         if not (self.ready or _starting and self.batcher is not None):
             raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
         start = time.perf_counter()
+        self.batcher.check_capacity(len(uploads))  # a full queue answers 429 before any decoding
         decoded, tensors, images = [], [], []
         for up in uploads:
-            d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name, min_side=self._min_side())
-            tensors.append(imaging.preprocess(d.image, self.transform))
-            # Keep only what the answer needs: a full-size image held while the batch waits would
-            # multiply memory by the number of requests in flight.
-            images.append(thumbnail(d.image) if keep_images else None)
-            d.image = None
+            d, tensor, image = self.offloader.run(self._decode, up, keep_images)
             decoded.append(d)
+            tensors.append(tensor)
+            images.append(image)
         decode_ms = (time.perf_counter() - start) * 1e3
         outcomes = self.batcher.classify(tensors)
         if self.on_outcomes is not None and not _starting:
@@ -228,6 +228,16 @@ class Classifier:
                 "total": round((time.perf_counter() - start) * 1e3, 2),
             },
         }
+
+    def _decode(self, up: Upload, keep_image: bool):
+        """Decode + preprocess one upload (on an Offloader thread); return (Decoded without its image, tensor, thumbnail)."""
+        d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name, min_side=self._min_side())
+        tensor = imaging.preprocess(d.image, self.transform)
+        # Keep only what the answer needs: a full-size image held while the batch waits would
+        # multiply memory by the number of requests in flight.
+        image = thumbnail(d.image) if keep_image else None
+        d.image = None
+        return d, tensor, image
 
     def _min_side(self) -> int | None:
         """With FAST_DECODE, decode big photos only as large as the resize needs (short side >= resize)."""
