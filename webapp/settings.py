@@ -148,7 +148,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CALIBRATION_DIR", _str, "", "Photos to calibrate int8 on (JPEG/PNG/WebP). Empty: the 28 shipped ones "
             "(webapp/calibration). Your own photos suit a narrow domain better."),
     Setting("FAST_DECODE", _bool, True, "Decode large JPEGs at a reduced DCT scale (Pillow draft) and shrink other "
-            "large images by an integer factor first, never below the resize size: 12 MP photos decode ~6x faster."),
+            "large images by an integer factor first, never below the resize size: a 12 MP photo decodes ~4x faster."),
     Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to.",
             low=0, high=1024),
     # -- batching --
