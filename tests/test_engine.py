@@ -1,5 +1,7 @@
 """The compiled engine: same logits as eager, every batch size warmed, no compile after warm-up."""
 
+import time
+
 import pytest
 import torch
 import torchvision
@@ -103,3 +105,18 @@ def test_auto_picks_what_the_kernels_can_do_here():
         assert engine.choose_reduce_range("auto") is True
     else:
         assert precision == ("bf16" if engine.native_bf16() else "fp32")
+
+
+def test_bf16_is_packaged_ahead_of_time_and_reloaded(resnet, tmp_path):
+    x = torch.randn(3, 3, 224, 224)
+    with torch.inference_mode():
+        ref = resnet(x)
+    first = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded")
+    assert first.backend == "aoti" and len(list(tmp_path.glob("aoti-bf16-*.pt2"))) == 1
+    first.warm_up(3)
+    got = first.predict(x)
+    assert got.dtype == torch.float32 and (got - ref).abs().max() / ref.abs().max() < 0.03
+    start = time.perf_counter()
+    again = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded")
+    assert time.perf_counter() - start < 10  # a later worker loads the package instead of compiling
+    assert torch.allclose(again.predict(x), got, rtol=0, atol=1e-3 * float(got.abs().max()))

@@ -159,13 +159,15 @@ class InferenceBatcher:
     ``max_batch_size``; ``batch_timeout`` is in seconds (LitServe's names), ``queue_size`` bounds
     the images waiting, ``request_timeout`` (s) is each image's deadline from submission.
     ``on_death`` is called (on the inference thread) if the loop dies unexpectedly, so the host
-    process can stop and be replaced.
+    process can stop and be replaced; ``thread_init`` runs first thing on the inference thread.
     """
 
     def __init__(self, predict: Callable[[torch.Tensor], torch.Tensor], *, max_batch_size: int,
                  batch_timeout: float, queue_size: int, request_timeout: float,
-                 on_death: Callable[[BaseException], None] | None = None):
+                 on_death: Callable[[BaseException], None] | None = None,
+                 thread_init: Callable[[], None] | None = None):
         self.predict = predict
+        self.thread_init = thread_init
         self.max_batch_size = max_batch_size
         self.batch_timeout = batch_timeout
         self.queue_size = queue_size
@@ -344,6 +346,8 @@ class InferenceBatcher:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread
+        if self.thread_init:
+            self.thread_init()  # e.g. intra-op threads, which are per calling thread too
         batch: list[_Request] = []
         try:
             while True:

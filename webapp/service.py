@@ -98,7 +98,8 @@ class Classifier:
             warm = self.engine.warm_up(s.MAX_BATCH_SIZE)
             self.batcher = InferenceBatcher(self.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
                                             batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
-                                            request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died)
+                                            request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died,
+                                            thread_init=self.engine.thread_init)
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, self.threads))
             self._run_self_test()
@@ -185,7 +186,8 @@ class Classifier:
         """The ``model`` object of every answer: name, weights, fallback/untrained note, precision."""
         if self.model is None:
             return {"name": self.settings.MODEL, "note": self.status}
-        return {**self.model.describe(), "precision": self.engine.precision, "compiled": self.engine.compiled}
+        return {**self.model.describe(), "precision": self.engine.precision, "compiled": self.engine.compiled,
+                "backend": self.engine.backend}
 
     def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False, _starting: bool = False) -> dict:
         """Decode, preprocess, batch-predict and encode several uploads; all succeed or the request fails.
