@@ -98,6 +98,17 @@ def choose_precision(requested: str) -> tuple[str, str]:
     return "fp32", "auto: no native bf16 in oneDNN on this CPU, so bf16 would be emulated and slower"
 
 
+class _Wrap(nn.Module):
+    """A thin module around ``module`` (see ``quantize_int8``)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
 def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
                   reduce_range: bool = False) -> torch.export.ExportedProgram:
     """PT2E static int8 quantization of ``module`` (see module docstring); returns the exported, converted program.
@@ -116,7 +127,9 @@ def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_s
     batch = Dim("batch", min=1, max=1024)  # any batch the batcher may form (max_batch_size <= 256)
     example = (torch.zeros(2, 3, input_size, input_size),)
     with torch.no_grad():
-        exported = export(module, example, dynamic_shapes=({0: batch},), strict=True)
+        # A wrapper, not the model itself: strict export drops dynamo's compiled code for the class
+        # it traces, which would break other compiled engines of the same model in this process.
+        exported = export(_Wrap(module), example, dynamic_shapes=({0: batch},), strict=True)
         config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
         quantizer = xiq.X86InductorQuantizer().set_global(config)
         prepared = prepare_pt2e(exported.module(), quantizer)
@@ -130,6 +143,9 @@ def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, inpu
                      cache_dir: Path | None, cache_key: str, reduce_range: bool = False) -> nn.Module:
     """The int8 model, from ``cache_dir`` when a program for ``cache_key`` was saved there, else quantized now and saved."""
     import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the q/dq ops torch.export.load needs
+    # Registers the inductor passes that lower q/dq + conv to oneDNN int8 kernels; without it a
+    # program loaded from the cache compiles to dequantize + fp32 conv (measured 3-4x slower).
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
 
     path = cache_dir / f"int8-{cache_key}.pt2" if cache_dir else None
     if path and path.is_file():
