@@ -235,3 +235,22 @@ def test_openapi_document_is_served(client):
     doc = resp.get_json()
     assert doc["openapi"].startswith("3.") and "/api/v1/predict" in doc["paths"]
     assert resp.headers["X-Request-ID"]
+
+
+def test_uploads_never_touch_the_disk(client, monkeypatch):
+    """Werkzeug spools file parts over 500 KB to temporary files by default; ours stay in memory."""
+    import tempfile
+
+    import werkzeug.formparser
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("an upload was about to be written to a temporary file")
+
+    for module in (tempfile, werkzeug.formparser):  # the parser holds its own references
+        for name in ("SpooledTemporaryFile", "TemporaryFile", "NamedTemporaryFile"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, no_disk)
+    big = shared_image("kite.jpg").read_bytes()  # 1.4 MB: well over Werkzeug's 500 KB spooling threshold
+    assert len(big) > 1_000_000
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(big), "kite.jpg")})
+    assert resp.status_code == 200, resp.get_data(as_text=True)
