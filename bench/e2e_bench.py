@@ -414,7 +414,7 @@ def summarize(load: Load) -> dict:
 def add_arguments(parser) -> None:
     parser.add_argument("--quick", action="store_true", help="levels 1 and 8, short windows (a smoke run)")
     parser.add_argument("--levels", type=int, nargs="+", help="concurrency levels (default 1 2 4 8 16; --quick 1 8)")
-    parser.add_argument("--seconds", type=float, default=0, help="timed window per run (0: 20, --quick 6)")
+    parser.add_argument("--seconds", type=float, default=0, help="timed window per run (0: 12, --quick 6)")
     parser.add_argument("--warmup", type=float, default=0, help="untimed seconds before each window (0: 3, --quick 2)")
     parser.add_argument("--photo", default=PHOTO_12MP, help="photo to upload (name in ../shared/images, or a path)")
     parser.add_argument("--model", default="resnet18_seeded", help="CLASSIFIER_MODEL of our server")
@@ -449,7 +449,7 @@ def saturation(rows: dict[int, dict], levels: list[int]) -> tuple[int, float]:
 
 def run(args) -> dict:
     levels = sorted(set(args.levels or ([1, 8] if args.quick else [1, 2, 4, 8, 16])))
-    seconds = args.seconds or (6.0 if args.quick else 20.0)
+    seconds = args.seconds or (6.0 if args.quick else 12.0)
     warmup = args.warmup or (2.0 if args.quick else 3.0)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="e2e_bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)

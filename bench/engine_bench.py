@@ -739,7 +739,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON here")
     parser.add_argument("--threads", type=int, default=0,
                         help="threads for every runtime; 0: the cores this process may use")
-    parser.add_argument("--rounds", type=int, help="round-robin timing rounds (None: 30; --quick 3)")
+    parser.add_argument("--rounds", type=int, help="round-robin timing rounds (None: 8; --quick 3)")
     parser.add_argument("--iters-bs1", type=int, help="timed bs1 calls per runtime per round (None: 10; --quick 4)")
     parser.add_argument("--iters-bs8", type=int, help="timed bs8 calls per runtime per round (None: 4; --quick 2)")
     parser.add_argument("--fidelity-photos", type=int,
@@ -763,7 +763,7 @@ def run(args: argparse.Namespace) -> dict:
     defaults = vars(add_arguments(argparse.ArgumentParser()).parse_args([]))
     args = argparse.Namespace(**{**defaults, **vars(args)})  # a caller's Namespace may lack some options
     quick = bool(args.quick)
-    rounds = args.rounds or (3 if quick else 30)
+    rounds = args.rounds or (3 if quick else 8)
     iters1 = args.iters_bs1 or (4 if quick else 10)
     iters8 = args.iters_bs8 or (2 if quick else 4)
     n_fid = args.fidelity_photos or (32 if quick else 256)

@@ -254,3 +254,10 @@ def test_uploads_never_touch_the_disk(client, monkeypatch):
     assert len(big) > 1_000_000
     resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(big), "kite.jpg")})
     assert resp.status_code == 200, resp.get_data(as_text=True)
+
+
+def test_topk_also_as_a_multipart_form_field(client):
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(small_png()), "x.png"), "topk": "5"})
+    assert resp.status_code == 200 and len(resp.get_json()["results"][0]["predictions"]) == 5
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(small_png()), "x.png"), "topk": "abc"})
+    assert_error(resp, 400, "bad_request")

@@ -405,12 +405,15 @@ def test_huge_declared_png_is_refused_from_the_header(monkeypatch):
     assert "400000000" in exc.message.replace(",", "")  # says how big it is
 
 
-def test_just_over_the_default_pixel_limit_is_413(recwarn):
+def test_just_over_the_default_pixel_limit_is_413():
     assert DEFAULT_MAX_PIXELS == 80_000_000
     start = time.perf_counter()
     _raises(png_declaring(9500, 9500), TooLarge, 413, max_pixels=DEFAULT_MAX_PIXELS)
     assert time.perf_counter() - start < 1.0
-    assert not recwarn.list  # Pillow's DecompressionBombWarning does not leak
+    # Pillow's DecompressionBombWarning (90 MP is over its 89.5 MP warning level) is silenced by a
+    # module-wide filter in webapp.imaging; pytest resets filters per test, so that it never reaches
+    # a log is checked over HTTP instead (tests/test_http_inputs.py reads the server's log).
+
 
 
 @pytest.mark.parametrize("max_pixels,ok", [(5000, False), (9999, False), (10000, True), (10001, True)])

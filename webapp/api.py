@@ -30,7 +30,11 @@ def predict():
     from .metrics import observe_answer
 
     clf = _classifier()
-    topk = parse_topk(request.args.get("topk"), clf.settings.TOP_K)
+    # topk as a query parameter, or as a form field of a multipart upload (as the page's form sends it)
+    raw_topk = request.args.get("topk")
+    if raw_topk is None and request.mimetype == "multipart/form-data":
+        raw_topk = request.form.get("topk")
+    topk = parse_topk(raw_topk, clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
     answer = clf.classify(uploads, topk=topk)
     observe_answer(answer)
