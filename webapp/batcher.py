@@ -322,7 +322,7 @@ class InferenceBatcher:
             logits = self.predict(torch.stack([r.tensor for r in live]))
             if logits.shape[0] != len(live):
                 raise RuntimeError(f"model returned {logits.shape[0]} rows for a batch of {len(live)} images")
-        except Exception as exc:
+        except Exception:
             log.exception("inference failed for a batch of %d images", len(live))
             for r in live:
                 r.future.reject(InferenceFailed("the model failed on this batch; the error is logged on the server"))

@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import hashlib
 import json
 import logging
 import os
 import re
 import shlex
-import socket
 import sys
 import textwrap
 import time
@@ -550,18 +548,10 @@ def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
 
 
 # -- weights -------------------------------------------------------------------------------------------
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def cmd_weights_fetch(args: argparse.Namespace) -> int:
     s = settings_mod.load()
     from .errors import StartupError
-    from .models import RESNET18_URL, check_weights_file, download_weights, hub_checkpoint_path
+    from .models import RESNET18_URL, check_weights_file, download_weights, hub_checkpoint_path, sha256_file
 
     url = args.url or RESNET18_URL
     timeout = args.timeout or s.DOWNLOAD_TIMEOUT_S
@@ -591,7 +581,7 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
         target.unlink(missing_ok=True)
         _err(f"error: {exc}")
         return EXIT_FAILED
-    print(f"saved {target} ({target.stat().st_size / 1e6:.1f} MB, sha256 {_sha256(target)[:16]}..., "
+    print(f"saved {target} ({target.stat().st_size / 1e6:.1f} MB, sha256 {sha256_file(target)[:16]}..., "
           f"matches {name})")
     print(_carry_instructions(target, hub_checkpoint_path(RESNET18_URL)))
     return EXIT_OK
@@ -609,7 +599,7 @@ def _carry_instructions(target: Path, hub_path: Path) -> str:
 
 
 def cmd_weights_verify(args: argparse.Namespace) -> int:
-    from .models import RESNET18_URL, expected_hash_prefix
+    from .models import RESNET18_URL, expected_hash_prefix, sha256_file
 
     path: Path = args.file
     if not path.is_file():
@@ -628,7 +618,7 @@ def cmd_weights_verify(args: argparse.Namespace) -> int:
             source = (f"its name carries no sha256 prefix, so compared with ResNet-18's "
                       f"{os.path.basename(urllib.parse.urlparse(RESNET18_URL).path)}")
     try:
-        digest = _sha256(path)
+        digest = sha256_file(path)
     except OSError as exc:
         _err(f"error: cannot read {path}: {exc.strerror or exc}")
         return EXIT_FAILED
@@ -666,7 +656,7 @@ def gather_info() -> dict:
     import torchvision
 
     from .engine import choose_precision, native_bf16
-    from .models import RESNET18_URL, expected_hash_prefix, hub_checkpoint_path
+    from .models import RESNET18_URL, expected_hash_prefix, hub_checkpoint_path, sha256_file
 
     cores = cpu.usable_cores()
     plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
@@ -676,7 +666,7 @@ def gather_info() -> dict:
 
     def weights_file(path: Path) -> dict:
         exists = path.is_file()
-        return {"path": str(path), "exists": exists, "hash_ok": _sha256(path).startswith(prefix) if exists else None}
+        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None}
 
     configured = weights_file(Path(s.WEIGHTS).expanduser()) if s.WEIGHTS else None
     hub = weights_file(hub_checkpoint_path(RESNET18_URL))

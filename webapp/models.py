@@ -97,7 +97,8 @@ class LoadedModel:
         return self.fallback_reason
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -119,7 +120,7 @@ def check_weights_file(path: Path, url: str) -> None:
     :raises StartupError: naming the file, both hashes and where to get a good copy.
     """
     prefix = expected_hash_prefix(url)
-    actual = _sha256(path)
+    actual = sha256_file(path)
     if not actual.startswith(prefix):
         raise StartupError(
             f"weights file {path} is damaged or not the expected file: its sha256 is {actual[:16]}..., "
