@@ -45,3 +45,29 @@ def test_encode_top_k():
     assert [p["label"] for p in out] == ["b", "d", "c"] and [p["index"] for p in out] == [1, 3, 2]
     assert abs(sum(p["probability"] for p in out) - float(torch.softmax(logits, 0)[1:].sum())) < 1e-5
     assert len(encode(logits, list("abcd"), topk=10)) == 4
+
+
+def test_auto_keeps_bf16_only_if_the_startup_measurement_says_it_pays_off(monkeypatch):
+    from webapp import engine
+
+    monkeypatch.setattr(engine, "native_bf16", lambda: True)  # oneDNN claims native bf16...
+    monkeypatch.setattr(service, "bf16_pays_off", lambda module, batch: (False, "measured bf16 0.90x fp32"))
+    clf = Classifier(settings.load(environ={}, overrides={"MODEL": "resnet18_seeded", "COMPILE": False,
+                                                          "MAX_BATCH_SIZE": 1}))
+    clf.start()
+    try:
+        health = clf.health()
+        assert health["precision"] == "fp32"  # ...but it did not pay off here: fp32, and it says why
+        assert "claims native bf16" in health["precision_reason"] and "0.90x" in health["precision_reason"]
+    finally:
+        clf.stop()
+
+
+def test_bf16_measurement_reports_speed_and_fidelity():
+    import torchvision
+
+    from webapp.engine import bf16_pays_off
+
+    torch.manual_seed(0)
+    ok, reason = bf16_pays_off(torchvision.models.resnet18().eval(), torch.randn(2, 3, 224, 224), runs=1)
+    assert isinstance(ok, bool) and "x fp32" in reason and "logit error" in reason and "top-1" in reason

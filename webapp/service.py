@@ -18,7 +18,7 @@ import torch
 from . import imaging
 from .assets import GOLDEN, calibration_files
 from .batcher import InferenceBatcher, Offloader, keep_alive
-from .engine import Engine, choose_precision, choose_reduce_range, configure_threads
+from .engine import Engine, bf16_pays_off, choose_precision, choose_reduce_range, configure_threads
 from .errors import NotReady, StartupError
 from .models import LoadedModel, load_model
 
@@ -85,6 +85,11 @@ class Classifier:
             self.model = load_model(s)
             self.transform = imaging.build_transform(self.model.preprocessing)
             precision, self.precision_reason = choose_precision(s.PRECISION)
+            if s.PRECISION == "auto" and precision == "bf16":  # oneDNN says native: check it pays off here
+                ok, measured = bf16_pays_off(self.model.module, self._golden_batch())
+                precision = "bf16" if ok else "fp32"
+                self.precision_reason = (f"{self.precision_reason}; {measured}" if ok else
+                                         f"auto: oneDNN claims native bf16 but {measured}, so fp32")
             cache = self._cache_dir()
             calibration = self._calibration() if precision == "int8" else []
             self.status = "compiling" if s.COMPILE else "warming up"
@@ -112,6 +117,14 @@ class Classifier:
         if self.model.note():
             log.warning("serving %s: %s", self.model.name, self.model.note())
         log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, warm)
+
+    def _golden_batch(self) -> torch.Tensor:
+        """The golden photo and its mirror image, preprocessed: ``(4, 3, S, S) float32`` for start-up checks."""
+        from PIL import ImageOps
+
+        img = imaging.decode(GOLDEN.read_bytes(), max_pixels=self.settings.MAX_PIXELS, name=GOLDEN.name).image
+        views = [img, ImageOps.mirror(img)] * 2
+        return torch.stack([imaging.preprocess(v, self.transform) for v in views])
 
     def _cache_dir(self) -> Path:
         """The persistent cache (inductor's compiled kernels, the int8 program); survives restarts.
