@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import math
 import random
 import signal
 import sys
@@ -53,6 +52,9 @@ from PIL import Image, ImageOps
 from urllib3 import encode_multipart_formdata
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the bench package: run as `python bench/soak.py` too
+from bench import percentile  # noqa: E402
+
 IMAGES = ROOT.parent / "shared" / "images"
 MAX_REQUEST_BYTES = 28 * 1024 * 1024  # under the default CLASSIFIER_MAX_UPLOAD_BYTES (32 MiB)
 
@@ -195,15 +197,6 @@ class Stats:
     def snapshot(self):
         with self.lock:
             return Counter(self.by_status), list(self.latency_ok), self.images
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def client(url: str, photos: list[Photo], bad: list[Bad], stats: Stats, stop: threading.Event, seed: int,
