@@ -24,6 +24,10 @@ from .models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
 
+# Our own photos (golden, calibration) are trusted files: the uploads' pixel cap does not apply.
+ASSET_MAX_PIXELS = 2**40
+
+
 @dataclass
 class Upload:
     """One uploaded file: its client-side ``name`` (only ever echoed, escaped) and raw ``data``."""
@@ -122,7 +126,7 @@ class Classifier:
         """The golden photo and its mirror image, preprocessed: ``(4, 3, S, S) float32`` for start-up checks."""
         from PIL import ImageOps
 
-        img = imaging.decode(GOLDEN.read_bytes(), max_pixels=self.settings.MAX_PIXELS, name=GOLDEN.name).image
+        img = imaging.decode(GOLDEN.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=GOLDEN.name).image
         views = [img, ImageOps.mirror(img)] * 2
         return torch.stack([imaging.preprocess(v, self.transform) for v in views])
 
@@ -150,7 +154,7 @@ class Classifier:
             raise StartupError(f"int8 needs calibration photos; none found in {self.settings.CALIBRATION_DIR}")
         tensors, names = [], []
         for f in files:
-            d = imaging.decode(f.read_bytes(), max_pixels=self.settings.MAX_PIXELS, name=f.name)
+            d = imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=f.name)
             tensors.append(imaging.preprocess(d.image, self.transform))
             names.append(f"{f.name}:{f.stat().st_size}")
         self._calib_id = "|".join(names)
@@ -218,7 +222,8 @@ class Classifier:
         self.batcher.check_capacity(len(uploads))  # a full queue answers 429 before any decoding
         decoded, tensors, images = [], [], []
         for up in uploads:
-            d, tensor, image = self.offloader.run(self._decode, up, keep_images)
+            limit = ASSET_MAX_PIXELS if _starting else self.settings.MAX_PIXELS  # the self-test photo is ours
+            d, tensor, image = self.offloader.run(self._decode, up, keep_images, limit)
             decoded.append(d)
             tensors.append(tensor)
             images.append(image)
@@ -244,9 +249,9 @@ class Classifier:
             },
         }
 
-    def _decode(self, up: Upload, keep_image: bool):
+    def _decode(self, up: Upload, keep_image: bool, max_pixels: int):
         """Decode + preprocess one upload (on an Offloader thread); return (Decoded without its image, tensor, thumbnail)."""
-        d = imaging.decode(up.data, max_pixels=self.settings.MAX_PIXELS, name=up.name, min_side=self._min_side())
+        d = imaging.decode(up.data, max_pixels=max_pixels, name=up.name, min_side=self._min_side())
         tensor = imaging.preprocess(d.image, self.transform)
         # Keep only what the answer needs: a full-size image held while the batch waits would
         # multiply memory by the number of requests in flight.
