@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,17 @@ def offline_app():
 @pytest.fixture
 def offline_client(offline_app):
     return offline_app.test_client()
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    """One PNG chunk (length, type, payload, CRC)."""
+    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A valid 1x1 PNG whose IHDR is patched to declare ``width`` x ``height`` (CRC fixed): no pixel data for it."""
+    data = bytearray(png_bytes(Image.new("RGB", (1, 1), (10, 20, 30))))
+    assert data[12:16] == b"IHDR"
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)

@@ -72,4 +72,12 @@ class Server:
         self.log.close()
         return self.proc.returncode
 
+    def stop_cleanly(self) -> str:
+        """Stop (SIGTERM) and assert it exited 0 with no traceback in its log; return the log."""
+        code = self.stop()
+        out = self.output()
+        assert code == 0, f"gunicorn exited with {code}:\n{out[-3000:]}"
+        assert "Traceback" not in out, out[-5000:]
+        return out
+
 

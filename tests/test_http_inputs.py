@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from conftest import ROOT, png_bytes, shared_image
+from conftest import ROOT, png_bytes, png_chunk, png_declaring, shared_image
 from serving import Server
 
 MAX_UPLOAD = 2 * 1024 * 1024
@@ -144,19 +144,6 @@ def classify(srv, data: bytes, name: str = "photo", topk: int = 5) -> dict:
 def rss_mb(pid: int) -> dict[str, float]:
     status = Path(f"/proc/{pid}/status").read_text()
     return {k: int(re.search(rf"^{k}:\s+(\d+) kB", status, re.M).group(1)) / 1024 for k in ("VmRSS", "VmHWM")}
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A valid 1x1 PNG whose IHDR is patched to declare ``width`` x ``height`` (its CRC fixed)."""
-    data = bytearray(png_bytes(Image.new("RGB", (1, 1), (10, 20, 30))))
-    assert data[12:16] == b"IHDR"
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
-
-
-def png_chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
 
 def jpeg_declaring(width: int, height: int) -> bytes:

@@ -22,7 +22,7 @@ from webapp.imaging import build_transform, center_limit, decode, preprocess
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
-from conftest import png_bytes, shared_image
+from conftest import png_bytes, png_chunk, png_declaring, shared_image
 
 PHOTOS = ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg", "scream.jpg",
           "phone-12mp.jpg", "phone-12mp-exif-rotated.jpg"]
@@ -44,19 +44,6 @@ def reopen(data: bytes) -> Image.Image:
 
 def pixels(img: Image.Image) -> np.ndarray:
     return np.asarray(img, dtype=np.int16)
-
-
-def png_chunk(kind: bytes, payload: bytes) -> bytes:
-    return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A valid 1x1 PNG whose IHDR is patched to declare ``width`` x ``height`` (CRC fixed): no pixel data for it."""
-    data = bytearray(png_bytes(Image.new("RGB", (1, 1), (10, 20, 30))))
-    assert data[12:16] == b"IHDR"
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
 
 
 @pytest.fixture(scope="module")

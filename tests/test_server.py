@@ -30,10 +30,7 @@ def server(tmp_path_factory):
                  MAX_BATCH_SIZE=4, WORKERS=2, THREADS=1)
     srv.health = srv.wait_ready(workers=2)
     yield srv
-    code = srv.stop()
-    out = srv.output()
-    assert code == 0, out[-3000:]
-    assert "Traceback" not in out, out[-5000:]
+    srv.stop_cleanly()
 
 
 def predict(server, data: bytes, name: str, topk: int = 3) -> dict:
