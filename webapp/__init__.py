@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from flask import Flask, jsonify, render_template, request
+from flask import Flask, g, jsonify, render_template, request
 from werkzeug.exceptions import HTTPException
 
 from . import settings as settings_mod
@@ -28,12 +28,14 @@ SECURITY_HEADERS = {
 }
 
 
-def create_app(config: dict | None = None) -> Flask:
+def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     """Build the Flask app and its classifier from the settings table (env vars, then ``config``).
 
     ``config`` takes setting names without the prefix (``{"MODEL": "resnet18_seeded"}``). Outside
     gunicorn's config the model is loaded, compiled and warmed up here, before returning;
-    under it, in each worker's ``post_worker_init``.
+    under it, in each worker's ``post_worker_init``. A ``classifier`` given is used as it is and
+    not started: the Ray Serve HTTP replica passes one that forwards to model replicas
+    (webapp/cluster.py).
 
     :raises SettingsError: a bad setting (the message names it, its value and what is allowed).
     :raises StartupError: the model cannot be served (no weights with fallback off, bad file,
@@ -56,7 +58,9 @@ def create_app(config: dict | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.MAX_UPLOAD_BYTES
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.MAX_UPLOAD_BYTES
     app.extensions["settings"] = settings
-    classifier = Classifier(settings)
+    own_classifier = classifier is None
+    if own_classifier:
+        classifier = Classifier(settings)
     app.extensions["classifier"] = classifier
 
     from . import api, ui
@@ -116,8 +120,11 @@ def create_app(config: dict | None = None) -> Flask:
     def security_headers(resp):
         for name, value in SECURITY_HEADERS.items():
             resp.headers.setdefault(name, value)
+        served_by = g.get("served_by")  # on a Ray cluster: the model replica that answered
+        if served_by:
+            resp.headers["X-Served-By"] = served_by
         return resp
 
-    if not os.environ.get(GUNICORN_ENV):
+    if own_classifier and not os.environ.get(GUNICORN_ENV):
         classifier.start()
     return app

@@ -21,6 +21,13 @@ versions: a forward pass on such a "thread" would block the worker's hub (every 
 Outside gevent (tests, the CLI, a sync server) the same code runs on ``threading`` primitives and
 ``concurrent.futures.Future``. Torch releases the GIL inside kernels, so the hub keeps serving
 while the model runs.
+
+On a Ray cluster (webapp/cluster.py) nothing is monkey-patched and Ray forms the batches
+(``@serve.batch``, or Ray Data's ``map_batches``), so ``InferenceBatcher`` is not used there. A
+model replica's requests are coroutines on its asyncio loop; the forward pass runs on the one
+real OS thread of ``inference_executor`` (so ``thread_init`` holds, and the loop never blocks on
+torch) and decoding on the real threads of ``decode_executor``. The HTTP replica runs the Flask
+app on a2wsgi's pool of real OS threads, each blocking on its model replica's answer.
 """
 
 from __future__ import annotations
@@ -414,6 +421,24 @@ def client_pool(workers: int):
     from concurrent.futures import ThreadPoolExecutor
 
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="classify")
+
+
+def inference_executor(thread_init: Callable[[], None] | None = None):
+    """A pool of exactly one real OS thread for every forward pass of a Ray replica.
+
+    One thread, as the batcher's: batches run one at a time, and ``thread_init`` (intra-op
+    threads) runs once on it first. Used with ``loop.run_in_executor`` from an asyncio replica.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference", initializer=thread_init)
+
+
+def decode_executor(max_threads: int):
+    """A pool of ``max_threads`` real OS threads that decode uploads in a Ray replica (Pillow releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="decode")
 
 
 def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, object]:

@@ -92,3 +92,14 @@ class InferenceFailed(ServiceError):
 
 class StartupError(RuntimeError):
     """The service cannot start (no weights, bad weights file, failed self-test); the message says what to do."""
+
+
+def from_dict(error: dict, headers: dict[str, str] | None = None) -> ServiceError:
+    """Rebuild the ``ServiceError`` whose ``to_dict()["error"]`` is ``error`` (same class, status, code).
+
+    A Ray Serve model replica answers errors as data (webapp/cluster.py); the HTTP replica raises
+    them again here so the one error handler renders them. An unknown code gives a plain 500.
+    """
+    kinds = {cls.code: cls for cls in ServiceError.__subclasses__()}
+    cls = kinds.get(error.get("code"), ServiceError)
+    return cls(str(error.get("message", "internal server error")), headers=headers)

@@ -84,27 +84,7 @@ class Classifier:
         t0 = time.perf_counter()
         stop_beats = keep_alive(heartbeat, limit=s.STARTUP_TIMEOUT_S) if heartbeat else None
         try:
-            self.status = "loading model"
-            self.threads = configure_threads(s.THREADS)
-            self.model = load_model(s)
-            self.transform = imaging.build_transform(self.model.preprocessing)
-            precision, self.precision_reason = choose_precision(s.PRECISION)
-            if s.PRECISION == "auto" and precision == "bf16":  # oneDNN says native: check it pays off here
-                ok, measured = bf16_pays_off(self.model.module, self._golden_batch())
-                precision = "bf16" if ok else "fp32"
-                self.precision_reason = (f"{self.precision_reason}; {measured}" if ok else
-                                         f"auto: oneDNN claims native bf16 but {measured}, so fp32")
-            cache = self._cache_dir()
-            calibration = self._calibration() if precision == "int8" else []
-            self.status = "compiling" if s.COMPILE else "warming up"
-            self.engine = Engine(self.model.module, input_size=self.model.preprocessing.crop, compile=s.COMPILE,
-                                 precision=precision, calibration=calibration,
-                                 reduce_range=choose_reduce_range(s.INT8_REDUCE_RANGE),
-                                 cache_dir=cache, cache_id=f"{self.model.name}|{self.model.weights}|{self._calib_id}")
-            log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
-                     self.model.name, self.model.weights, precision, self.precision_reason, s.COMPILE, self.threads,
-                     sorted(os.sched_getaffinity(0)), s.MAX_BATCH_SIZE)
-            warm = self.engine.warm_up(s.MAX_BATCH_SIZE)
+            warm = self.load()
             self.batcher = InferenceBatcher(self.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
                                             batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
                                             request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died,
@@ -115,12 +95,48 @@ class Classifier:
         finally:
             if stop_beats:
                 stop_beats()
-        self.startup_s = time.perf_counter() - t0
+        self.mark_ready(time.perf_counter() - t0, warm)
+
+    def load(self) -> float:
+        """Load the model, choose the precision, compile and warm up batch 1..``MAX_BATCH_SIZE``.
+
+        Everything ``start`` does before the batcher; a Ray Serve replica (webapp/cluster.py) calls
+        it and batches with ``@serve.batch`` instead. Returns the warm-up time in seconds.
+
+        :raises StartupError: no weights (with fallback off), a bad weights file, int8 without
+            calibration photos.
+        """
+        s = self.settings
+        self.status = "loading model"
+        self.threads = configure_threads(s.THREADS)
+        self.model = load_model(s)
+        self.transform = imaging.build_transform(self.model.preprocessing)
+        precision, self.precision_reason = choose_precision(s.PRECISION)
+        if s.PRECISION == "auto" and precision == "bf16":  # oneDNN says native: check it pays off here
+            ok, measured = bf16_pays_off(self.model.module, self._golden_batch())
+            precision = "bf16" if ok else "fp32"
+            self.precision_reason = (f"{self.precision_reason}; {measured}" if ok else
+                                     f"auto: oneDNN claims native bf16 but {measured}, so fp32")
+        cache = self._cache_dir()
+        calibration = self._calibration() if precision == "int8" else []
+        self.status = "compiling" if s.COMPILE else "warming up"
+        self.engine = Engine(self.model.module, input_size=self.model.preprocessing.crop, compile=s.COMPILE,
+                             precision=precision, calibration=calibration,
+                             reduce_range=choose_reduce_range(s.INT8_REDUCE_RANGE),
+                             cache_dir=cache, cache_id=f"{self.model.name}|{self.model.weights}|{self._calib_id}")
+        log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
+                 self.model.name, self.model.weights, precision, self.precision_reason, s.COMPILE, self.threads,
+                 sorted(os.sched_getaffinity(0)), s.MAX_BATCH_SIZE)
+        return self.engine.warm_up(s.MAX_BATCH_SIZE)
+
+    def mark_ready(self, startup_s: float, warm_s: float) -> None:
+        """Record the start-up time (s) and report ready (logged with the model's fallback note, if any)."""
+        self.startup_s = startup_s
         self._ready = True
         self.status = "ready"
         if self.model.note():
             log.warning("serving %s: %s", self.model.name, self.model.note())
-        log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, warm)
+        log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, warm_s)
 
     def _golden_batch(self) -> torch.Tensor:
         """The golden photo and its mirror image, preprocessed: ``(4, 3, S, S) float32`` for start-up checks."""
@@ -160,22 +176,32 @@ class Classifier:
         self._calib_id = "|".join(names)
         return tensors
 
-    def _self_test_enabled(self) -> bool:
-        mode = self.settings.SELF_TEST
-        return mode == "on" or (mode == "auto" and not self.model.untrained)
-
     def _run_self_test(self) -> None:
-        if not self._self_test_enabled():
+        if not self.self_test_enabled():
             self.self_test = {"skipped": "untrained weights" if self.model.untrained else "CLASSIFIER_SELF_TEST=off"}
             return
         self.status = "self-test"
         answer = self.classify([Upload(GOLDEN.name, GOLDEN.read_bytes())], topk=3, _starting=True)
-        top = answer["results"][0]["predictions"]
+        try:
+            self.judge_self_test(answer["results"][0]["predictions"])
+        except StartupError:
+            self.batcher.stop()
+            raise
+
+    def self_test_enabled(self) -> bool:
+        """Whether start-up runs the self-test: ``SELF_TEST`` on, or auto with trained weights."""
+        mode = self.settings.SELF_TEST
+        return mode == "on" or (mode == "auto" and not self.model.untrained)
+
+    def judge_self_test(self, top: list[dict]) -> None:
+        """Record the self-test from the golden photo's top-3 predictions (``encode``'s dicts).
+
+        :raises StartupError: no dog breed among them (wrong weights or preprocessing).
+        """
         passed = any(p["index"] in self.model.self_test_classes for p in top)
         self.self_test = {"passed": passed, "photo": GOLDEN.name, "top3": [p["label"] for p in top]}
         if not passed:
             self.status = "self-test failed"
-            self.batcher.stop()
             raise StartupError(f"self-test failed: the golden dog photo {GOLDEN} came out as "
                                f"{[p['label'] for p in top]}, no dog breed in the top 3; the weights "
                                f"({self.model.weights}) or preprocessing are wrong")
@@ -223,7 +249,7 @@ class Classifier:
         decoded, tensors, images = [], [], []
         for up in uploads:
             limit = ASSET_MAX_PIXELS if _starting else self.settings.MAX_PIXELS  # the self-test photo is ours
-            d, tensor, image = self.offloader.run(self._decode, up, keep_images, limit)
+            d, tensor, image = self.offloader.run(self.decode, up, keep_images, limit)
             decoded.append(d)
             tensors.append(tensor)
             images.append(image)
@@ -231,8 +257,18 @@ class Classifier:
         outcomes = self.batcher.classify(tensors)
         if self.on_outcomes is not None and not _starting:
             self.on_outcomes(outcomes)
+        return self.answer(uploads, decoded, images, outcomes, topk=topk, keep_images=keep_images,
+                           decode_ms=decode_ms, start=start)
+
+    def answer(self, uploads: list[Upload], decoded: list, images: list, outcomes: list, *, topk: int,
+               keep_images: bool, decode_ms: float, start: float) -> dict:
+        """The JSON answer of ``classify`` from each upload's decode and its batcher ``Result``.
+
+        ``start`` is the request's ``time.perf_counter()`` at arrival; the answer's times are in ms.
+        Shared by the Ray Serve replica (webapp/cluster.py), so both paths answer alike.
+        """
         results = []
-        for up, d, image, out in zip(uploads, decoded, images, outcomes):
+        for up, d, image, out in zip(uploads, decoded, images, outcomes, strict=True):
             item = {"filename": up.name, "width": d.size[0], "height": d.size[1], "format": d.format,
                     "predictions": encode(out.logits, self.model.categories, topk), "batch_size": out.batch_size}
             if keep_images:
@@ -249,8 +285,14 @@ class Classifier:
             },
         }
 
-    def _decode(self, up: Upload, keep_image: bool, max_pixels: int):
-        """Decode + preprocess one upload (on an Offloader thread); return (Decoded without its image, tensor, thumbnail)."""
+    def decode(self, up: Upload, keep_image: bool, max_pixels: int):
+        """Decode + preprocess one upload; return (``Decoded`` without its image, tensor, thumbnail or None).
+
+        The tensor is ``(3, S, S) float32``, normalized as the model's preprocessing says. Runs on
+        an Offloader thread under gunicorn, on a decode pool thread in a Ray replica.
+
+        :raises ServiceError: undecodable (400), too many pixels (413), not an image (415).
+        """
         d = imaging.decode(up.data, max_pixels=max_pixels, name=up.name, min_side=self._min_side())
         tensor = imaging.preprocess(d.image, self.transform)
         # Keep only what the answer needs: a full-size image held while the batch waits would
