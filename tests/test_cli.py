@@ -83,6 +83,9 @@ def test_help_lists_every_setting_from_the_table():
     serve = run_cli("serve", "--help", env=clean_env(COLUMNS="200"))
     assert serve.returncode == 0, serve.stderr
     for s in settings.SETTINGS:
+        if s.name in cli.CLASSIFY_CLUSTER_ONLY:  # the Ray Data job's settings are classify's only
+            assert s.env not in serve.stdout, s.name
+            continue
         assert s.env in serve.stdout and cli.option_name(s) in serve.stdout, s.name
         line = next(line for line in serve.stdout.splitlines() if s.env + " " in line)
         assert f"(default {cli.default_text(s)}" in line
@@ -90,7 +93,7 @@ def test_help_lists_every_setting_from_the_table():
     classify = run_cli("classify", "--help", env=clean_env(COLUMNS="200"))
     assert classify.returncode == 0, classify.stderr
     for s in settings.SETTINGS:
-        assert (s.env in classify.stdout) == (s.name not in cli.SERVER_ONLY), s.name
+        assert (s.env in classify.stdout) == (s.name not in cli.SERVER_ONLY | cli.SERVE_CLUSTER_ONLY), s.name
     assert "--topk" in classify.stdout and "--format" in classify.stdout
     top = run_cli("--help")
     assert top.returncode == 0 and all(c in top.stdout for c in ("serve", "classify", "weights", "info", "settings"))
@@ -98,6 +101,9 @@ def test_help_lists_every_setting_from_the_table():
 
 def test_server_only_settings_exist():
     assert cli.SERVER_ONLY <= set(settings.BY_NAME), "SERVER_ONLY names a setting the table no longer has"
+    assert cli.SERVE_CLUSTER_ONLY | cli.CLASSIFY_CLUSTER_ONLY <= set(settings.BY_NAME)
+    assert {s.name for s in settings.SETTINGS if s.name.startswith("CLUSTER_")} == \
+        cli.SERVE_CLUSTER_ONLY | cli.CLASSIFY_CLUSTER_ONLY
     assert cli.SECRET <= set(settings.BY_NAME)
 
 

@@ -2,9 +2,11 @@
 
 - ``serve``: exec gunicorn with the project's config (``gunicorn -c gunicorn.conf.py wsgi:app``);
   its options set the ``CLASSIFIER_*`` variables; what follows ``--`` goes to gunicorn.
+  ``--cluster``: the same API on a Ray cluster (Ray Serve, webapp/cluster.py) instead.
 - ``classify PATH...``: files and folders through the same ``Classifier`` the server runs (decode,
   dynamic batcher, engine), from a small thread pool so batches form; one bad file is one error
   line, never the end of the run. Exit 0: all classified, 1: some failed, 2: usage error.
+  ``--cluster --out DEST.parquet``: the same with Ray Data over a cluster, one Parquet file out.
 - ``weights fetch`` / ``weights verify``: carry ResNet-18 weights to an air-gapped host.
 - ``info``: CPU, what oneDNN/ATen run, the precision ``auto`` picks, the worker plan, weights.
 - ``settings``: the settings table, with the values in effect (``--markdown``: the README table).
@@ -40,6 +42,11 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Settings only the HTTP server reads: ``classify`` offers no option for them (tests check the names exist).
 SERVER_ONLY = frozenset({"BIND", "WORKERS", "STARTUP_TIMEOUT_S", "API_TOKEN", "RATE_LIMIT", "RATE_LIMIT_STORAGE",
                          "METRICS", "ACCESS_LOG", "MAX_FILES"})
+# Settings only the Ray Serve deployment reads (serve --cluster), and only the Ray Data job (classify --cluster).
+SERVE_CLUSTER_ONLY = frozenset({"CLUSTER_REPLICAS", "CLUSTER_MIN_REPLICAS", "CLUSTER_MAX_REPLICAS",
+                                "CLUSTER_INGRESS_REPLICAS", "CLUSTER_MAX_ONGOING_REQUESTS",
+                                "CLUSTER_MAX_QUEUED_REQUESTS"})
+CLASSIFY_CLUSTER_ONLY = frozenset({"CLUSTER_ACTORS"})
 # Never printed in clear (``settings``, ``serve --dry-run``).
 SECRET = frozenset({"API_TOKEN"})
 # What ``classify`` takes from a folder (files named on the command line are always tried).
@@ -169,7 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=settings_epilog())
     serve.add_argument("--dry-run", action="store_true",
                        help="print the CLASSIFIER_* variables and the gunicorn command, run nothing")
-    add_setting_options(serve)
+    serve.add_argument("--cluster", action="store_true",
+                       help="serve on a Ray cluster instead (Ray Serve; pip install -r requirements-cluster.txt): "
+                            "joins --address or $RAY_ADDRESS, else starts Ray on this host; the HTTP proxy "
+                            "listens on --bind; replicas from the --cluster-* options")
+    serve.add_argument("--address", default=None, metavar="ADDR",
+                       help="with --cluster: the Ray cluster to join, e.g. ray://head:10001 or head:6379 "
+                            "(default: $RAY_ADDRESS, else a local Ray)")
+    add_setting_options(serve, skip=CLASSIFY_CLUSTER_ONLY)
     serve.set_defaults(func=cmd_serve)
 
     classify = sub.add_parser(
@@ -192,7 +206,16 @@ def build_parser() -> argparse.ArgumentParser:
                                "names, no hidden files)")
     classify.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary (warnings "
                           "and errors still go to stderr)")
-    add_setting_options(classify, skip=SERVER_ONLY, aliases={"TOP_K": ("--topk", "-k")})
+    classify.add_argument("--cluster", action="store_true",
+                          help="classify with Ray Data on a Ray cluster (pip install -r requirements-cluster.txt) and "
+                               "write one Parquet file (--out): path, model, width, height, format, labels, "
+                               "indices, probabilities, error_code, error per file. PATH may also be a URI Ray "
+                               "Data reads (s3://bucket/photos/, gs://...). --cluster-actors model actors")
+    classify.add_argument("--out", default=None, metavar="DEST.parquet",
+                          help="with --cluster: the Parquet file to write (a path or a URI such as s3://...)")
+    classify.add_argument("--address", default=None, metavar="ADDR",
+                          help="with --cluster: the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    add_setting_options(classify, skip=SERVER_ONLY | SERVE_CLUSTER_ONLY, aliases={"TOP_K": ("--topk", "-k")})
     classify.set_defaults(func=cmd_classify)
 
     weights = sub.add_parser("weights", formatter_class=_Formatter,
@@ -295,6 +318,11 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     env = dict(os.environ)
     env.update(as_environ(given_settings(args)))
     settings_mod.load(env)  # a bad value stops here, named, before gunicorn starts
+    if args.cluster:
+        return serve_cluster(args, env, extra)
+    if args.address:
+        _err("error: --address goes with --cluster")
+        return EXIT_USAGE
     conf, wsgi = ROOT / "gunicorn.conf.py", ROOT / "wsgi.py"
     if not conf.is_file() or not wsgi.is_file():
         _err(f"error: {conf} or {wsgi} is missing; serve runs from a checkout of the project")
@@ -318,6 +346,41 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)  # never returns: gunicorn's master is this process now
     return EXIT_FAILED  # pragma: no cover
+
+
+def _ray_missing() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("a2wsgi") is None:
+        _err(f"error: --cluster needs Ray: {sys.executable} -m pip install -r {ROOT / 'requirements-cluster.txt'}")
+        return True
+    return False
+
+
+def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
+    """``serve --cluster``: deploy the Ray Serve application and keep it until SIGINT/SIGTERM."""
+    if extra:
+        _err(f"error: arguments after -- go to gunicorn, which --cluster does not run: {shlex.join(extra)}")
+        return EXIT_USAGE
+    s = settings_mod.load(env)
+    host, _, port = s.BIND.rpartition(":")
+    if not host or not port.isdigit():
+        _err(f"error: CLASSIFIER_BIND={s.BIND!r}: with --cluster give host:port for Ray's HTTP proxy")
+        return EXIT_USAGE
+    address = args.address or os.environ.get("RAY_ADDRESS") or "(a local Ray on this host)"
+    if args.dry_run:
+        for key in sorted(k for k in env if k.startswith(PREFIX)):
+            print(f"{key}={shlex.quote(_shown(key[len(PREFIX):], env[key]))}")
+        print(f"ray serve: {address} -> http://{host}:{port}/ (application 'classifier')")
+        return EXIT_OK
+    if _ray_missing():
+        return EXIT_FAILED
+    from . import cluster
+
+    logging.basicConfig(level=s.LOG_LEVEL.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s")
+    cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host.strip("[]"),
+                          port=int(port))
+    return EXIT_OK
 
 
 # -- classify ------------------------------------------------------------------------------------------
@@ -407,6 +470,11 @@ def _error(code: str, message: str) -> dict:
 
 def cmd_classify(args: argparse.Namespace) -> int:
     s = settings_mod.load(os.environ, given_settings(args))
+    if args.cluster:
+        return classify_cluster(args)
+    if args.out or args.address:
+        _err("error: --out and --address go with --cluster")
+        return EXIT_USAGE
     items, skipped = collect_files(args.paths, all_files=args.all_files)
     if not any(path for _, path, _ in items):
         for shown, _, why in items:
@@ -519,6 +587,46 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
         _err(f"{_n(len(results), 'file')}: {ok} classified, {failed} failed{mean}; {elapsed:.1f} s{rate}"
              + (f"; {_n(skipped, 'other file')} in folders skipped (--all-files tries them)" if skipped else ""))
     return EXIT_OK if failed == 0 else EXIT_FAILED
+
+
+def classify_cluster(args: argparse.Namespace) -> int:
+    """``classify --cluster``: Ray Data over the paths, one Parquet file out; exit 0 all classified, 1 some failed."""
+    if not args.out:
+        _err("error: classify --cluster writes a Parquet file: give --out DEST.parquet")
+        return EXIT_USAGE
+    sources = []
+    for arg in args.paths:
+        if "://" in arg:
+            sources.append(arg)
+        elif not Path(arg).exists():
+            _err(f"error: {arg}: no such file or directory")
+            return EXIT_USAGE
+        else:  # absolute: Ray's workers do not run in this folder
+            sources.append(str(Path(arg).resolve()))
+    if _ray_missing():
+        return EXIT_FAILED
+    from . import cluster
+
+    values = cluster.replica_settings(given_settings(args))
+    extensions = None if args.all_files else sorted(x.lstrip(".") for x in IMAGE_SUFFIXES)
+    if not args.quiet:
+        _err(f"classifying {' '.join(args.paths)} with Ray Data: {values['CLUSTER_ACTORS']} x {values['MODEL']} "
+             f"({values['THREADS']} CPU each) -> {args.out}")
+    restore_logging = _setup_logging(values["LOG_LEVEL"] if "LOG_LEVEL" in given_settings(args) else "warning")
+    try:
+        done = cluster.classify_to_parquet(values, sources, args.out, address=args.address,
+                                           extensions=extensions, progress=not args.quiet)
+    finally:
+        restore_logging()
+    if not args.quiet:
+        rate = f", {done['files'] / done['seconds']:.1f} files/s" if done["seconds"] > 0 else ""
+        _err(f"{_n(done['files'], 'file')}: {done['files'] - done['failed']} classified, {done['failed']} failed; "
+             f"{done['seconds']:.1f} s{rate} -> {args.out}")
+    if done["files"] == 0:
+        _err(f"error: no image files in {' '.join(args.paths)}" + ("" if args.all_files else " (--all-files reads "
+                                                                   "every file)"))
+        return EXIT_FAILED
+    return EXIT_OK if done["failed"] == 0 else EXIT_FAILED
 
 
 def _error_text(error: dict) -> str:

@@ -149,8 +149,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(webapp/calibration). Your own photos suit a narrow domain better."),
     Setting("FAST_DECODE", _bool, True, "Decode large JPEGs at a reduced DCT scale (Pillow draft) and shrink other "
             "large images by an integer factor first, never below the resize size: a 12 MP photo decodes ~4x faster."),
-    Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to.",
-            low=0, high=1024),
+    Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to (on a Ray "
+            "cluster: 1 per replica, which reserves that many CPUs).", low=0, high=1024),
     # -- batching --
     Setting("MAX_BATCH_SIZE", _int, 8, "Most images in one forward pass; every size 1..this is warmed up at start.",
             low=1, high=256),
@@ -179,6 +179,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted)."),
     Setting("ACCESS_LOG", _str, "text", "Access log lines: text (gunicorn's), json (one JSON object per request, "
             "with its request id), or off.", choices=("text", "json", "off")),
+    # -- Ray cluster: python -m webapp serve --cluster / classify --cluster (requirements-cluster.txt) --
+    Setting("CLUSTER_REPLICAS", _int, 1, "Model replicas on the Ray cluster, each reserving THREADS CPUs (1 when "
+            "THREADS is 0). 0: autoscale between CLUSTER_MIN_REPLICAS and CLUSTER_MAX_REPLICAS, aiming at "
+            "MAX_BATCH_SIZE requests in flight per replica.", low=0, high=10_000),
+    Setting("CLUSTER_MIN_REPLICAS", _int, 1, "Autoscaling (CLUSTER_REPLICAS=0): fewest model replicas (at least 1: "
+            "a new replica compiles its model before it serves).", low=1, high=10_000),
+    Setting("CLUSTER_MAX_REPLICAS", _int, 4, "Autoscaling (CLUSTER_REPLICAS=0): most model replicas.",
+            low=1, high=10_000),
+    Setting("CLUSTER_INGRESS_REPLICAS", _int, 1, "HTTP replicas on the Ray cluster (this Flask app: parsing uploads, "
+            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000),
+    Setting("CLUSTER_MAX_ONGOING_REQUESTS", _int, 16, "Requests one model replica takes at once (Ray Serve "
+            "max_ongoing_requests); its batches form from these, so keep it >= MAX_BATCH_SIZE.", low=1, high=100_000),
+    Setting("CLUSTER_MAX_QUEUED_REQUESTS", _int, 64, "Requests waiting for a model replica, per HTTP replica (Ray "
+            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000),
+    Setting("CLUSTER_ACTORS", _int, 2, "classify --cluster: model actors classifying at once (Ray Data actor pool), "
+            "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000),
     # -- server --
     Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port). Localhost unless you open it."),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",

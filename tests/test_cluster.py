@@ -1,0 +1,326 @@
+"""The Ray path (webapp/cluster.py) against the gunicorn app, on one local Ray instance.
+
+A Ray instance of 4 logical CPUs is started here; ``python -m webapp serve --cluster`` (2 model
+replicas of 1 CPU, 1 HTTP replica) and ``python -m webapp classify --cluster`` (2 Ray Data
+actors) join it through ``RAY_ADDRESS``, as they would join a real cluster. A real gunicorn
+server with the same settings (offline EfficientNet-Lite0, eager fp32) gives the answers both
+must match: same top-3 for every shared photo, same status and error code for every bad upload.
+
+Skipped where Ray is absent (requirements-cluster.txt; requirements-dev.txt installs it).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import yaml
+from PIL import Image
+
+from conftest import ROOT, SHARED_IMAGES, png_bytes, png_declaring, shared_image
+from serving import Server, free_port
+
+ray = pytest.importorskip("ray", reason="the Ray path needs requirements-cluster.txt")
+pytest.importorskip("a2wsgi", reason="the Ray path needs requirements-cluster.txt")
+
+MiB = 1024 * 1024
+# Both servers: the offline model, eager fp32 (ready in seconds, identical numbers), small limits.
+COMMON = {"MODEL": "efficientnet_lite0", "COMPILE": 0, "PRECISION": "fp32", "MAX_BATCH_SIZE": 4,
+          "MAX_UPLOAD_BYTES": 4 * MiB, "MAX_FILES": 4, "THREADS": 1, "LOG_LEVEL": "warning"}
+# The Ray app: 2 model replicas taking 4 requests each, 8 more queued per HTTP replica (Ray counts
+# a request as queued for the moment before it is routed too: a smaller queue refuses bursts of 8).
+CLUSTER = {"CLUSTER_REPLICAS": 2, "CLUSTER_MAX_ONGOING_REQUESTS": 4, "CLUSTER_MAX_QUEUED_REQUESTS": 8}
+READY_TIMEOUT_S = 300
+
+
+def _env(settings: dict, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_")}
+    env.update({f"CLASSIFIER_{k}": str(v) for k, v in settings.items()})
+    env.update(extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _photos() -> list[str]:
+    if not SHARED_IMAGES.is_dir():
+        pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
+    return sorted(p.name for p in SHARED_IMAGES.glob("*.jpg"))
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def ray_address():
+    """A local Ray instance (4 logical CPUs) that the CLI commands join; shut down at the end."""
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gunicorn(tmp_path_factory):
+    """The gunicorn app with the same settings: the reference answers."""
+    srv = Server(tmp_path_factory.mktemp("cluster-gunicorn") / "server.log", args=("--no-control-socket",),
+                 WORKERS=1, **COMMON)
+    try:
+        srv.wait_ready(1)
+        yield srv
+    finally:
+        srv.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_address, tmp_path_factory):
+    """``python -m webapp serve --cluster`` joined to the test's Ray; its base URL. SIGTERM at the end."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("cluster-serve") / "serve.log"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "webapp", "serve", "--cluster"], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT,
+                            env=_env({**COMMON, **CLUSTER, "BIND": f"127.0.0.1:{port}"}, RAY_ADDRESS=ray_address))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"serve --cluster exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                if requests.get(url + "/readyz", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"serve --cluster not ready in {READY_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        log.close()
+        assert code == 0, f"serve --cluster exited with {code} on SIGTERM:\n{log_path.read_text()[-4000:]}"
+
+
+def _post(url: str, name: str, data: bytes, **kw) -> requests.Response:
+    return requests.post(url + "/api/v1/predict", files={"file": (name, data)}, timeout=120, **kw)
+
+
+def _top3(resp: requests.Response) -> list[tuple[str, float]]:
+    assert resp.status_code == 200, resp.text
+    return [(p["label"], p["probability"]) for p in resp.json()["results"][0]["predictions"]]
+
+
+# ----------------------------------------------------------------------------------------- settings
+
+def test_replica_settings_resolve_threads_and_paths(tmp_path, monkeypatch):
+    from webapp.cluster import replica_settings
+    from webapp.settings import SettingsError
+
+    monkeypatch.chdir(tmp_path)
+    values = replica_settings({"WEIGHTS": "w/resnet18.pth", "THREADS": 0}, environ={})
+    assert values["THREADS"] == 1  # a replica reserves as many CPUs as it runs threads
+    assert values["WEIGHTS"] == str(tmp_path / "w" / "resnet18.pth")  # replicas run in other folders
+    assert replica_settings({"THREADS": 3}, environ={})["THREADS"] == 3
+    assert replica_settings({}, environ={"CLASSIFIER_CLUSTER_REPLICAS": "5"})["CLUSTER_REPLICAS"] == 5
+    with pytest.raises(SettingsError, match="CLUSTER_MIN_REPLICAS=5 is above"):
+        replica_settings({"CLUSTER_REPLICAS": 0, "CLUSTER_MIN_REPLICAS": 5, "CLUSTER_MAX_REPLICAS": 2}, environ={})
+    with pytest.raises(SettingsError, match="CLASSIFIER_CLUSTER_REPLICAS"):
+        replica_settings({}, environ={"CLASSIFIER_CLUSTER_REPLICAS": "-1"})
+
+
+def test_serve_config_file_builds_the_application():
+    """deploy/ray-serve.yaml is a valid Serve config whose import_path builds the app from its args."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.deployment import Application
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load((ROOT / "deploy" / "ray-serve.yaml").read_text()))
+    (app,) = config.applications
+    module, _, attr = app.import_path.partition(":")
+    builder = getattr(__import__(module, fromlist=[attr]), attr)
+    built = call_user_app_builder_with_args_if_necessary(builder, app.args)
+    assert isinstance(built, Application)
+    http = built._bound_deployment
+    (model_app,) = [a for a in http.init_args if isinstance(a, Application)]
+    model = model_app._bound_deployment
+    assert model.num_replicas == app.args["CLUSTER_REPLICAS"]
+    assert model.ray_actor_options["num_cpus"] == app.args["THREADS"]
+    assert model.max_ongoing_requests == app.args["CLUSTER_MAX_ONGOING_REQUESTS"]
+    assert model.max_queued_requests == app.args["CLUSTER_MAX_QUEUED_REQUESTS"]
+    assert http.ray_actor_options["num_cpus"] == 0
+
+
+def test_autoscaling_from_settings():
+    from webapp.cluster import application, replica_settings
+
+    built = application(replica_settings({"CLUSTER_REPLICAS": 0, "CLUSTER_MIN_REPLICAS": 2,
+                                          "CLUSTER_MAX_REPLICAS": 6, "MAX_BATCH_SIZE": 8}, environ={}))
+    model = [a for a in built._bound_deployment.init_args if hasattr(a, "_bound_deployment")][0]._bound_deployment
+    auto = model._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (2, 6, 8)
+
+
+# ----------------------------------------------------------------------------------------- Ray Data
+
+def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
+    """classify --cluster over the shared photos plus broken files: one row per file, errors as rows."""
+    photos = _photos()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    broken = {"text.jpg": b"this is not a photo\n", "truncated.jpg": shared_image("dog.jpg").read_bytes()[:3000],
+              "empty.png": b"", "huge.png": png_declaring(20_000, 20_000)}
+    for name, data in broken.items():
+        (bad / name).write_bytes(data)
+    out = tmp_path / "out" / "labels.parquet"
+    run = subprocess.run([sys.executable, "-m", "webapp", "classify", "--cluster", str(SHARED_IMAGES), str(bad),
+                          "--out", str(out), "--cluster-actors", "2"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600, env=_env(COMMON, RAY_ADDRESS=ray_address))
+    assert run.returncode == 1, run.stderr[-4000:]  # some files failed, the job did not
+    assert f"{len(photos) + len(broken)} files: {len(photos)} classified, {len(broken)} failed" in run.stderr
+
+    import pyarrow.parquet as pq
+
+    rows = {os.path.basename(r["path"]): r for r in pq.read_table(out).to_pylist()}
+    assert sorted(rows) == sorted(photos + list(broken))
+    for name in photos:
+        row = rows[name]
+        assert row["error"] is None and row["error_code"] is None
+        reference = _top3(_post(gunicorn.url, name, (SHARED_IMAGES / name).read_bytes()))
+        assert row["labels"] == [label for label, _ in reference], name
+        assert row["probabilities"] == pytest.approx([p for _, p in reference], abs=1e-5)
+        assert len(row["indices"]) == 3 and row["model"] == "efficientnet_lite0"
+        assert row["width"] > 0 and row["height"] > 0 and row["format"] == "JPEG"
+    for name, data in broken.items():
+        row = rows[name]
+        expected = _post(gunicorn.url, name, data).json()["error"]
+        assert row["error_code"] == expected["code"], (name, row["error"])
+        assert row["error"] and row["labels"] == [] and row["probabilities"] == []
+
+
+def test_bulk_classify_usage_errors(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "webapp", "classify", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60, env=_env({}))
+
+    missing_out = run("--cluster", str(tmp_path))
+    assert missing_out.returncode == 2 and "--out DEST.parquet" in missing_out.stderr
+    missing_src = run("--cluster", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.parquet"))
+    assert missing_src.returncode == 2 and "no such file or directory" in missing_src.stderr
+    no_cluster = run(str(tmp_path), "--out", str(tmp_path / "x.parquet"))
+    assert no_cluster.returncode == 2 and "go with --cluster" in no_cluster.stderr
+
+
+# ----------------------------------------------------------------------------------------- Ray Serve
+
+def test_serve_gives_the_gunicorn_top3(cluster, gunicorn):
+    for name in _photos():
+        data = (SHARED_IMAGES / name).read_bytes()
+        ours, reference = _post(cluster, name, data), _post(gunicorn.url, name, data)
+        assert [label for label, _ in _top3(ours)] == [label for label, _ in _top3(reference)], name
+        assert [p for _, p in _top3(ours)] == pytest.approx([p for _, p in _top3(reference)], abs=1e-5)
+        a, b = ours.json(), reference.json()
+        assert a.keys() == b.keys() and a["timing_ms"].keys() == b["timing_ms"].keys()
+        assert a["model"] == b["model"]
+        same = ("filename", "width", "height", "format")
+        assert a["results"][0].keys() == b["results"][0].keys()
+        assert [a["results"][0][k] for k in same] == [b["results"][0][k] for k in same]
+
+
+def _bad_requests() -> dict[str, dict]:
+    dog = shared_image("dog.jpg").read_bytes()
+    noise = Image.frombytes("RGB", (1100, 1100), os.urandom(1100 * 1100 * 3))
+    return {
+        "not an image": {"files": {"file": ("a.jpg", b"hello, I am text")}},
+        "truncated jpeg": {"files": {"file": ("t.jpg", dog[:2000])}},
+        "empty file": {"files": {"file": ("e.jpg", b"")}},
+        "no file field": {"files": {"photo": ("a.jpg", dog)}},
+        "too many files": {"files": [("file", (f"{i}.jpg", dog)) for i in range(5)]},
+        "too many pixels": {"files": {"file": ("big.png", png_declaring(30_000, 30_000))}},
+        "body too large": {"files": {"file": ("noise.png", png_bytes(noise) * 2)}},
+        "bad topk": {"files": {"file": ("a.jpg", dog)}, "params": {"topk": "0"}},
+        "text body": {"data": b"hello", "headers": {"Content-Type": "text/plain"}},
+        "raw jpeg body, bad bytes": {"data": b"\xff\xd8\xff\xe0garbage", "headers": {"Content-Type": "image/jpeg"}},
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_requests()) if SHARED_IMAGES.is_dir() else ["(no photos)"])
+def test_serve_bad_uploads_get_the_gunicorn_status(cluster, gunicorn, case):
+    if not SHARED_IMAGES.is_dir():
+        pytest.skip("the shared photos are absent")
+    kwargs = _bad_requests()[case]
+    ours = requests.post(cluster + "/api/v1/predict", timeout=60, **kwargs)
+    reference = requests.post(gunicorn.url + "/api/v1/predict", timeout=60, **kwargs)
+    assert ours.status_code == reference.status_code, (case, ours.text, reference.text)
+    assert ours.json()["error"]["code"] == reference.json()["error"]["code"], case
+    assert ours.json()["error"]["status"] == ours.status_code
+
+
+def test_serve_other_routes(cluster, gunicorn):
+    health = requests.get(cluster + "/healthz", timeout=10).json()
+    assert health["ready"] is True and health["replica"] and health["ingress"]["replica"]
+    assert health["intra_op_threads"] == 1 and health["self_test"]["passed"] is True
+    ready = requests.get(cluster + "/readyz", timeout=10)
+    assert ready.status_code == 200 and ready.json()["model"]["name"] == "efficientnet_lite0"
+    models = requests.get(cluster + "/api/v1/models", timeout=10).json()
+    assert models == requests.get(gunicorn.url + "/api/v1/models", timeout=10).json()
+    page = requests.get(cluster + "/", timeout=10)
+    assert page.status_code == 200 and "EfficientNet-Lite0" in page.text
+    # The page's form: the answer page with the labels, thumbnails carried back from the model replica.
+    form = requests.post(cluster + "/", files={"file": ("dog.jpg", shared_image("dog.jpg").read_bytes())},
+                         data={"topk": "3"}, timeout=60)
+    assert form.status_code == 200 and "German shepherd" in form.text and "data:image/" in form.text
+    assert requests.get(cluster + "/nowhere", timeout=10).status_code == 404
+
+
+def test_two_replicas_both_serve(cluster):
+    """Concurrent requests spread over both model replicas (X-Served-By names the one that answered)."""
+    photos = _photos()
+    data = {name: (SHARED_IMAGES / name).read_bytes() for name in photos}
+
+    def one(i: int) -> tuple[str, str, str]:
+        name = photos[i % len(photos)]
+        resp = _post(cluster, f"{i}-{name}", data[name])
+        assert resp.status_code == 200, resp.text
+        return resp.headers["X-Served-By"], resp.json()["results"][0]["filename"], f"{i}-{name}"
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(one, range(24)))
+    assert all(got == sent for _, got, sent in answers)  # each request got its own answer
+    assert len({replica for replica, _, _ in answers}) == 2
+
+
+def test_overload_answers_429_with_retry_after(cluster):
+    """Past 2 replicas x 4 ongoing + 8 queued, requests get 429 + Retry-After; the others their own answer."""
+    dog = shared_image("dog.jpg").read_bytes()
+
+    def one(i: int) -> requests.Response:
+        return requests.post(cluster + "/api/v1/predict", timeout=120,
+                             files=[("file", (f"{i}-{k}.jpg", dog)) for k in range(4)])
+
+    with ThreadPoolExecutor(40) as pool:
+        answers = list(pool.map(one, range(40)))
+    statuses = sorted({r.status_code for r in answers})
+    assert set(statuses) <= {200, 429}, [(r.status_code, r.text[:200]) for r in answers]
+    refused = [r for r in answers if r.status_code == 429]
+    assert refused and any(r.status_code == 200 for r in answers), statuses
+    for r in refused:
+        assert int(r.headers["Retry-After"]) >= 1
+    assert any(r.headers.get("Content-Type", "").startswith("application/json")
+               and r.json()["error"]["code"] == "overloaded" for r in refused)
+    for i, r in enumerate(answers):
+        if r.status_code == 200:
+            assert [x["filename"] for x in r.json()["results"]] == [f"{i}-{k}.jpg" for k in range(4)]
+    # ... and it serves again once the burst is over
+    assert _post(cluster, "dog.jpg", dog).status_code == 200
