@@ -15,6 +15,11 @@ count. CPU use of this client process, of the server under test and of the whole
 read over the window (``getrusage``, ``/proc``), so it shows how much the load generator and the
 neighbours took.
 
+Ray Serve (``ray``, when Ray is installed): ``python -m webapp serve --cluster`` on a local Ray
+with the same settings as ours and as many model replicas (1 CPU each by default) as ours has
+workers, under the same load in the same turns: what the Ray path costs on one box (its
+proxy, HTTP replica and object store hop), as a ratio to ours.
+
 Targets: (a) at saturation ours serves >= 8x the baseline's images/s (peak vs peak);
 (b) our p99 at half load (half the lowest concurrency that reaches 95% of our peak) is <= 1.5x
 our unloaded p50 (concurrency 1). A half-load level not in the sweep is measured after it.
@@ -64,6 +69,16 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (gunicorn: its workers; a local Ray: GCS, raylet, replicas...)."""
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(_children(p))
+    return out
 
 
 def _proc_ticks(pid: int) -> int:
@@ -138,7 +153,7 @@ class Gunicorn:
                            f"{self.tail()}")
 
     def worker_pids(self) -> list[int]:
-        return _children(self.proc.pid)
+        return _descendants(self.proc.pid)
 
     def stop(self, timeout: float = 90) -> int:
         """SIGTERM the master, wait (SIGKILL after ``timeout`` s); return its exit code."""
@@ -183,6 +198,27 @@ def start_ours(log_path: Path, *, settings: dict | None = None, env: dict | None
     # gunicorns (ours, the baseline, other people's tests) run at once on this machine.
     argv = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--no-control-socket", *args, "wsgi:app"]
     return Gunicorn("ours", argv, env=full, port=port, log_path=log_path)
+
+
+def ray_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("a2wsgi") is not None
+
+
+def start_ray(log_path: Path, *, settings: dict, replicas: int, threads: int) -> Gunicorn:
+    """``python -m webapp serve --cluster`` (a local Ray: no ``RAY_ADDRESS``) with ours' settings, on a free port.
+
+    ``replicas`` model replicas of ``threads`` intra-op threads each (as many CPUs reserved).
+    Ready once ``/healthz`` has shown every replica ready (its ``pid`` is the replica's).
+    """
+    port = free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CLASSIFIER_", "RAY_ADDRESS"))}
+    values = {**settings, "CLUSTER_REPLICAS": replicas, "THREADS": threads, "BIND": f"127.0.0.1:{port}"}
+    env = {**base, **{f"CLASSIFIER_{k}": str(v) for k, v in values.items()}}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return Gunicorn("ray", [sys.executable, "-m", "webapp", "serve", "--cluster"], env=env, port=port,
+                    log_path=log_path)
 
 
 def start_baseline(log_path: Path, *, workers: int = 0, env: dict | None = None) -> Gunicorn:
@@ -421,8 +457,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                         help="another CLASSIFIER_ setting of our server, e.g. --set PRECISION=fp32 (repeatable)")
     parser.add_argument("--baseline-workers", type=int, default=0, help="baseline sync workers (0: one per core)")
-    parser.add_argument("--servers", nargs="+", choices=("baseline", "ours"), default=["baseline", "ours"],
-                        help="which servers to measure")
+    parser.add_argument("--servers", nargs="+", choices=("baseline", "ours", "ray"), default=None,
+                        help="which servers to measure (default: baseline ours, and ray where Ray is installed)")
     parser.add_argument("--no-open-loop", action="store_true",
                         help="skip the extra open-loop run of ours at half its peak rate (Poisson arrivals)")
     parser.add_argument("--log-dir", help="where the servers' logs go (default: a new temp dir)")
@@ -459,6 +495,8 @@ def run(args) -> dict:
     log(f"e2e_bench: {path.name} ({len(body) / 1e6:.2f} MB body), levels {levels}, {warmup:g} s warm-up + "
         f"{seconds:g} s per run, logs in {log_dir}")
 
+    if args.servers is None:
+        args.servers = ["baseline", "ours"] + (["ray"] if ray_available() else [])
     servers: dict[str, Gunicorn] = {}
     result: dict = {"photo": path.name, "body_bytes": len(body), "levels": levels, "seconds": seconds,
                     "warmup_s": warmup, "cores": os.cpu_count(), "servers": {}, "log_dir": str(log_dir)}
@@ -488,6 +526,22 @@ def run(args) -> dict:
                                              "model": "resnet18_seeded", "precision": "fp32", "compiled": False,
                                              "intra_op_threads": 1}
             log(f"baseline ready in {result['servers']['baseline']['ready_s']:.1f} s")
+        if "ray" in args.servers:
+            from webapp import cpu
+
+            plan = cpu.plan(cpu.usable_cores(), workers=int(ours_settings.get("WORKERS", 0) or 0),
+                            threads=int(ours_settings.get("THREADS", 0) or 0))
+            log(f"starting ray ({ours_settings}, {plan.workers} replicas x {plan.threads} CPU; compiles at start)...")
+            servers["ray"] = start_ray(log_dir / "ray.log", settings=ours_settings, replicas=plan.workers,
+                                       threads=plan.threads)
+            health = servers["ray"].wait_ready(plan.workers)
+            h = next(iter(health.values()))
+            result["servers"]["ray"] = {
+                "workers": len(health), "ready_s": max(servers["ray"].ready_at.values()), "model": h["model"]["name"],
+                "precision": h["precision"], "compiled": h["model"].get("compiled"),
+                "intra_op_threads": h["intra_op_threads"], "max_batch_size": h["max_batch_size"],
+            }
+            log(f"ray ready in {result['servers']['ray']['ready_s']:.1f} s: {result['servers']['ray']}")
         for name, srv in servers.items():  # one answer each: the API shape, and the top-1 for the record
             conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
             conn.request("POST", "/api/v1/predict", body=body, headers={"Content-Type": ctype})
@@ -565,6 +619,15 @@ def targets(rows: dict[str, dict[int, dict]], levels: list[int], open_half: dict
             out["b_open_p99_ms"] = open_half["p99_ms"]
             out["b_open_ratio"] = ratio(open_half["p99_ms"], p50_1)
             out["b_open_met"] = bool(out["b_open_ratio"] == out["b_open_ratio"] and out["b_open_ratio"] <= TARGET_P99_X)
+    if "ours" in rows and "ray" in rows:  # the Ray path's cost on one box: ratios to ours, same load
+        rsat, rpeak = saturation(rows["ray"], levels)
+        out["ray_saturation_concurrency"] = rsat
+        out["ray_peak_images_per_s"] = rpeak
+        out["ray_peak_ratio"] = ratio(rpeak, out["ours_peak_images_per_s"])
+        out["ray_p50_unloaded_ratio"] = ratio(rows["ray"].get(1, {}).get("p50_ms", float("nan")),
+                                              out["b_p50_unloaded_ms"])
+        out["ray_cpu_ratio"] = ratio(rows["ray"][rsat]["server_cpu_ms_per_image"],
+                                     rows["ours"][out["ours_saturation_concurrency"]]["server_cpu_ms_per_image"])
     if "ours" in rows and "baseline" in rows:
         bsat, bpeak = saturation(rows["baseline"], levels)
         x = ratio(out["ours_peak_images_per_s"], bpeak)
@@ -582,7 +645,7 @@ def targets(rows: dict[str, dict[int, dict]], levels: list[int], open_half: dict
 
 def report(result: dict) -> str:
     servers = result["servers"]
-    names = [n for n in ("baseline", "ours") if "levels" in servers.get(n, {})]
+    names = [n for n in ("baseline", "ours", "ray") if "levels" in servers.get(n, {})]
     levels = sorted({int(c) for n in names for c in servers[n]["levels"]})
     perf, cost = [], []
     for c in levels:
@@ -590,7 +653,7 @@ def report(result: dict) -> str:
             r = servers[n]["levels"].get(str(c))
             if not r:
                 continue
-            base = servers.get("baseline", {}).get("levels", {}).get(str(c)) if n == "ours" else None
+            base = servers.get("baseline", {}).get("levels", {}).get(str(c)) if n != "baseline" else None
             sm = r.get("server_ms_median", {})
             split = "/".join(f"{v:.0f}" for v in r.get("cpu_split_pct", [])[:4])
             perf.append([f"{n} c={c}", num(r["images_per_s"], 2),
@@ -653,6 +716,11 @@ def report(result: dict) -> str:
         lines.append(f"(b') same, half load as half the peak rate (open loop, Poisson {num(t['b_open_rate_per_s'], 2)}/s): "
                      f"p99 {num(t['b_open_p99_ms'])} ms = {num(b, 2)}x; " + ("MET" if t["b_open_met"] else "NOT MET") +
                      f" ({num(b / TARGET_P99_X, 2)} of the limit)")
+    if "ray_peak_ratio" in t:
+        lines.append(f"(ray) Ray Serve on this box: peak {num(t['ray_peak_images_per_s'], 2)} img/s "
+                     f"(c={t['ray_saturation_concurrency']}) = {num(t['ray_peak_ratio'], 2)}x ours; unloaded p50 "
+                     f"{num(t['ray_p50_unloaded_ratio'], 2)}x ours; server CPU per image at saturation "
+                     f"{num(t['ray_cpu_ratio'], 2)}x ours (Ray's proxy, HTTP replica and object store hop)")
     for n in names:
         probs = servers[n].get("log_problems") or []
         if probs or servers[n].get("exit_code") not in (0, None):
