@@ -183,17 +183,29 @@ def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
               "empty.png": b"", "huge.png": png_declaring(20_000, 20_000)}
     for name, data in broken.items():
         (bad / name).write_bytes(data)
+    # classify's own listing rules: a camera's "_MG_" name is read, hidden and non-image files are not.
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, format="JPEG")
+    (bad / "_MG_0001.JPG").write_bytes(buf.getvalue())
+    (bad / ".hidden.jpg").write_bytes(buf.getvalue())
+    (bad / "notes.txt").write_text("not a photo")
     out = tmp_path / "out" / "labels.parquet"
     run = subprocess.run([sys.executable, "-m", "webapp", "classify", "--cluster", str(SHARED_IMAGES), str(bad),
                           "--out", str(out), "--cluster-actors", "2"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600, env=_env(COMMON, RAY_ADDRESS=ray_address))
     assert run.returncode == 1, run.stderr[-4000:]  # some files failed, the job did not
-    assert f"{len(photos) + len(broken)} files: {len(photos)} classified, {len(broken)} failed" in run.stderr
+    assert (f"{len(photos) + len(broken) + 1} files: {len(photos) + 1} classified, {len(broken)} failed"
+            in run.stderr), run.stderr[-3000:]
+    assert "2 other files in folders skipped" in run.stderr
 
     import pyarrow.parquet as pq
 
-    rows = {os.path.basename(r["path"]): r for r in pq.read_table(out).to_pylist()}
-    assert sorted(rows) == sorted(photos + list(broken))
+    table = pq.read_table(out)
+    assert table.schema.names == ["path", "model", "width", "height", "format", "labels", "indices",
+                                  "probabilities", "error_code", "error"]
+    rows = {os.path.basename(r["path"]): r for r in table.to_pylist()}
+    assert len(rows) == table.num_rows and sorted(rows) == sorted(photos + list(broken) + ["_MG_0001.JPG"])
+    assert (rows["_MG_0001.JPG"]["width"], rows["_MG_0001.JPG"]["error"]) == (64, None)
     for name in photos:
         row = rows[name]
         assert row["error"] is None and row["error_code"] is None
@@ -207,6 +219,29 @@ def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
         expected = _post(gunicorn.url, name, data).json()["error"]
         assert row["error_code"] == expected["code"], (name, row["error"])
         assert row["error"] and row["labels"] == [] and row["probabilities"] == []
+
+
+def test_bulk_classify_says_why_the_model_cannot_start(ray_address, tmp_path):
+    """No weights and no fallback: one line saying what to do, exit 1, not a job that hangs or a traceback last."""
+    (tmp_path / "a.png").write_bytes(png_bytes(Image.new("RGB", (32, 32))))
+    run = subprocess.run([sys.executable, "-m", "webapp", "classify", "--cluster", str(tmp_path), "--out",
+                          str(tmp_path / "x.parquet"), "--cluster-actors", "1"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300,
+                         env=_env({**COMMON, "MODEL": "resnet18", "FALLBACK": 0, "DOWNLOAD": 0,
+                                   "WEIGHTS": str(tmp_path / "missing.pth")}, RAY_ADDRESS=ray_address))
+    assert run.returncode == 1, run.stderr[-3000:]
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot start the model: ") and "missing.pth" in last, run.stderr[-3000:]
+
+
+def test_startup_failure_is_found_in_a_remote_traceback():
+    from webapp.cluster import startup_failure
+
+    text = ("ray.exceptions.ActorDiedError: The actor died because of an error raised in its creation task\n"
+            "  File \"/x/webapp/models.py\", line 263, in load_model\n"
+            "webapp.errors.StartupError: ResNet-18 weights not found; put the file at /w.pth\n")
+    assert str(startup_failure(text)) == "ResNet-18 weights not found; put the file at /w.pth"
+    assert startup_failure("RuntimeError: something else") is None
 
 
 def test_bulk_classify_usage_errors(tmp_path):

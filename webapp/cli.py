@@ -376,10 +376,15 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
     if _ray_missing():
         return EXIT_FAILED
     from . import cluster
+    from .errors import StartupError
 
     logging.basicConfig(level=s.LOG_LEVEL.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s")
-    cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host.strip("[]"),
-                          port=int(port))
+    try:
+        cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host.strip("[]"),
+                              port=int(port))
+    except StartupError as exc:
+        _err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
     return EXIT_OK
 
 
@@ -594,21 +599,31 @@ def classify_cluster(args: argparse.Namespace) -> int:
     if not args.out:
         _err("error: classify --cluster writes a Parquet file: give --out DEST.parquet")
         return EXIT_USAGE
-    sources = []
-    for arg in args.paths:
-        if "://" in arg:
-            sources.append(arg)
-        elif not Path(arg).exists():
+    # Local files and folders are listed here, by classify's own rules (image names, no hidden files,
+    # unless --all-files), as absolute paths: Ray's workers run elsewhere, and Ray Data's own folder
+    # listing would also drop names starting with "_" (cameras' _MG_1234.JPG). URIs go to Ray Data.
+    uris = [p for p in args.paths if "://" in p]
+    local = [p for p in args.paths if "://" not in p]
+    for arg in local:
+        if not Path(arg).exists():
             _err(f"error: {arg}: no such file or directory")
             return EXIT_USAGE
-        else:  # absolute: Ray's workers do not run in this folder
-            sources.append(str(Path(arg).resolve()))
+    items, skipped = collect_files(local, all_files=args.all_files)
+    unreadable = [(shown, why) for shown, path, why in items if path is None]
+    for shown, why in unreadable:
+        _err(f"{shown}: {why}")
+    sources = [str(path.resolve()) for _, path, _ in items if path is not None] + uris
+    if not sources:
+        _err(f"error: no image files in {' '.join(args.paths)}"
+             + (f" ({_n(skipped, 'other file')} skipped; --all-files tries them)" if skipped else ""))
+        return EXIT_FAILED
     if _ray_missing():
         return EXIT_FAILED
     from . import cluster
+    from .errors import StartupError
 
     values = cluster.replica_settings(given_settings(args))
-    extensions = None if args.all_files else sorted(x.lstrip(".") for x in IMAGE_SUFFIXES)
+    extensions = None if args.all_files or not uris else sorted(x.lstrip(".") for x in IMAGE_SUFFIXES)
     if not args.quiet:
         _err(f"classifying {' '.join(args.paths)} with Ray Data: {values['CLUSTER_ACTORS']} x {values['MODEL']} "
              f"({values['THREADS']} CPU each) -> {args.out}")
@@ -616,16 +631,20 @@ def classify_cluster(args: argparse.Namespace) -> int:
     try:
         done = cluster.classify_to_parquet(values, sources, args.out, address=args.address,
                                            extensions=extensions, progress=not args.quiet)
+    except FileNotFoundError as exc:
+        _err(f"error: {exc}")
+        return EXIT_FAILED
+    except StartupError as exc:
+        _err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
     finally:
         restore_logging()
+    done["failed"] += len(unreadable)
     if not args.quiet:
         rate = f", {done['files'] / done['seconds']:.1f} files/s" if done["seconds"] > 0 else ""
         _err(f"{_n(done['files'], 'file')}: {done['files'] - done['failed']} classified, {done['failed']} failed; "
-             f"{done['seconds']:.1f} s{rate} -> {args.out}")
-    if done["files"] == 0:
-        _err(f"error: no image files in {' '.join(args.paths)}" + ("" if args.all_files else " (--all-files reads "
-                                                                   "every file)"))
-        return EXIT_FAILED
+             f"{done['seconds']:.1f} s{rate} -> {args.out}"
+             + (f"; {_n(skipped, 'other file')} in folders skipped (--all-files tries them)" if skipped else ""))
     return EXIT_OK if done["failed"] == 0 else EXIT_FAILED
 
 

@@ -39,7 +39,7 @@ import ray
 from ray import serve
 
 from . import settings as settings_mod
-from .errors import InferenceFailed, InferenceTimeout, NotReady, Overloaded, ServiceError, TooLarge
+from .errors import InferenceFailed, InferenceTimeout, NotReady, Overloaded, ServiceError, StartupError, TooLarge
 from .errors import from_dict as error_from_dict
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,16 @@ def replica_settings(args: dict | None = None, environ=None) -> dict:
 def _load(values: dict):
     # Replicas take the resolved values only: their own environment must not change them.
     return settings_mod.load({}, values)
+
+
+def startup_failure(text: str) -> StartupError | None:
+    """The ``StartupError`` a replica or actor died of, found in Ray's error text (a remote traceback).
+
+    Ray reports a constructor that raised as a traceback string; its last ``StartupError:`` line
+    holds our message (no weights, bad weights file, failed self-test), which says what to do.
+    """
+    lines = [line.split("StartupError:", 1)[1].strip() for line in text.splitlines() if "StartupError:" in line]
+    return StartupError(lines[-1]) if lines else None
 
 
 def _replica_id() -> str:
@@ -399,6 +409,9 @@ def serve_forever(values: dict, *, address: str | None, host: str, port: int) ->
 
     On a cluster that was joined only the application is deleted at the end; a local Ray started
     here is shut down with it.
+
+    :raises StartupError: the model replicas cannot start (the replica's message).
+    :raises RuntimeError: the deployment failed otherwise.
     """
     import signal
 
@@ -409,7 +422,12 @@ def serve_forever(values: dict, *, address: str | None, host: str, port: int) ->
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(values), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            serve.run(application(values), name=APP_NAME, route_prefix="/", blocking=False)
+        except RuntimeError as exc:  # the deployment failed: say why in one line if a replica said it
+            status = serve.status().applications.get(APP_NAME)
+            messages = [d.message for d in status.deployments.values()] if status else []
+            raise startup_failure("\n".join([*messages, str(exc)])) or exc from None
         log.warning("serving on http://%s:%d (Ray Serve application %r); Ctrl-C stops it", host, port, APP_NAME)
         stop.wait()
     finally:
@@ -511,13 +529,14 @@ def classify_to_parquet(values: dict, sources: list[str], out: str, *, address: 
                         extensions: list[str] | None = None, progress: bool = True) -> dict:
     """Classify every file under ``sources`` with Ray Data and write one Parquet file at ``out``.
 
-    ``sources``: files, folders (recursive) or anything ``ray.data.read_binary_files`` reads
-    (``s3://``, ``gs://``, ``abfs://`` with pyarrow's credentials). ``extensions`` (no dot) keeps
-    only those file names; None reads every file. ``out`` may be a local path or such a URI.
+    ``sources``: files, folders (recursive; Ray Data skips names starting with ``.`` or ``_``
+    directly under them) or anything ``ray.data.read_binary_files`` reads (``s3://``, ``gs://``,
+    ``abfs://`` with pyarrow's credentials). ``extensions`` (no dot) keeps only those file names;
+    None reads every file. ``out`` may be a local path or such a URI.
     Returns ``{"files", "failed", "seconds"}``.
 
-    :raises FileNotFoundError: a source does not exist. :raises RuntimeError: the job failed
-        (e.g. the model cannot start on an actor).
+    :raises FileNotFoundError: a source does not exist, or holds no file to read.
+    :raises StartupError: the actors cannot start the model (their message).
     """
     import pyarrow.fs
     import pyarrow.parquet as pq
@@ -525,12 +544,18 @@ def classify_to_parquet(values: dict, sources: list[str], out: str, *, address: 
 
     connect(address, log_to_driver=True)
     s = _load(values)
+    if not log.isEnabledFor(logging.INFO):  # Ray Data's own chatter (plans, "progress bars disabled")
+        logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # ours below counts files written
     ctx.execution_options.preserve_order = True  # rows in the order of the files: reruns diff cleanly
     # Reading is I/O: its tasks reserve no CPU, so the model actors can have every core without
     # starving the read that feeds them (with 1 CPU each, reads and actors deadlock on a full node).
-    ds = ray.data.read_binary_files(sources, include_paths=True, file_extensions=extensions, num_cpus=0)
+    try:
+        ds = ray.data.read_binary_files(sources, include_paths=True, file_extensions=extensions, num_cpus=0)
+    except (ValueError, OSError) as exc:  # nothing there, no such bucket, no credentials
+        raise FileNotFoundError(f"cannot list {' '.join(sources[:3])}{' ...' if len(sources) > 3 else ''}: "
+                                f"{exc}") from None
     total = len(ds.input_files()) or None
     ds = ds.map_batches(BulkClassifier, fn_constructor_args=(values,), batch_size=s.MAX_BATCH_SIZE,
                         batch_format="numpy", compute=ray.data.ActorPoolStrategy(size=s.CLUSTER_ACTORS),
@@ -540,12 +565,16 @@ def classify_to_parquet(values: dict, sources: list[str], out: str, *, address: 
         Path(where).parent.mkdir(parents=True, exist_ok=True)
     start, files, failed = time.perf_counter(), 0, 0
     bar = tqdm(total=total, unit="file", disable=not progress, desc="classify", mininterval=0.5, dynamic_ncols=True)
-    with pq.ParquetWriter(where, parquet_schema(), filesystem=fs) as writer:
-        for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-            writer.write_table(table.cast(parquet_schema()))
-            files += table.num_rows
-            failed += table.num_rows - table.column("error_code").null_count
-            bar.set_postfix(failed=failed, refresh=False)
-            bar.update(table.num_rows)
-    bar.close()
+    try:
+        with pq.ParquetWriter(where, parquet_schema(), filesystem=fs) as writer:
+            for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+                writer.write_table(table.cast(parquet_schema()))
+                files += table.num_rows
+                failed += table.num_rows - table.column("error_code").null_count
+                bar.set_postfix(failed=failed, refresh=False)
+                bar.update(table.num_rows)
+    except Exception as exc:  # an actor could not start its model: one line that says why
+        raise startup_failure(str(exc)) or exc from None
+    finally:
+        bar.close()
     return {"files": files, "failed": failed, "seconds": time.perf_counter() - start}
