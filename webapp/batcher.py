@@ -326,13 +326,10 @@ class InferenceBatcher:
             self.ewma_queue_wait = 0.9 * self.ewma_queue_wait + 0.1 * (now - r.enqueued)
         start = time.perf_counter()
         try:
-            logits = self.predict(torch.stack([r.tensor for r in live]))
-            if logits.shape[0] != len(live):
-                raise RuntimeError(f"model returned {logits.shape[0]} rows for a batch of {len(live)} images")
-        except Exception:
-            log.exception("inference failed for a batch of %d images", len(live))
+            logits = checked_predict(self.predict, torch.stack([r.tensor for r in live]))
+        except InferenceFailed as exc:
             for r in live:
-                r.future.reject(InferenceFailed("the model failed on this batch; the error is logged on the server"))
+                r.future.reject(exc)
             return
         took = time.perf_counter() - start
         self.ewma_batch_time = took if not self.batches else 0.8 * self.ewma_batch_time + 0.2 * took
@@ -381,6 +378,24 @@ class InferenceBatcher:
             self._fail_queued(NotReady("the server is shutting down; try again shortly"))
             self._running = False
             self._stopped.resolve(None)
+
+
+def checked_predict(predict: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
+    """``predict(batch)``: ``(N, 3, S, S) float32`` -> ``(N, C)`` logits, checked to hold one row per image.
+
+    Every batch runs through it: this batcher's, a Ray Serve replica's, a Ray Data actor's.
+
+    :raises InferenceFailed: the model raised, or returned another number of rows (logged with
+        its traceback; the message sent to clients says only that it failed).
+    """
+    try:
+        logits = predict(batch)
+        if logits.shape[0] != batch.shape[0]:
+            raise RuntimeError(f"model returned {logits.shape[0]} rows for a batch of {batch.shape[0]} images")
+    except Exception:
+        log.exception("inference failed for a batch of %d images", batch.shape[0])
+        raise InferenceFailed("the model failed on this batch; the error is logged on the server") from None
+    return logits
 
 
 def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:

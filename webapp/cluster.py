@@ -133,7 +133,6 @@ class ModelReplica:
 
         clf = self.clf
         if not clf.self_test_enabled():
-            clf.self_test = {"skipped": "untrained weights" if clf.model.untrained else "CLASSIFIER_SELF_TEST=off"}
             return
         _, tensor, _ = clf.decode(Upload(GOLDEN.name, GOLDEN.read_bytes()), False, ASSET_MAX_PIXELS)
         logits = self.infer_pool.submit(clf.engine.predict, tensor[None]).result()
@@ -184,18 +183,13 @@ class ModelReplica:
         """
         import torch
 
-        from .batcher import Result
+        from .batcher import Result, checked_predict
 
         now = time.monotonic()
         batch = torch.stack([t for t, _ in items])
         t0 = time.perf_counter()
-        try:
-            logits = await asyncio.get_running_loop().run_in_executor(self.infer_pool, self.clf.engine.predict, batch)
-            if logits.shape[0] != len(items):
-                raise RuntimeError(f"model returned {logits.shape[0]} rows for a batch of {len(items)} images")
-        except Exception:
-            log.exception("inference failed for a batch of %d images", len(items))
-            raise InferenceFailed("the model failed on this batch; the error is logged on the server") from None
+        logits = await asyncio.get_running_loop().run_in_executor(self.infer_pool, checked_predict,
+                                                                  self.clf.engine.predict, batch)
         took = time.perf_counter() - t0
         self.batches += 1
         self.images += len(items)
@@ -486,6 +480,7 @@ class BulkClassifier:
         import pyarrow as pa
         import torch
 
+        from .batcher import checked_predict
         from .service import encode
 
         s, clf = self.settings, self.clf
@@ -508,13 +503,10 @@ class BulkClassifier:
         for i in range(0, len(ok), s.MAX_BATCH_SIZE):
             chunk = ok[i:i + s.MAX_BATCH_SIZE]
             try:
-                logits = clf.engine.predict(torch.stack([r.pop("_tensor") for r in chunk]))
-                if logits.shape[0] != len(chunk):
-                    raise RuntimeError(f"model returned {logits.shape[0]} rows for a batch of {len(chunk)} images")
-            except Exception as exc:
-                log.exception("inference failed for a batch of %d images", len(chunk))
+                logits = checked_predict(clf.engine.predict, torch.stack([r.pop("_tensor") for r in chunk]))
+            except InferenceFailed as exc:
                 for r in chunk:
-                    r.update(error_code=InferenceFailed.code, error=f"the model failed on this batch: {exc!r}")
+                    r.update(error_code=exc.code, error=exc.message)
                 continue
             for r, row_logits in zip(chunk, logits):
                 top = encode(row_logits, clf.model.categories, s.TOP_K)

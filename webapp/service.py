@@ -178,7 +178,6 @@ class Classifier:
 
     def _run_self_test(self) -> None:
         if not self.self_test_enabled():
-            self.self_test = {"skipped": "untrained weights" if self.model.untrained else "CLASSIFIER_SELF_TEST=off"}
             return
         self.status = "self-test"
         answer = self.classify([Upload(GOLDEN.name, GOLDEN.read_bytes())], topk=3, _starting=True)
@@ -189,9 +188,13 @@ class Classifier:
             raise
 
     def self_test_enabled(self) -> bool:
-        """Whether start-up runs the self-test: ``SELF_TEST`` on, or auto with trained weights."""
+        """Whether start-up runs the self-test (``SELF_TEST`` on, or auto with trained weights); when
+        not, ``self_test`` records why it was skipped."""
         mode = self.settings.SELF_TEST
-        return mode == "on" or (mode == "auto" and not self.model.untrained)
+        enabled = mode == "on" or (mode == "auto" and not self.model.untrained)
+        if not enabled:
+            self.self_test = {"skipped": "untrained weights" if self.model.untrained else "CLASSIFIER_SELF_TEST=off"}
+        return enabled
 
     def judge_self_test(self, top: list[dict]) -> None:
         """Record the self-test from the golden photo's top-3 predictions (``encode``'s dicts).
