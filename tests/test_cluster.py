@@ -172,6 +172,82 @@ def test_autoscaling_from_settings():
     assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (2, 6, 8)
 
 
+# ----------------------------------------------------------------------------------------- a model replica, in-process
+
+@pytest.fixture(scope="module")
+def replica():
+    """The model replica's class run here, outside Ray Serve (``@serve.batch`` is plain asyncio), with
+    its own event loop: batching and failures are checked without a cluster."""
+    import asyncio
+
+    from ray.serve import batching
+
+    from webapp.cluster import ModelReplica, replica_settings
+
+    values = replica_settings({"MODEL": "resnet18_seeded", "COMPILE": False, "PRECISION": "fp32",
+                               "MAX_BATCH_SIZE": 4, "BATCH_TIMEOUT_MS": 50}, environ={})
+    with pytest.MonkeyPatch.context() as mp:
+        # Ray's batch queue reads max_ongoing_requests from the replica context only to log a warning;
+        # there is no replica context here.
+        mp.setattr(batching._BatchQueue, "_warn_if_max_batch_size_exceeds_max_ongoing_requests", lambda self: None)
+        r = ModelReplica.func_or_class(values)
+        r.loop = asyncio.new_event_loop()
+        yield r
+        pending = asyncio.all_tasks(r.loop)  # the batch queue's loop task
+        for task in pending:
+            task.cancel()
+        r.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        r.loop.close()
+
+
+def _classify_all(replica, requests_: list[list]) -> list[dict]:
+    import asyncio
+
+    async def main():
+        return await asyncio.gather(*(replica.classify(ups, 3) for ups in requests_))
+
+    return replica.loop.run_until_complete(main())
+
+
+def _png_upload(name: str, shade: int):
+    from webapp.service import Upload
+
+    return Upload(name, png_bytes(Image.new("RGB", (40, 30), (shade, 255 - shade, 90))))
+
+
+def test_replica_batches_concurrent_requests_and_keeps_them_apart(replica):
+    before = replica.batches
+    answers = _classify_all(replica, [[_png_upload(f"{i}.png", 20 * i)] for i in range(10)])
+    assert [a["answer"]["results"][0]["filename"] for a in answers] == [f"{i}.png" for i in range(10)]
+    sizes = [a["answer"]["results"][0]["batch_size"] for a in answers]
+    assert max(sizes) > 1 and max(sizes) <= 4  # @serve.batch formed batches, never above MAX_BATCH_SIZE
+    assert replica.batches - before < 10
+    assert all(a["served_by"] == replica.replica for a in answers)
+
+
+def test_replica_answers_a_bad_upload_as_data_and_spares_the_others(replica):
+    from webapp.service import Upload
+
+    answers = _classify_all(replica, [[_png_upload("ok.png", 1), Upload("bad.jpg", b"\xff\xd8\xffnope")],
+                                      [_png_upload("other.png", 2)]])
+    assert answers[0]["error"]["code"] == "unsupported_media_type" and "bad.jpg" in answers[0]["error"]["message"]
+    assert answers[1]["answer"]["results"][0]["filename"] == "other.png"
+
+
+def test_replica_batch_failure_fails_its_requests_then_serves_again(replica, monkeypatch):
+    def broken(batch):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(replica.clf.engine, "predict", broken)
+    answers = _classify_all(replica, [[_png_upload(f"{i}.png", i)] for i in range(3)])
+    assert [a["error"]["code"] for a in answers] == ["inference_failed"] * 3
+    assert "simulated" not in answers[0]["error"]["message"]  # logged on the server, never sent
+    monkeypatch.undo()
+    assert "answer" in _classify_all(replica, [[_png_upload("after.png", 9)]])[0]
+    assert replica.health()["ready"] is True and replica.health()["images"] >= 1
+    replica.check_health()
+
+
 # ----------------------------------------------------------------------------------------- Ray Data
 
 def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
