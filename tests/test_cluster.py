@@ -21,7 +21,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import yaml
 from PIL import Image
 
 from conftest import ROOT, SHARED_IMAGES, png_bytes, png_declaring, shared_image
@@ -142,6 +141,7 @@ def test_replica_settings_resolve_threads_and_paths(tmp_path, monkeypatch):
 
 def test_serve_config_file_builds_the_application():
     """deploy/ray-serve.yaml is a valid Serve config whose import_path builds the app from its args."""
+    import yaml
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
     from ray.serve.deployment import Application
     from ray.serve.schema import ServeDeploySchema

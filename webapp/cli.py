@@ -349,10 +349,13 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _ray_missing() -> bool:
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("a2wsgi") is None:
-        _err(f"error: --cluster needs Ray: {sys.executable} -m pip install -r {ROOT / 'requirements-cluster.txt'}")
+    """True (and says what to install) when Ray or a2wsgi cannot be imported."""
+    try:
+        import a2wsgi  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError as exc:
+        _err(f"error: --cluster needs Ray ({exc}): {sys.executable} -m pip install -r "
+             f"{ROOT / 'requirements-cluster.txt'}")
         return True
     return False
 
