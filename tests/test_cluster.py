@@ -40,7 +40,8 @@ READY_TIMEOUT_S = 300
 
 
 def _env(settings: dict, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_")}
+    # Only what each test says: no CLASSIFIER_* of this shell, and no RAY_ADDRESS unless given.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_") and k != "RAY_ADDRESS"}
     env.update({f"CLASSIFIER_{k}": str(v) for k, v in settings.items()})
     env.update(extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -77,9 +78,16 @@ def gunicorn(tmp_path_factory):
         srv.stop_cleanly()
 
 
+class ClusterServer:
+    """The ``serve --cluster`` process of the module: ``url``, ``proc``, ``log_path``."""
+
+    def __init__(self, url: str, proc: subprocess.Popen, log_path):
+        self.url, self.proc, self.log_path = url, proc, log_path
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_address, tmp_path_factory):
-    """``python -m webapp serve --cluster`` joined to the test's Ray; its base URL. SIGTERM at the end."""
+    """``python -m webapp serve --cluster`` joined to the test's Ray. SIGTERM at the end (or by the drain test)."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("cluster-serve") / "serve.log"
     log = open(log_path, "wb")
@@ -100,9 +108,10 @@ def cluster(ray_address, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"serve --cluster not ready in {READY_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
             time.sleep(0.5)
-        yield url
+        yield ClusterServer(url, proc, log_path)
     finally:
-        proc.send_signal(signal.SIGTERM)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
             code = proc.wait(120)
         except subprocess.TimeoutExpired:
@@ -331,6 +340,28 @@ def test_bulk_classify_usage_errors(tmp_path):
     assert missing_src.returncode == 2 and "no such file or directory" in missing_src.stderr
     no_cluster = run(str(tmp_path), "--out", str(tmp_path / "x.parquet"))
     assert no_cluster.returncode == 2 and "go with --cluster" in no_cluster.stderr
+    out_is_folder = run("--cluster", str(tmp_path), "--out", str(tmp_path))
+    assert out_is_folder.returncode == 2 and "is a folder" in out_is_folder.stderr
+    with_format = run("--cluster", str(tmp_path), "--out", str(tmp_path / "x.parquet"), "--format", "csv")
+    assert with_format.returncode == 2 and "--format" in with_format.stderr
+    for result in (missing_out, missing_src, no_cluster, out_is_folder, with_format):
+        assert "Traceback" not in result.stderr
+
+
+def test_serve_cluster_refuses_a_bad_or_busy_address():
+    import socket
+
+    def run(bind):
+        return subprocess.run([sys.executable, "-m", "webapp", "serve", "--cluster", "--bind", bind], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, env=_env({}))
+
+    bad = run("127.0.0.1:99999")
+    assert bad.returncode == 2 and "port 1-65535" in bad.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = run(f"127.0.0.1:{busy.getsockname()[1]}")
+    assert taken.returncode == 2 and "cannot listen on" in taken.stderr and "Traceback" not in taken.stderr
 
 
 # ----------------------------------------------------------------------------------------- Ray Serve
@@ -338,7 +369,7 @@ def test_bulk_classify_usage_errors(tmp_path):
 def test_serve_gives_the_gunicorn_top3(cluster, gunicorn):
     for name in _photos():
         data = (SHARED_IMAGES / name).read_bytes()
-        ours, reference = _post(cluster, name, data), _post(gunicorn.url, name, data)
+        ours, reference = _post(cluster.url, name, data), _post(gunicorn.url, name, data)
         assert [label for label, _ in _top3(ours)] == [label for label, _ in _top3(reference)], name
         assert [p for _, p in _top3(ours)] == pytest.approx([p for _, p in _top3(reference)], abs=1e-5)
         a, b = ours.json(), reference.json()
@@ -371,7 +402,7 @@ def test_serve_bad_uploads_get_the_gunicorn_status(cluster, gunicorn, case):
     if not SHARED_IMAGES.is_dir():
         pytest.skip("the shared photos are absent")
     kwargs = _bad_requests()[case]
-    ours = requests.post(cluster + "/api/v1/predict", timeout=60, **kwargs)
+    ours = requests.post(cluster.url + "/api/v1/predict", timeout=60, **kwargs)
     reference = requests.post(gunicorn.url + "/api/v1/predict", timeout=60, **kwargs)
     assert ours.status_code == reference.status_code, (case, ours.text, reference.text)
     assert ours.json()["error"]["code"] == reference.json()["error"]["code"], case
@@ -379,20 +410,20 @@ def test_serve_bad_uploads_get_the_gunicorn_status(cluster, gunicorn, case):
 
 
 def test_serve_other_routes(cluster, gunicorn):
-    health = requests.get(cluster + "/healthz", timeout=10).json()
+    health = requests.get(cluster.url + "/healthz", timeout=10).json()
     assert health["ready"] is True and health["replica"] and health["ingress"]["replica"]
     assert health["intra_op_threads"] == 1 and health["self_test"]["passed"] is True
-    ready = requests.get(cluster + "/readyz", timeout=10)
+    ready = requests.get(cluster.url + "/readyz", timeout=10)
     assert ready.status_code == 200 and ready.json()["model"]["name"] == "efficientnet_lite0"
-    models = requests.get(cluster + "/api/v1/models", timeout=10).json()
+    models = requests.get(cluster.url + "/api/v1/models", timeout=10).json()
     assert models == requests.get(gunicorn.url + "/api/v1/models", timeout=10).json()
-    page = requests.get(cluster + "/", timeout=10)
+    page = requests.get(cluster.url + "/", timeout=10)
     assert page.status_code == 200 and "EfficientNet-Lite0" in page.text
     # The page's form: the answer page with the labels, thumbnails carried back from the model replica.
-    form = requests.post(cluster + "/", files={"file": ("dog.jpg", shared_image("dog.jpg").read_bytes())},
+    form = requests.post(cluster.url + "/", files={"file": ("dog.jpg", shared_image("dog.jpg").read_bytes())},
                          data={"topk": "3"}, timeout=60)
     assert form.status_code == 200 and "German shepherd" in form.text and "data:image/" in form.text
-    assert requests.get(cluster + "/nowhere", timeout=10).status_code == 404
+    assert requests.get(cluster.url + "/nowhere", timeout=10).status_code == 404
 
 
 def test_two_replicas_both_serve(cluster):
@@ -402,7 +433,7 @@ def test_two_replicas_both_serve(cluster):
 
     def one(i: int) -> tuple[str, str, str]:
         name = photos[i % len(photos)]
-        resp = _post(cluster, f"{i}-{name}", data[name])
+        resp = _post(cluster.url, f"{i}-{name}", data[name])
         assert resp.status_code == 200, resp.text
         return resp.headers["X-Served-By"], resp.json()["results"][0]["filename"], f"{i}-{name}"
 
@@ -417,7 +448,7 @@ def test_overload_answers_429_with_retry_after(cluster):
     dog = shared_image("dog.jpg").read_bytes()
 
     def one(i: int) -> requests.Response:
-        return requests.post(cluster + "/api/v1/predict", timeout=120,
+        return requests.post(cluster.url + "/api/v1/predict", timeout=120,
                              files=[("file", (f"{i}-{k}.jpg", dog)) for k in range(4)])
 
     with ThreadPoolExecutor(40) as pool:
@@ -434,4 +465,45 @@ def test_overload_answers_429_with_retry_after(cluster):
         if r.status_code == 200:
             assert [x["filename"] for x in r.json()["results"]] == [f"{i}-{k}.jpg" for k in range(4)]
     # ... and it serves again once the burst is over
-    assert _post(cluster, "dog.jpg", dog).status_code == 200
+    assert _post(cluster.url, "dog.jpg", dog).status_code == 200
+
+
+def test_serve_takes_chunked_uploads_and_sends_one_request_id(cluster, gunicorn):
+    dog = shared_image("dog.jpg").read_bytes()
+
+    def chunked():
+        for i in range(0, len(dog), 20_000):
+            yield dog[i:i + 20_000]
+
+    for url in (cluster.url, gunicorn.url):
+        resp = requests.post(url + "/api/v1/predict", data=chunked(), timeout=60,
+                             headers={"Content-Type": "image/jpeg", "X-Request-ID": "trace-42"})
+        assert resp.status_code == 200, (url, resp.text)
+        assert resp.raw.headers.getlist("X-Request-ID") == ["trace-42"], url
+    from urllib3 import encode_multipart_formdata
+
+    body, content_type = encode_multipart_formdata({"file": ("dog.jpg", dog, "image/jpeg")})
+    form = requests.post(cluster.url + "/api/v1/predict", timeout=60, headers={"Content-Type": content_type},
+                         data=(body[i:i + 30_000] for i in range(0, len(body), 30_000)))  # chunked multipart
+    assert form.status_code == 200, form.text
+    assert form.json()["results"][0]["filename"] == "dog.jpg"
+
+
+def test_sigterm_answers_the_requests_in_flight(cluster):
+    """Last of the module: SIGTERM while requests run; each gets its answer, then the command exits 0."""
+    dog = shared_image("dog.jpg").read_bytes()
+
+    def one(i: int) -> requests.Response:
+        return requests.post(cluster.url + "/api/v1/predict", timeout=120,
+                             files=[("file", (f"{i}-{k}.jpg", dog)) for k in range(4)])
+
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        time.sleep(0.4)
+        assert not all(f.done() for f in futures), "the burst ended before SIGTERM: nothing in flight"
+        cluster.proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in futures]
+    assert [r.status_code for r in answers] == [200] * 8, [r.text[:200] for r in answers]
+    for i, r in enumerate(answers):
+        assert [x["filename"] for x in r.json()["results"]] == [f"{i}-{k}.jpg" for k in range(4)]
+    assert cluster.proc.wait(120) == 0, cluster.log_path.read_text()[-4000:]

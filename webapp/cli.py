@@ -172,7 +172,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run gunicorn with the project's config: gunicorn -c gunicorn.conf.py wsgi:app. The options "
                     "below set CLASSIFIER_* variables; anything after -- goes to gunicorn unchanged, e.g.\n"
                     "  python -m webapp serve --bind 0.0.0.0:8000 --model efficientnet_lite0 -- --preload\n"
-                    "gunicorn replaces this process, so signals (SIGTERM, SIGHUP, Ctrl-C) go straight to it.",
+                    "gunicorn replaces this process, so signals (SIGTERM, SIGHUP, Ctrl-C) go straight to it.\n"
+                    "With --cluster it deploys the same app on Ray Serve instead and stays in the foreground until "
+                    "SIGTERM or Ctrl-C, which drain and remove it; --workers, --startup-timeout-s, --metrics and "
+                    "--access-log do not apply there (replicas: the --cluster-* options).",
         epilog=settings_epilog())
     serve.add_argument("--dry-run", action="store_true",
                        help="print the CLASSIFIER_* variables and the gunicorn command, run nothing")
@@ -195,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="With --compile (the default), the model compiles first: about a minute on 2 cores, less once the "
                "cache (CLASSIFIER_CACHE_DIR) is warm; --no-compile starts in seconds. " + settings_epilog())
     classify.add_argument("paths", nargs="+", metavar="PATH", help="image files and folders")
-    classify.add_argument("-f", "--format", choices=("table", "json", "csv"), default="table",
+    classify.add_argument("-f", "--format", choices=("table", "json", "csv"), default=None,
                           help="table (default): path and top-k labels; json: a list, one object per file; "
                                "csv: path,rank,label,index,probability,error")
     classify.add_argument("-j", "--jobs", type=_positive_int, default=0, metavar="N",
@@ -367,9 +370,20 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
         return EXIT_USAGE
     s = settings_mod.load(env)
     host, _, port = s.BIND.rpartition(":")
-    if not host or not port.isdigit():
-        _err(f"error: CLASSIFIER_BIND={s.BIND!r}: with --cluster give host:port for Ray's HTTP proxy")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        _err(f"error: CLASSIFIER_BIND={s.BIND!r}: with --cluster give host:port (port 1-65535) for Ray's HTTP proxy")
         return EXIT_USAGE
+    host = host.strip("[]")
+    joined = bool(args.address or os.environ.get("RAY_ADDRESS"))
+    if not joined and not args.dry_run:  # a local Ray's proxy will listen here: is the address free?
+        import socket
+
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host, int(port)))
+        except OSError as exc:
+            _err(f"error: cannot listen on {s.BIND}: {exc.strerror or exc} (CLASSIFIER_BIND / --bind)")
+            return EXIT_USAGE
     address = args.address or os.environ.get("RAY_ADDRESS") or "(a local Ray on this host)"
     if args.dry_run:
         for key in sorted(k for k in env if k.startswith(PREFIX)):
@@ -383,10 +397,13 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
 
     logging.basicConfig(level=s.LOG_LEVEL.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s")
     try:
-        cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host.strip("[]"),
+        cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host,
                               port=int(port))
     except StartupError as exc:
         _err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
+    except RuntimeError as exc:  # Ray Serve could not start or deploy (e.g. its proxy cannot bind)
+        _err(f"error: {exc}")
         return EXIT_FAILED
     return EXIT_OK
 
@@ -586,7 +603,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 
     for r in results:
         r.pop("_path", None)
-    write_results(results, args.format, topk, sys.stdout)
+    write_results(results, args.format or "table", topk, sys.stdout)
     sys.stdout.flush()
     ok = len(results) - failed
     if not args.quiet:
@@ -602,6 +619,20 @@ def classify_cluster(args: argparse.Namespace) -> int:
     if not args.out:
         _err("error: classify --cluster writes a Parquet file: give --out DEST.parquet")
         return EXIT_USAGE
+    if args.format or args.jobs:
+        _err("error: --format and --jobs are for classify without --cluster (with it, rows go to --out)")
+        return EXIT_USAGE
+    if "://" not in args.out:  # a bad destination is a usage error, found before Ray starts
+        out = Path(args.out).expanduser()
+        try:
+            if out.is_dir():
+                raise IsADirectoryError(f"{args.out} is a folder; give a file name, e.g. {out / 'labels.parquet'}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(out.parent, os.W_OK):
+                raise PermissionError(f"cannot write in {out.parent}")
+        except OSError as exc:
+            _err(f"error: --out: {exc}")
+            return EXIT_USAGE
     # Local files and folders are listed here, by classify's own rules (image names, no hidden files,
     # unless --all-files), as absolute paths: Ray's workers run elsewhere, and Ray Data's own folder
     # listing would also drop names starting with "_" (cameras' _MG_1234.JPG). URIs go to Ray Data.
@@ -639,6 +670,9 @@ def classify_cluster(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     except StartupError as exc:
         _err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
+    except OSError as exc:  # e.g. --out s3://... that cannot be written
+        _err(f"error: {exc}")
         return EXIT_FAILED
     finally:
         restore_logging()

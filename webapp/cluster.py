@@ -333,11 +333,42 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         from a2wsgi import WSGIMiddleware
+        from flask import request
+        from ray.exceptions import TaskCancelledError
 
         from . import create_app
 
         app = create_app(dict(self.settings), classifier=self.remote)
-        return WSGIMiddleware(app, workers=self.capacity)
+
+        @app.errorhandler(TaskCancelledError)
+        def client_gone(exc):  # the client hung up mid-request and Ray cancelled it: nothing to answer
+            log.info("client went away during %s %s", request.method, request.path)
+            return "", 499
+
+        return WSGIMiddleware(behind_ray_proxy(app), workers=self.capacity)
+
+
+def behind_ray_proxy(app):
+    """Fit the Flask ``app`` to Ray's proxy and a2wsgi (wraps its ``wsgi_app``; returns ``app``).
+
+    - a2wsgi's ``wsgi.input`` ends where the HTTP body ends, so a chunked upload (no
+      Content-Length) may be read to its end: say so (``wsgi.input_terminated``), as gunicorn does,
+      else Werkzeug reads such a body as empty.
+    - Ray's proxy sets ``X-Request-ID`` on every answer itself (the client's id, or its own, the
+      one in Ray's logs) and hands it to the app: the app's copy would be a second header.
+    """
+    inner = app.wsgi_app
+
+    def wsgi(environ, start_response):
+        environ["wsgi.input_terminated"] = True
+
+        def start(status, headers, exc_info=None):
+            return start_response(status, [(k, v) for k, v in headers if k.lower() != "x-request-id"], exc_info)
+
+        return inner(environ, start)
+
+    app.wsgi_app = wsgi
+    return app
 
 
 def build_app(args: dict):
@@ -382,6 +413,7 @@ def application(values: dict):
         # as deep as the HTTP replicas' threads, so only a real overflow gets the proxy's 429.
         max_ongoing_requests=capacity, max_queued_requests=capacity * s.CLUSTER_INGRESS_REPLICAS,
         backpressure_config={"status_code": 429, "retry_after_s": 1},
+        graceful_shutdown_timeout_s=s.REQUEST_TIMEOUT_S + 10,  # SIGTERM: answer what is in flight
     ).bind(model, values, capacity)
 
 
@@ -422,14 +454,14 @@ def serve_forever(values: dict, *, address: str | None, host: str, port: int) ->
             status = serve.status().applications.get(APP_NAME)
             messages = [d.message for d in status.deployments.values()] if status else []
             raise startup_failure("\n".join([*messages, str(exc)])) or exc from None
-        log.warning("serving on http://%s:%d (Ray Serve application %r); Ctrl-C stops it", host, port, APP_NAME)
+        log.info("serving on http://%s:%d (Ray Serve application %r); Ctrl-C stops it", host, port, APP_NAME)
         stop.wait()
+        log.info("stopping: answering the requests in flight, then removing %r", APP_NAME)
     finally:
         try:
-            if joined:
-                serve.delete(APP_NAME)
-            else:
-                serve.shutdown()
+            serve.delete(APP_NAME)  # replicas drain first (graceful_shutdown_timeout_s) ...
+            if not joined:
+                serve.shutdown()  # ... then the proxy goes, with the Ray started here
         finally:
             ray.shutdown()
 

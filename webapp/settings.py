@@ -196,7 +196,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CLUSTER_ACTORS", _int, 2, "classify --cluster: model actors classifying at once (Ray Data actor pool), "
             "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000),
     # -- server --
-    Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port). Localhost unless you open it."),
+    Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port), or Ray Serve's HTTP proxy with "
+            "serve --cluster. Localhost unless you open it."),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
             low=0, high=1024),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
