@@ -93,13 +93,26 @@ def main() -> None:
         ticks=state["ticks"],
         max_tick_gap_s=round(state["max_gap"], 4),
         predict_native_ids=sorted(predict_native_ids),
-        batch_sizes=batch_sizes,
+        batch_sizes=list(batch_sizes),
         min_predict_s=round(min(predict_times), 4),
     )
 
     t0 = time.perf_counter()
     b.stop(timeout=5)
     out.update(stop_s=round(time.perf_counter() - t0, 4), alive_after_stop=b.alive)
+
+    # stop() while a batch still runs and nothing else is left on the hub (gunicorn's worker_exit):
+    # it must wait for the thread, not end in gevent's LoopExit, and the queued image is served.
+    b2 = InferenceBatcher(predict, max_batch_size=4, batch_timeout=0.0, queue_size=8, request_timeout=20)
+    b2.start()
+    (req,) = b2.submit([torch.full((3, 4, 4), 7.0)])
+    monkey.get_original("time", "sleep")(0.05)  # the inference thread has taken it and is predicting
+    try:
+        b2.stop(timeout=5)
+        out["stop_while_running"] = "ok"
+    except BaseException as exc:  # LoopExit is a BaseException
+        out["stop_while_running"] = type(exc).__name__
+    out["served_before_stop"] = int(b2.wait(req).logits[0].item()) == 7
 
     # keep_alive: beats continue while this (the hub's) thread is blocked outright.
     beats = []

@@ -470,5 +470,7 @@ def test_under_gevent_model_runs_on_a_real_thread_and_hub_stays_responsive():
     assert out["max_tick_gap_s"] < 0.12, out
     assert out["poison_status"] == 500
     assert out["stop_s"] < 2.0 and out["alive_after_stop"] is False
+    assert out["stop_while_running"] == "ok", out  # not gevent's LoopExit at gunicorn's worker_exit
+    assert out["served_before_stop"] is True, out
     # keep_alive beats from a real thread while the hub's thread is blocked.
     assert out["beats_while_blocked"] >= 3, out

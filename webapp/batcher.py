@@ -187,7 +187,10 @@ class InferenceBatcher:
         self._accepting = False
         self._running = False
         self.died: BaseException | None = None
-        self._stopped = self._p.make_future()
+        # Held while the inference thread runs; stop() waits on it. A real lock, not a gevent
+        # future: at gunicorn's worker_exit the hub has nothing left to run, and a greenlet
+        # wait there ends in LoopExit ("would block forever") while a batch is still running.
+        self._ended = self._p.make_lock()
         # Measured, for Retry-After: exponential moving averages in seconds.
         self.ewma_queue_wait = 0.0
         self.ewma_batch_time = 0.0
@@ -201,6 +204,7 @@ class InferenceBatcher:
             return
         self._running = True
         self._accepting = True
+        self._ended.acquire()
         self._p.start_thread(self._run, ())
 
     @property
@@ -222,9 +226,9 @@ class InferenceBatcher:
         if not self._running:
             return
         self._queue.put(_STOP)  # FIFO: everything queued before it is still served
-        try:
-            self._stopped.wait(timeout)
-        except TimeoutError:
+        if self._ended.acquire(timeout=timeout):
+            self._ended.release()
+        else:
             log.warning("inference thread did not stop within %.1f s", timeout)
 
     # -- requests --------------------------------------------------------------------------
@@ -377,7 +381,7 @@ class InferenceBatcher:
                 self._accepting = False
             self._fail_queued(NotReady("the server is shutting down; try again shortly"))
             self._running = False
-            self._stopped.resolve(None)
+            self._ended.release()
 
 
 def checked_predict(predict: Callable[[torch.Tensor], torch.Tensor], batch: torch.Tensor) -> torch.Tensor:
