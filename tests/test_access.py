@@ -50,6 +50,16 @@ def test_rate_limit_answers_429_with_retry_after(guarded):
     assert client.get("/healthz").status_code == 200  # probes are never limited
 
 
+def test_retry_after_is_never_zero():
+    """Flask-Limiter can round the wait to the window's reset down to 0; clients must be told >= 1 s."""
+    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "RATE_LIMIT": "4/minute"})
+    try:
+        app.add_url_rule("/_zero", "zero", lambda: ("", 429, {"Retry-After": "0"}))
+        assert app.test_client().get("/_zero").headers["Retry-After"] == "1"
+    finally:
+        app.extensions["classifier"].stop()
+
+
 def test_bad_rate_limit_is_a_settings_error():
     with pytest.raises(SettingsError, match="CLASSIFIER_RATE_LIMIT='lots'"):
         create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "RATE_LIMIT": "lots"})

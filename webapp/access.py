@@ -61,7 +61,16 @@ def init_access(app: Flask, settings) -> None:
         storage_from_string(settings.RATE_LIMIT_STORAGE)
     except Exception as exc:
         raise SettingsError(f"CLASSIFIER_RATE_LIMIT_STORAGE={settings.RATE_LIMIT_STORAGE!r} is not valid: {exc}") from None
+    @app.after_request  # registered before the limiter's own hook, so it runs after it
+    def retry_after_at_least_one_second(resp):
+        # Flask-Limiter rounds the time to the window's reset, which can give "Retry-After: 0":
+        # a client told that retries at once and is refused again.
+        if resp.status_code == 429 and resp.headers.get("Retry-After") == "0":
+            resp.headers["Retry-After"] = "1"
+        return resp
+
     limiter = Limiter(get_remote_address, app=app, storage_uri=settings.RATE_LIMIT_STORAGE, headers_enabled=True,
                       strategy="moving-window")
     for endpoint in CLASSIFY_ENDPOINTS:
         app.view_functions[endpoint] = limiter.limit(settings.RATE_LIMIT)(app.view_functions[endpoint])
+
