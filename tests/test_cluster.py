@@ -348,7 +348,7 @@ def test_bulk_classify_usage_errors(tmp_path):
         assert "Traceback" not in result.stderr
 
 
-def test_serve_cluster_refuses_a_bad_or_busy_address():
+def test_serve_cluster_refuses_a_bad_or_busy_address_or_no_cluster():
     import socket
 
     def run(bind):
@@ -362,6 +362,10 @@ def test_serve_cluster_refuses_a_bad_or_busy_address():
         busy.listen()
         taken = run(f"127.0.0.1:{busy.getsockname()[1]}")
     assert taken.returncode == 2 and "cannot listen on" in taken.stderr and "Traceback" not in taken.stderr
+    nobody = subprocess.run([sys.executable, "-m", "webapp", "serve", "--cluster", "--address",
+                             f"127.0.0.1:{free_port()}"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                            env=_env({}))
+    assert nobody.returncode == 1 and "no Ray cluster answers at" in nobody.stderr, nobody.stderr[-2000:]
 
 
 # ----------------------------------------------------------------------------------------- Ray Serve

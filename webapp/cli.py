@@ -402,7 +402,7 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
     except StartupError as exc:
         _err(f"error: cannot start the model: {exc}")
         return EXIT_FAILED
-    except RuntimeError as exc:  # Ray Serve could not start or deploy (e.g. its proxy cannot bind)
+    except (RuntimeError, ConnectionError) as exc:  # no cluster there; Ray Serve could not start or deploy
         _err(f"error: {exc}")
         return EXIT_FAILED
     return EXIT_OK
@@ -671,7 +671,7 @@ def classify_cluster(args: argparse.Namespace) -> int:
     except StartupError as exc:
         _err(f"error: cannot start the model: {exc}")
         return EXIT_FAILED
-    except OSError as exc:  # e.g. --out s3://... that cannot be written
+    except OSError as exc:  # no cluster at --address; --out s3://... that cannot be written
         _err(f"error: {exc}")
         return EXIT_FAILED
     finally:

@@ -31,6 +31,7 @@ import asyncio
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -422,8 +423,17 @@ def connect(address: str | None = None, *, log_to_driver: bool = True) -> bool:
 
     The project's code travels as the job's ``working_dir``, so nodes need only its requirements.
     Returns True when a cluster was joined, False when a local one was started.
+
+    :raises ConnectionError: nothing accepts a TCP connection at the address within 5 s.
     """
-    joined = bool(address or os.environ.get("RAY_ADDRESS"))
+    target = address or os.environ.get("RAY_ADDRESS")
+    joined = bool(target)
+    if joined and target != "auto":  # Ray itself retries an address where nothing listens for minutes
+        host, _, port = target.split("://", 1)[-1].rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        except (OSError, ValueError) as exc:
+            raise ConnectionError(f"no Ray cluster answers at {target} (--address / RAY_ADDRESS): {exc}") from None
     if not ray.is_initialized():
         ray.init(address=address or None, log_to_driver=log_to_driver,
                  runtime_env={"working_dir": str(ROOT), "excludes": WORKING_DIR_EXCLUDES})
