@@ -364,6 +364,20 @@ def test_non_images_are_415_and_named(data, named):
         assert named in exc.message
 
 
+@pytest.mark.parametrize("data,claimed", [
+    (b"\xff\xd8\xff\xe0" + b"random garbage after the JPEG start marker" * 5, "JPEG"),
+    (b"\xff\xd8\xff" + bytes(range(256)) * 4, "JPEG"),
+    (b"\x89PNG\r\n\x1a\n" + b"\x00not a chunk" * 20, "PNG"),
+    (b"GIF89a" + b"\xff" * 3, "GIF"),
+    (b"RIFF\x10\x00\x00\x00WEBPjunkjunk", "WebP"),
+    (b"II*\x00" + b"\xff" * 4, "TIFF"),
+], ids=["jpeg-app0", "jpeg", "png", "gif", "webp", "tiff"])
+def test_a_known_format_whose_header_is_garbage_is_400_not_415(data, claimed):
+    """It claims a format we decode (its magic bytes) and is broken: undecodable, as the README's table says."""
+    exc = _raises(data, UndecodableImage, 400)
+    assert claimed in exc.message or "header" in exc.message
+
+
 EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\n"
        b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n")
 

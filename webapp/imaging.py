@@ -45,6 +45,10 @@ _SIGNATURES = (
     (b"%PDF", "PDF"), (b"%!PS", "PostScript"), (b"PK\x03\x04", "ZIP"), (b"\x1f\x8b", "gzip"),
     (b"8BPS", "PSD"), (b"<svg", "SVG"), (b"<?xml", "XML/SVG"),
 )
+# Leading bytes of formats we do decode: a file that starts like one but that Pillow cannot even
+# identify claims that format and is broken (400 undecodable), not an unknown format (415).
+_DECODABLE = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+              (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
 _FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF",
                 b"avif": "AVIF", b"avis": "AVIF"}
 
@@ -63,6 +67,16 @@ class Decoded:
     size: tuple[int, int]
     format: str
     decode_ms: float
+
+
+def claimed_format(data: bytes) -> str | None:
+    """The decodable format ``data`` starts like (JPEG, PNG, GIF, WebP, TIFF), or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    for magic, name in _DECODABLE:
+        if data.startswith(magic):
+            return name
+    return None
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -137,6 +151,10 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         raise TooLarge(f"{name}: the image is {size}; the limit is {max_pixels:,} "
                        f"(CLASSIFIER_MAX_PIXELS)") from None
     except UnidentifiedImageError:
+        claimed = claimed_format(data)
+        if claimed:
+            raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
+                                   f"cannot be read)") from None
         fmt = sniff_format(data)
         what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
         raise NotAnImage(f"{name}: {what}; send JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF") from None
