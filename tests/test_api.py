@@ -57,7 +57,7 @@ def test_several_files_keep_their_order_and_names(client):
         assert [p["index"] for p in r["predictions"]] == [p["index"] for p in single["results"][0]["predictions"]]
 
 
-@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5"])
+@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5", "%203", "3_0", "\u0663", "\uff13", "+3"])
 def test_bad_topk_is_400(client, topk):
     resp = client.post(f"/api/v1/predict?topk={topk}", data=small_png(), content_type="image/png")
     assert "topk" in assert_error(resp, 400, "bad_request")

@@ -59,10 +59,10 @@ def parse_topk(raw: str | None, default: int) -> int:
     """
     if raw is None or raw == "":
         return default
-    try:
-        k = int(raw)
-    except ValueError:
-        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}") from None
+    # ASCII digits only: int() would also take " 3", "3_0" and other scripts' digits ("٣").
+    if not (raw.isascii() and raw.isdigit() or raw.startswith("-") and raw[1:].isascii() and raw[1:].isdigit()):
+        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
+    k = int(raw)
     if not 1 <= k <= 10:
         raise BadRequest(f"topk must be an integer from 1 to 10, got {k}")
     return k
