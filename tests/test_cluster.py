@@ -239,7 +239,7 @@ def test_replica_answers_a_bad_upload_as_data_and_spares_the_others(replica):
 
     answers = _classify_all(replica, [[_png_upload("ok.png", 1), Upload("bad.jpg", b"\xff\xd8\xffnope")],
                                       [_png_upload("other.png", 2)]])
-    assert answers[0]["error"]["code"] == "unsupported_media_type" and "bad.jpg" in answers[0]["error"]["message"]
+    assert answers[0]["error"]["code"] == "undecodable_image" and "bad.jpg" in answers[0]["error"]["message"]
     assert answers[1]["answer"]["results"][0]["filename"] == "other.png"
 
 
