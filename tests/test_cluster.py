@@ -125,6 +125,16 @@ def _post(url: str, name: str, data: bytes, **kw) -> requests.Response:
     return requests.post(url + "/api/v1/predict", files={"file": (name, data)}, timeout=120, **kw)
 
 
+def _four_names(i: int) -> list[str]:
+    """The file names of request ``i`` of a burst: each answer must echo its own."""
+    return [f"{i}-{k}.jpg" for k in range(4)]
+
+
+def _post_four(url: str, i: int, data: bytes) -> requests.Response:
+    """Request ``i`` of a burst: the same photo 4 times (MAX_FILES), named ``_four_names(i)``."""
+    return requests.post(url + "/api/v1/predict", timeout=120, files=[("file", (n, data)) for n in _four_names(i)])
+
+
 def _top3(resp: requests.Response) -> list[tuple[str, float]]:
     assert resp.status_code == 200, resp.text
     return [(p["label"], p["probability"]) for p in resp.json()["results"][0]["predictions"]]
@@ -452,8 +462,7 @@ def test_overload_answers_429_with_retry_after(cluster):
     dog = shared_image("dog.jpg").read_bytes()
 
     def one(i: int) -> requests.Response:
-        return requests.post(cluster.url + "/api/v1/predict", timeout=120,
-                             files=[("file", (f"{i}-{k}.jpg", dog)) for k in range(4)])
+        return _post_four(cluster.url, i, dog)
 
     with ThreadPoolExecutor(40) as pool:
         answers = list(pool.map(one, range(40)))
@@ -467,7 +476,7 @@ def test_overload_answers_429_with_retry_after(cluster):
                and r.json()["error"]["code"] == "overloaded" for r in refused)
     for i, r in enumerate(answers):
         if r.status_code == 200:
-            assert [x["filename"] for x in r.json()["results"]] == [f"{i}-{k}.jpg" for k in range(4)]
+            assert [x["filename"] for x in r.json()["results"]] == _four_names(i)
     # ... and it serves again once the burst is over
     assert _post(cluster.url, "dog.jpg", dog).status_code == 200
 
@@ -498,8 +507,7 @@ def test_sigterm_answers_the_requests_in_flight(cluster):
     dog = shared_image("dog.jpg").read_bytes()
 
     def one(i: int) -> requests.Response:
-        return requests.post(cluster.url + "/api/v1/predict", timeout=120,
-                             files=[("file", (f"{i}-{k}.jpg", dog)) for k in range(4)])
+        return _post_four(cluster.url, i, dog)
 
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(one, i) for i in range(8)]
@@ -509,5 +517,5 @@ def test_sigterm_answers_the_requests_in_flight(cluster):
         answers = [f.result() for f in futures]
     assert [r.status_code for r in answers] == [200] * 8, [r.text[:200] for r in answers]
     for i, r in enumerate(answers):
-        assert [x["filename"] for x in r.json()["results"]] == [f"{i}-{k}.jpg" for k in range(4)]
+        assert [x["filename"] for x in r.json()["results"]] == _four_names(i)
     assert cluster.proc.wait(120) == 0, cluster.log_path.read_text()[-4000:]
