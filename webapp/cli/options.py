@@ -1,0 +1,160 @@
+"""Settings -> command-line options, and the checkers and help formatter every command uses.
+
+The options of ``serve`` and ``classify`` are generated from ``webapp.settings.SETTINGS``: a row's
+``commands`` column says which commands offer it, its ``secret`` column that its value is never
+printed in clear. A new setting appears in ``--help`` with its variable, default and help without
+touching the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import textwrap
+
+from .. import settings as settings_mod
+from ..settings import PREFIX, SETTINGS, Setting, SettingsError
+
+
+# -- one option per setting ------------------------------------------------------------------------------
+def option_name(s: Setting) -> str:
+    """The command-line flag of a setting: ``MAX_BATCH_SIZE`` -> ``--max-batch-size``."""
+    return "--" + s.name.lower().replace("_", "-")
+
+
+def default_text(s: Setting) -> str:
+    """A setting's default as the README table writes it (``true``, ``8``, ``empty``)."""
+    if s.default == "":
+        return "empty"
+    if isinstance(s.default, bool):
+        return str(s.default).lower()
+    return str(s.default)
+
+
+def _is_bool(s: Setting) -> bool:
+    return not s.choices and s.type_name == "bool"
+
+
+def _range(s: Setting) -> str:
+    """``1..256``, ``>= 0.1``: the allowed range, short (integers written as integers)."""
+    def num(x: float) -> str:
+        return f"{int(x):,}" if float(x).is_integer() else f"{x:g}"
+
+    return f"{num(s.low)}..{num(s.high)}" if s.high is not None else f">= {num(s.low)}"
+
+
+def _checked(s: Setting, flag: str):
+    """argparse ``type=``: check the text with the setting's own rule, keep the text (it becomes an env var)."""
+
+    def check(text: str) -> str:
+        try:
+            s.convert(text, flag)
+        except SettingsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text.strip()
+
+    return check
+
+
+def add_setting_options(parser: argparse.ArgumentParser, *, commands: tuple[str, ...], aliases=None) -> None:
+    """Add one option per row of ``SETTINGS`` that applies to any of ``commands`` (``settings.COMMANDS``).
+
+    Flag, env var, default, range and help come from the table; ``aliases`` maps a setting's name
+    to extra flags. Each option stores its text (checked, not converted) or bool in
+    ``setting_<NAME>``, None when not given; ``given_settings`` reads them back.
+    """
+    aliases = aliases or {}
+    group = parser.add_argument_group(
+        "settings", f"Each option sets its {PREFIX}* environment variable, which it overrides; "
+                    "unset options keep the variable's value, else the default.")
+    for s in SETTINGS:
+        if not set(s.commands) & set(commands):
+            continue
+        flag = option_name(s)
+        rule = "" if _is_bool(s) or s.choices or s.low is None else f"; {_range(s)}"
+        text = f"{s.env} (default {default_text(s)}{rule}). {s.help}".replace("%", "%%")
+        names = (flag, *aliases.get(s.name, ()))
+        if _is_bool(s):
+            group.add_argument(*names, dest=f"setting_{s.name}", action=argparse.BooleanOptionalAction, default=None,
+                               help=text)
+        else:
+            metavar = "{" + ",".join(s.choices) + "}" if s.choices else s.type_name.upper()
+            group.add_argument(*names, dest=f"setting_{s.name}", type=_checked(s, flag), default=None,
+                               metavar=metavar, help=text)
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The settings set on the command line: ``{name: text or bool}`` (absent when not given)."""
+    out = {}
+    for s in SETTINGS:
+        value = getattr(args, f"setting_{s.name}", None)
+        if value is not None:
+            out[s.name] = value
+    return out
+
+
+def as_environ(given: dict[str, object]) -> dict[str, str]:
+    """``{name: value}`` -> ``{CLASSIFIER_NAME: text}`` (booleans as 1/0)."""
+    return {PREFIX + name: ("1" if value else "0") if isinstance(value, bool) else str(value)
+            for name, value in given.items()}
+
+
+def shown(name: str, value: object) -> str:
+    """A setting's value as text for printing: a ``secret`` setting's masked, passwords in URIs hidden.
+
+    ``name`` is the setting's name without the prefix; a non-empty secret becomes ``(set, hidden)``,
+    ``redis://:pw@host`` becomes ``redis://:***@host``; booleans print as ``true``/``false``.
+    """
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    setting = settings_mod.BY_NAME.get(name)
+    if setting is not None and setting.secret and text:
+        return "(set, hidden)"
+    return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", text)
+
+
+def settings_epilog() -> str:
+    """The closing line of most ``--help`` texts: where the settings come from."""
+    return (f"Every setting is a {PREFIX}* environment variable (python -m webapp settings lists them with the "
+            f"values in effect). The options of serve and classify set the same variables.")
+
+
+# -- help layout -----------------------------------------------------------------------------------------
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions and epilogs line by line, so explicit line breaks (examples) stay."""
+
+    def __init__(self, prog):
+        super().__init__(prog, max_help_position=34)
+
+    def _fill_text(self, text, width, indent):
+        return "\n".join(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+                         if line.strip() else "" for line in text.splitlines())
+
+
+# -- argparse type= checkers (a bad value is argparse's usage error, exit 2) ----------------------------------
+def positive_int(text: str) -> int:
+    """``text`` as an int of 1 or more; raises ``argparse.ArgumentTypeError`` otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """``text`` as a finite float above 0 (seconds, where used); raises ``argparse.ArgumentTypeError`` otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
+
+
+def hex_prefix(text: str) -> str:
+    """``text`` as a lowercase sha256 hex prefix (1-64 digits); raises ``argparse.ArgumentTypeError`` otherwise."""
+    if not re.fullmatch(r"[0-9a-fA-F]{1,64}", text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a hex sha256 prefix")
+    return text.strip().lower()

@@ -1,0 +1,37 @@
+"""How ``classify`` prints its results on stdout: a table, JSON or CSV."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+
+def _error_text(error: dict) -> str:
+    return f"error: {error['message']} ({error['code']})"
+
+
+def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
+    """Write ``results`` to the text stream ``out`` as ``fmt``: ``"table"``, ``"json"`` or ``"csv"``.
+
+    Each result is ``{"path", "predictions", "error", ...}`` (``error``: None or ``{"code",
+    "message"}``); ``topk`` only heads the table's column. Returns nothing; write errors (a closed
+    pipe) propagate.
+    """
+    if fmt == "json":
+        json.dump(results, out, indent=1)
+        out.write("\n")
+    elif fmt == "csv":
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["path", "rank", "label", "index", "probability", "error"])
+        for r in results:
+            if r["error"]:
+                writer.writerow([r["path"], "", "", "", "", r["error"]["message"]])
+            for rank, p in enumerate(r["predictions"], 1):
+                writer.writerow([r["path"], rank, p["label"], p["index"], f"{p['probability']:.6f}", ""])
+    else:
+        width = min(max([len("path"), *(len(r["path"]) for r in results)]), 60)
+        out.write(f"{'path':<{width}}  top-{topk}\n")
+        for r in results:
+            text = _error_text(r["error"]) if r["error"] else "  ".join(
+                f"{p['label']} {100 * p['probability']:.1f}%" for p in r["predictions"])
+            out.write(f"{r['path']:<{width}}  {text}\n")

@@ -1,0 +1,136 @@
+"""``python -m webapp serve``: exec gunicorn with the project's config; ``--cluster``: Ray Serve instead.
+
+The options set ``CLASSIFIER_*`` variables; what follows ``--`` goes to gunicorn unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import sys
+
+from .. import settings as settings_mod
+from ..settings import PREFIX
+from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err, ray_missing
+from .options import HelpFormatter, add_setting_options, as_environ, given_settings, settings_epilog, shown
+
+
+def add_parser(sub) -> None:
+    """Add the ``serve`` command to ``sub`` (the top parser's subparsers)."""
+    serve = sub.add_parser(
+        "serve", formatter_class=HelpFormatter, help="run the web service (gunicorn with gunicorn.conf.py)",
+        description="Run gunicorn with the project's config: gunicorn -c gunicorn.conf.py wsgi:app. The options "
+                    "below set CLASSIFIER_* variables; anything after -- goes to gunicorn unchanged, e.g.\n"
+                    "  python -m webapp serve --bind 0.0.0.0:8000 --model efficientnet_lite0 -- --preload\n"
+                    "gunicorn replaces this process, so signals (SIGTERM, SIGHUP, Ctrl-C) go straight to it.\n"
+                    "With --cluster it deploys the same app on Ray Serve instead and stays in the foreground until "
+                    "SIGTERM or Ctrl-C, which drain and remove it; --workers, --startup-timeout-s, --metrics and "
+                    "--access-log do not apply there (replicas: the --cluster-* options).",
+        epilog=settings_epilog())
+    serve.add_argument("--dry-run", action="store_true",
+                       help="print the CLASSIFIER_* variables and the gunicorn command, run nothing")
+    serve.add_argument("--cluster", action="store_true",
+                       help="serve on a Ray cluster instead (Ray Serve; pip install -r requirements-cluster.txt): "
+                            "joins --address or $RAY_ADDRESS, else starts Ray on this host; the HTTP proxy "
+                            "listens on --bind; replicas from the --cluster-* options")
+    serve.add_argument("--address", default=None, metavar="ADDR",
+                       help="with --cluster: the Ray cluster to join, e.g. ray://head:10001 or head:6379 "
+                            "(default: $RAY_ADDRESS, else a local Ray)")
+    add_setting_options(serve, commands=settings_mod.SERVERS)
+    serve.set_defaults(func=cmd_serve)
+
+
+def _print_environ(env: dict) -> None:
+    """The ``CLASSIFIER_*`` variables of ``env``, sorted, secrets masked, as shell assignments (``--dry-run``)."""
+    for key in sorted(k for k in env if k.startswith(PREFIX)):
+        print(f"{key}={shlex.quote(shown(key[len(PREFIX):], env[key]))}")
+
+
+def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
+    """``serve``: replace this process with gunicorn (``extra``: its arguments after ``--``).
+
+    Returns only on a problem found before the exec (EXIT_USAGE, EXIT_FAILED), with ``--dry-run``
+    (EXIT_OK), or with ``--cluster`` (``serve_cluster``'s code). A bad setting raises
+    ``SettingsError`` (``main`` makes it exit 2).
+    """
+    env = dict(os.environ)
+    env.update(as_environ(given_settings(args)))
+    settings_mod.load(env)  # a bad value stops here, named, before gunicorn starts
+    if args.cluster:
+        return serve_cluster(args, env, extra)
+    if args.address:
+        err("error: --address goes with --cluster")
+        return EXIT_USAGE
+    conf, wsgi = ROOT / "gunicorn.conf.py", ROOT / "wsgi.py"
+    if not conf.is_file() or not wsgi.is_file():
+        err(f"error: {conf} or {wsgi} is missing; serve runs from a checkout of the project")
+        return EXIT_FAILED
+    import importlib.util
+
+    if importlib.util.find_spec("gunicorn") is None:
+        err(f"error: gunicorn is not installed for {sys.executable}; pip install -r {ROOT / 'requirements.txt'}")
+        return EXIT_FAILED
+    # wsgi.py and the webapp package are found from any working folder; relative paths in
+    # settings (CLASSIFIER_WEIGHTS=./x.pth) still mean the caller's folder.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    cmd = [sys.executable, "-m", "gunicorn", "-c", str(conf), "wsgi:app", *extra]
+    if args.dry_run:
+        _print_environ(env)
+        print(f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])}")
+        print(shlex.join(cmd))
+        return EXIT_OK
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, cmd, env)  # never returns: gunicorn's master is this process now
+    return EXIT_FAILED  # pragma: no cover
+
+
+def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
+    """``serve --cluster``: deploy the Ray Serve application and keep it until SIGINT/SIGTERM.
+
+    ``env`` is the environment with the options applied. Returns EXIT_OK once drained (or after
+    ``--dry-run``), EXIT_USAGE for arguments after ``--`` or a BIND that is not a free host:port,
+    EXIT_FAILED when Ray is missing, no cluster answers or the model cannot start.
+    """
+    if extra:
+        err(f"error: arguments after -- go to gunicorn, which --cluster does not run: {shlex.join(extra)}")
+        return EXIT_USAGE
+    s = settings_mod.load(env)
+    host, _, port = s.BIND.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        err(f"error: CLASSIFIER_BIND={s.BIND!r}: with --cluster give host:port (port 1-65535) for Ray's HTTP proxy")
+        return EXIT_USAGE
+    host = host.strip("[]")
+    joined = bool(args.address or os.environ.get("RAY_ADDRESS"))
+    if not joined and not args.dry_run:  # a local Ray's proxy will listen here: is the address free?
+        import socket
+
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.bind((host, int(port)))
+        except OSError as exc:
+            err(f"error: cannot listen on {s.BIND}: {exc.strerror or exc} (CLASSIFIER_BIND / --bind)")
+            return EXIT_USAGE
+    address = args.address or os.environ.get("RAY_ADDRESS") or "(a local Ray on this host)"
+    if args.dry_run:
+        _print_environ(env)
+        print(f"ray serve: {address} -> http://{host}:{port}/ (application 'classifier')")
+        return EXIT_OK
+    if ray_missing():
+        return EXIT_FAILED
+    from .. import cluster
+    from ..errors import StartupError
+
+    logging.basicConfig(level=s.LOG_LEVEL.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s")
+    try:
+        cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host,
+                              port=int(port))
+    except StartupError as exc:
+        err(f"error: cannot start the model: {exc}")
+        return EXIT_FAILED
+    except (RuntimeError, ConnectionError) as exc:  # no cluster there; Ray Serve could not start or deploy
+        err(f"error: {exc}")
+        return EXIT_FAILED
+    return EXIT_OK
