@@ -1,5 +1,13 @@
 """Shared fixtures: ``app``/``client`` (seeded ResNet-18, eager: fast), ``offline_app``/``offline_client``
-(the real-weight offline model, eager), and the shared photos in ``../shared/images``."""
+(the real-weight offline model, eager), ``make_app``/``make_module_app`` (an app with your settings, stopped
+at teardown), and the shared photos in ``../shared/images``; helpers every test file may import.
+
+Markers (pytest.ini): every test is of one kind. ``server`` (starts a real gunicorn or another subprocess
+server), ``cluster`` (Ray), ``browser`` (Chromium) and ``slow`` (in-process, but compiles or
+quantizes a model: minutes on a small box) are set by the test module (``pytestmark``) or the test; a
+test with none of them is ``unit`` (``pytest_collection_modifyitems`` below adds the mark). The fast
+subset is ``python -m pytest -m unit``; a plain ``python -m pytest`` runs every kind.
+"""
 
 from __future__ import annotations
 
@@ -23,27 +31,85 @@ def shared_image(name: str) -> Path:
     return path
 
 
-def png_bytes(img: Image.Image, **save) -> bytes:
-    """Encode a PIL image as PNG bytes (tests make their own small fixtures)."""
+KINDS = ("unit", "slow", "server", "cluster", "browser")  # registered in pytest.ini
+
+
+def pytest_collection_modifyitems(items):
+    """Give each test its kind: ``unit`` where none of the others is set; two kinds on one test is an error."""
+    for item in items:
+        kinds = {m.name for m in item.iter_markers() if m.name in KINDS}
+        if not kinds:
+            item.add_marker(pytest.mark.unit)
+        elif len(kinds) > 1:
+            raise pytest.UsageError(f"{item.nodeid} is marked {sorted(kinds)}: one kind per test")
+
+
+# ImageNet class indices 151..268: the dog breeds (the shared dog.jpg's top-1 is one of them).
+DOG_BREEDS = frozenset(range(151, 269))
+
+
+def encode(img: Image.Image, fmt: str, **save) -> bytes:
+    """Encode a PIL image in ``fmt`` (``"PNG"``, ``"JPEG"``, ...) with Pillow's ``save`` options."""
     buf = io.BytesIO()
-    img.save(buf, format="PNG", **save)
+    img.save(buf, format=fmt, **save)
     return buf.getvalue()
 
 
-def _make_app(config):
-    from webapp import create_app
+def png_bytes(img: Image.Image, **save) -> bytes:
+    """Encode a PIL image as PNG bytes (tests make their own small fixtures)."""
+    return encode(img, "PNG", **save)
 
-    app = create_app(config)
-    app.config["TESTING"] = True
-    return app
+
+def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
+    """A solid-colour RGB PNG: cheap to send and to decode."""
+    return png_bytes(Image.new("RGB", size, color))
+
+
+class AppMaker:
+    """``make(**overrides)`` builds ``create_app(overrides)`` with ``TESTING`` on; ``stop()`` stops each
+    classifier it made (newest first). Also a context manager that stops them on exit."""
+
+    def __init__(self):
+        self.made = []
+
+    def __call__(self, **overrides):
+        from webapp import create_app
+
+        app = create_app(overrides)
+        app.config["TESTING"] = True
+        self.made.append(app)
+        return app
+
+    def stop(self) -> None:
+        while self.made:
+            self.made.pop().extensions["classifier"].stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+@pytest.fixture
+def make_app():
+    """``make_app(MODEL=..., COMPILE=False, ...)``: an app for this test; what it made is stopped after it."""
+    with AppMaker() as make:
+        yield make
+
+
+@pytest.fixture(scope="module")
+def make_module_app():
+    """``make_app`` for module-scoped fixtures: what it made is stopped after the module's last test."""
+    with AppMaker() as make:
+        yield make
 
 
 @pytest.fixture(scope="session")
 def app():
     """Seeded untrained ResNet-18, eager, small batches: for view and error tests."""
-    app = _make_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 4, "PRECISION": "fp32"})
-    yield app
-    app.extensions["classifier"].stop()
+    with AppMaker() as make:
+        yield make(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32")
 
 
 @pytest.fixture
@@ -54,9 +120,8 @@ def client(app):
 @pytest.fixture(scope="session")
 def offline_app():
     """The offline EfficientNet-Lite0 with real ImageNet weights, eager: for real predictions."""
-    app = _make_app({"MODEL": "efficientnet_lite0", "COMPILE": False, "MAX_BATCH_SIZE": 4, "PRECISION": "fp32"})
-    yield app
-    app.extensions["classifier"].stop()
+    with AppMaker() as make:
+        yield make(MODEL="efficientnet_lite0", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32")
 
 
 @pytest.fixture
