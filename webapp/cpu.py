@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+# /proc/cpuinfo flags that decide which kernels oneDNN and ATen can use.
+CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+             "amx_bf16", "amx_int8")
+
 
 def usable_cores() -> list[int]:
     """Cores this process may run on (``os.sched_getaffinity``: respects ``taskset`` and cgroup cpusets)."""
@@ -58,3 +62,20 @@ def plan(cores: list[int], *, workers: int = 0, threads: int = 0) -> Plan:
     w = workers or max(1, n // t)
     slots = tuple(tuple(cores[(i * t + j) % n] for j in range(t)) for i in range(w))
     return Plan(slots=slots, threads=t, shared=w * t > n)
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+    """CPU model name and the flags in ``CPU_FLAGS`` (present or not), from ``/proc/cpuinfo``."""
+    model, flags = None, set()
+    try:
+        with open(path) as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and model is None:
+                    model = value.strip()
+                elif key == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {"model": model, "logical_cpus": os.cpu_count(), "flags": {f: f in flags for f in CPU_FLAGS}}

@@ -1,8 +1,19 @@
-"""Errors are part of the API: each class carries its HTTP status and a stable code.
+"""The error table: every error the service answers, with its HTTP status, code and words.
 
-One handler (registered in ``create_app``) renders any of them, and Werkzeug's HTTP errors,
-as ``{"error": {"code", "message", "status"}}`` for ``/api/*`` and as the page for the UI.
+Errors are part of the API. Each class below is one row: ``status`` (HTTP), ``code`` (stable,
+machine-readable), ``retryable`` (the same request may succeed after ``Retry-After``), ``when``
+(the README's and the OpenAPI document's words) and ``settings`` (what changes the limit).
+``ERRORS`` lists the rows in the README's order; from it come the README's "Limits and errors"
+table (``markdown_table``, kept in step by a test), the OpenAPI error responses, the page's
+"try again in N s" codes, and ``from_dict``. The words people read on the page are in
+``webapp/i18n.py`` (``err_<code>``, in each language). Adding an error code: a class here, its
+``err_<code>`` strings there.
+
+One handler, ``init_errors(app)``, renders any of them, Werkzeug's HTTP errors and unexpected
+exceptions as ``{"error": {"code", "message", "status"}}`` for the API and as the page for the UI.
 Messages are written for the person who sent the request: what was wrong and what to do.
+
+Imports neither torch nor Flask at module level: the core (imaging, batcher, engine) raises these.
 """
 
 from __future__ import annotations
@@ -11,11 +22,14 @@ from __future__ import annotations
 class ServiceError(Exception):
     """Base class: ``status`` (HTTP), ``code`` (stable machine-readable), ``message`` (for people).
 
-    ``headers`` carries extra response headers (``Retry-After`` for 429).
+    ``headers`` carries extra response headers (``Retry-After`` for 429 and 503).
     """
 
     status = 500
     code = "internal_error"
+    retryable = False
+    when = ""
+    settings: tuple[str, ...] = ()
 
     def __init__(self, message: str, *, headers: dict[str, str] | None = None):
         super().__init__(message)
@@ -27,67 +41,119 @@ class ServiceError(Exception):
         return {"error": {"code": self.code, "message": self.message, "status": self.status}}
 
 
-class BadRequest(ServiceError):
-    """400: the request is malformed (bad ``topk``, missing form field...)."""
-
-    status = 400
-    code = "bad_request"
-
-
 class NoFile(ServiceError):
-    """400: no image in the request (no ``file`` part, or an empty one)."""
-
-    status = 400
-    code = "no_file"
+    status, code = 400, "no_file"
+    when = "no multipart `file` part, an empty one, or a 0-byte file"
 
 
 class UndecodableImage(ServiceError):
-    """400: the file claims a known image format but its data is broken (truncated, corrupt)."""
+    status, code = 400, "undecodable_image"
+    when = "a known format with broken data (e.g. a truncated JPEG)"
 
-    status = 400
-    code = "undecodable_image"
+
+class BadRequest(ServiceError):
+    status, code = 400, "bad_request"
+    when = "`topk` not an integer from 1 to 10, or a malformed multipart body"
+
+
+class Unauthorized(ServiceError):
+    status, code = 401, "unauthorized"
+    when = "`CLASSIFIER_API_TOKEN` is set and the request lacks `Authorization: Bearer <token>`"
+    settings = ("API_TOKEN",)
 
 
 class TooLarge(ServiceError):
-    """413: body over ``MAX_UPLOAD_BYTES``, too many files, or too many pixels."""
+    status, code = 413, "too_large"
+    when = ("body over the byte limit; too many files; too many pixels (read from the header, before "
+            "decoding)")
+    settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS")
 
-    status = 413
-    code = "too_large"
+    @classmethod
+    def body(cls, limit: int) -> "TooLarge":
+        """A request body over ``limit`` bytes (``MAX_UPLOAD_BYTES``)."""
+        return cls(f"the upload is larger than {limit:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)")
+
+    @classmethod
+    def file(cls, size: int, limit: int) -> "TooLarge":
+        """One file of ``size`` bytes over ``limit`` (the CLI's and Ray Data's files, read from disk)."""
+        return cls(f"the file is {size:,} bytes; the limit is {limit:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")
+
+
+def check_file_size(size: int, limit: int) -> None:
+    """The upload byte limit for a file read from disk (no HTTP body to measure).
+
+    :raises TooLarge: ``size`` bytes > ``limit`` bytes.
+    """
+    if size > limit:
+        raise TooLarge.file(size, limit)
 
 
 class NotAnImage(ServiceError):
-    """415: the bytes are not an image format this server can decode (or the content type is wrong)."""
-
-    status = 415
-    code = "unsupported_media_type"
+    status, code = 415, "unsupported_media_type"
+    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF (PDF, HEIC, text... named in the message), or a raw body "
+            "whose Content-Type is not `image/*` or `application/octet-stream`")
 
 
 class Overloaded(ServiceError):
-    """429: this worker's queue is full; ``Retry-After`` says when to try again (seconds)."""
+    status, code, retryable = 429, "overloaded", True
+    when = "this worker's queue is full; `Retry-After` gives seconds, from the measured queue drain time"
+    settings = ("QUEUE_SIZE",)
 
-    status = 429
-    code = "overloaded"
+
+class RateLimited(ServiceError):
+    status, code, retryable = 429, "rate_limited", True
+    when = "this client address sent more than the rate limit allows; `Retry-After` says when to try again"
+    settings = ("RATE_LIMIT",)
 
 
 class NotReady(ServiceError):
-    """503: the model is still warming up, failed its self-test, or the worker is stopping."""
-
-    status = 503
-    code = "not_ready"
+    status, code, retryable = 503, "not_ready", True
+    when = "warming up, self-test failed, or shutting down; `Retry-After` says when to try again"
 
 
 class InferenceTimeout(ServiceError):
-    """504: the image waited longer than ``REQUEST_TIMEOUT_S`` for its result."""
+    status, code = 504, "timeout"
+    when = "no result within the request timeout; the image is dropped from its batch if not yet run"
+    settings = ("REQUEST_TIMEOUT_S",)
 
-    status = 504
-    code = "timeout"
+    @classmethod
+    def after(cls, seconds: float, where: str = "server") -> "InferenceTimeout":
+        """No result within ``seconds`` (``REQUEST_TIMEOUT_S``); ``where`` is overloaded (server, cluster)."""
+        return cls(f"no result within {seconds:g} s (CLASSIFIER_REQUEST_TIMEOUT_S); the {where} is overloaded, "
+                   f"try again later")
+
+
+class NotFound(ServiceError):
+    status, code = 404, "not_found"
+    when = "no such route"
+
+
+class MethodNotAllowed(ServiceError):
+    status, code = 405, "method_not_allowed"
+    when = "the route exists, not with this method (e.g. `GET /api/v1/predict`)"
 
 
 class InferenceFailed(ServiceError):
-    """500: the model raised on this image's batch (logged with its traceback, never sent)."""
+    status, code = 500, "inference_failed"
+    when = "the model raised on this image's batch (logged; other batches unaffected)"
 
-    status = 500
-    code = "inference_failed"
+
+class InternalError(ServiceError):
+    status, code = 500, "internal_error"
+    when = "an unexpected error (logged on the server, never sent)"
+
+
+# The table, in the README's order.
+ERRORS: tuple[type[ServiceError], ...] = (
+    NoFile, UndecodableImage, BadRequest, Unauthorized, TooLarge, NotAnImage, Overloaded, RateLimited, NotReady,
+    InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
+)
+for _cls in ERRORS:  # each row's docstring is its own words, not a second copy of them
+    _cls.__doc__ = f"{_cls.status} ``{_cls.code}``: {_cls.when}."
+BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in ERRORS}
+RETRYABLE: tuple[str, ...] = tuple(cls.code for cls in ERRORS if cls.retryable)
+# Werkzeug's HTTP errors that have a row of their own; any other becomes "http_error" with its status.
+_HTTP = {404: NotFound, 405: MethodNotAllowed, 413: TooLarge, 429: RateLimited}
 
 
 class StartupError(RuntimeError):
@@ -97,9 +163,71 @@ class StartupError(RuntimeError):
 def from_dict(error: dict, headers: dict[str, str] | None = None) -> ServiceError:
     """Rebuild the ``ServiceError`` whose ``to_dict()["error"]`` is ``error`` (same class, status, code).
 
-    A Ray Serve model replica answers errors as data (webapp/cluster.py); the HTTP replica raises
+    A Ray Serve model replica answers errors as data (webapp/cluster/); the HTTP replica raises
     them again here so the one error handler renders them. An unknown code gives a plain 500.
     """
-    kinds = {cls.code: cls for cls in ServiceError.__subclasses__()}
-    cls = kinds.get(error.get("code"), ServiceError)
+    cls = BY_CODE.get(error.get("code"), ServiceError)
     return cls(str(error.get("message", "internal server error")), headers=headers)
+
+
+def markdown_table() -> str:
+    """The README's "Limits and errors" table, one row per code, from ``ERRORS`` (a test keeps it in step)."""
+    rows = ["| status | code | when | setting |", "|---|---|---|---|"]
+    for cls in ERRORS:
+        setting = ", ".join(f"`CLASSIFIER_{name}`" for name in cls.settings)
+        rows.append(f"| {cls.status} | `{cls.code}` | {cls.when} | {setting} |")
+    return "\n".join(rows)
+
+
+def init_errors(app, settings) -> None:
+    """Register the one error handler on ``app``: JSON for the API, the page for the UI.
+
+    ``ServiceError``s render as themselves; Werkzeug's HTTP errors by their row (404, 405, 413, 429;
+    others as ``http_error``); any other exception is logged with its traceback and answered 500
+    ``internal_error`` without it.
+    """
+    from flask import jsonify, render_template, request
+    from werkzeug.exceptions import HTTPException
+
+    from .uploads import drain_body
+
+    def wants_json() -> bool:
+        return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz") \
+            or request.path != "/" and request.accept_mimetypes.best == "application/json"
+
+    def render(status: int, code: str, message: str, headers: dict | None = None):
+        body = {"error": {"code": code, "message": message, "status": status}}
+        if wants_json():
+            resp = jsonify(body)
+        else:
+            classifier = app.extensions["classifier"]
+            resp = app.response_class(
+                render_template("index.html", model=classifier.describe(), ready=classifier.ready, answer=None,
+                                error=body["error"], topk=settings.TOP_K,
+                                retry_after=(headers or {}).get("Retry-After")), mimetype="text/html")
+        resp.status_code = status
+        resp.headers.update(headers or {})
+        return resp
+
+    @app.errorhandler(ServiceError)
+    def service_error(exc: ServiceError):
+        return render(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        row = _HTTP.get(exc.code)
+        code = row.code if row else "http_error"
+        message = exc.description or exc.name
+        if row is RateLimited:
+            message = f"too many requests from this address (limit {exc.description}); try again later"
+        if row is TooLarge:
+            message = TooLarge.body(settings.MAX_UPLOAD_BYTES).message
+            # The client is still sending: read the rest so it gets this answer, not a reset.
+            if not drain_body(request.environ):
+                return render(413, code, message, {"Connection": "close"})
+        return render(exc.code or 500, code, message)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        app.logger.exception("unhandled error on %s %s", request.method, request.path)
+        return render(500, InternalError.code, "internal server error; it is logged on the server")

@@ -17,6 +17,8 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from .errors import RETRYABLE
+
 LANGS = ("en", "zh")
 DEFAULT_LANG = "en"
 COOKIE = "lang"
@@ -78,6 +80,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_unauthorized": "This server's API needs an access token.",
         "err_bad_request": "The request was not understood (labels per photo must be a number from 1 to 10).",
         "err_not_found": "There is no such page.",
+        "err_method_not_allowed": "That address does not take this kind of request.",
         "err_network": "The server could not be reached: check the connection and try again.",
         "err_other": "Something went wrong on the server (it is logged there): try again.",
     },
@@ -130,13 +133,14 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_unauthorized": "此服务器的 API 需要访问令牌。",
         "err_bad_request": "请求无法识别（每张照片的标签数须为 1 到 10 的整数）。",
         "err_not_found": "页面不存在。",
+        "err_method_not_allowed": "该地址不接受这种请求。",
         "err_network": "无法连接服务器：请检查网络后重试。",
         "err_other": "服务器出错（已记录）：请重试。",
     },
 }
 
-# Error codes whose words say "try again in N s" when the answer carries Retry-After.
-RETRY_CODES = ("overloaded", "rate_limited", "not_ready")
+# Error codes whose words say "try again in N s" when the answer carries Retry-After (webapp/errors.py).
+RETRY_CODES = RETRYABLE
 
 
 def normalize(value: str | None) -> str | None:
@@ -226,7 +230,9 @@ def error_text(code: str, lang: str, retry_after: str | int | None = None) -> st
 
 @lru_cache(maxsize=None)
 def bundle(lang: str) -> tuple[bytes, str]:
-    """What ``static/app.js`` loads for ``lang``: ``{"lang", "strings", "labels"}`` as JSON bytes, and its short hash."""
-    body = json.dumps({"lang": lang, "htmlLang": HTML_LANG[lang], "strings": strings(lang), "labels": labels(lang)},
+    """What ``static/app.js`` loads for ``lang``: ``{"lang", "htmlLang", "strings", "labels", "retryable"}`` as JSON
+    bytes, and its short hash. ``retryable``: the error codes whose words say "try again in N s"."""
+    body = json.dumps({"lang": lang, "htmlLang": HTML_LANG[lang], "strings": strings(lang), "labels": labels(lang),
+                       "retryable": list(RETRY_CODES)},
                       ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return body, hashlib.sha256(body).hexdigest()[:12]

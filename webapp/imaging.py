@@ -56,6 +56,8 @@ _FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEI
 # ever seen by the center crop; cropping it first keeps a 10000x10 strip from becoming a
 # 256000x256 intermediate. Photos up to 2:1 (every camera and phone format) are untouched.
 _MAX_ASPECT = 2.0
+# The page's preview of each photo: long side in px.
+THUMBNAIL_PX = 320
 
 
 @dataclass
@@ -252,3 +254,40 @@ def preprocess(img: Image.Image, transform: v2.Compose) -> torch.Tensor:
     """RGB PIL image -> model input ``(3, crop, crop) float32`` (a plain tensor, contiguous)."""
     out = transform(center_limit(img))
     return out.as_subclass(torch.Tensor).contiguous()
+
+
+def thumbnail_jpeg(img: Image.Image, size: int = THUMBNAIL_PX, quality: int = 80) -> bytes:
+    """RGB PIL image -> JPEG bytes no larger than ``size`` px on its long side (the page's preview)."""
+    thumb = img.copy()
+    thumb.thumbnail((size, size))
+    buf = io.BytesIO()
+    thumb.save(buf, format="JPEG", quality=quality)
+    return buf.getvalue()
+
+
+@dataclass
+class Prepared:
+    """One upload ready for the model: ``tensor`` ``(3, S, S) float32``; the photo's upright ``size``
+    (width, height px), ``format`` and ``decode_ms``; ``thumbnail`` (JPEG bytes) when asked for."""
+
+    tensor: torch.Tensor
+    size: tuple[int, int]
+    format: str
+    decode_ms: float
+    thumbnail: bytes | None = None
+
+
+def prepare(data: bytes, *, name: str, transform: v2.Compose, max_pixels: int, min_side: int | None,
+            thumbnail: bool = False) -> Prepared:
+    """Decode and preprocess one upload (``decode`` then ``preprocess``), keeping only what the answer needs.
+
+    A full-size image held while the batch waits would multiply memory by the requests in flight,
+    so only the tensor, the size, the format and (``thumbnail``) a small JPEG are kept.
+
+    :raises ServiceError: as ``decode``: empty (400), too many pixels (413), not an image (415),
+        damaged (400).
+    """
+    d = decode(data, max_pixels=max_pixels, name=name, min_side=min_side)
+    tensor = preprocess(d.image, transform)
+    return Prepared(tensor=tensor, size=d.size, format=d.format, decode_ms=d.decode_ms,
+                    thumbnail=thumbnail_jpeg(d.image) if thumbnail else None)

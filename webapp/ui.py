@@ -12,24 +12,17 @@ cookie, so a plain link switches and remembers the language.
 from __future__ import annotations
 
 import base64
-import io
 
 from flask import Blueprint, abort, current_app, g, render_template, request
-from PIL import Image
-
 from . import i18n
 from .uploads import parse_topk, read_uploads
 
 bp = Blueprint("ui", __name__)
 
 
-def thumbnail_uri(img: Image.Image, size: int = 320) -> str:
-    """RGB PIL image -> ``data:image/jpeg;base64,...`` no larger than ``size`` px on its long side."""
-    thumb = img.copy()
-    thumb.thumbnail((size, size))
-    buf = io.BytesIO()
-    thumb.save(buf, format="JPEG", quality=80)
-    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+def jpeg_data_uri(jpeg: bytes) -> str:
+    """JPEG bytes (the answer's ``thumbnail``, made once by ``imaging.prepare``) -> ``data:image/jpeg;base64,...``."""
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode("ascii")
 
 
 def request_lang() -> str:
@@ -99,7 +92,7 @@ def classify():
     uploads = [u for u, p in zip(uploads, parts) if p.filename or u.data] or uploads
     answer = clf.classify(uploads, topk=topk, keep_images=True)
     for item in answer["results"]:
-        item["thumbnail"] = thumbnail_uri(item.pop("image"))
+        item["thumbnail"] = jpeg_data_uri(item["thumbnail"])
     i18n.translate(answer, request_lang())
     return render_template("index.html", model=answer["model"], ready=True, answer=answer, error=None, topk=topk)
 

@@ -12,7 +12,7 @@ from flask import Request
 from werkzeug.exceptions import HTTPException
 
 from .errors import BadRequest, NoFile, NotAnImage, TooLarge
-from .service import Upload
+from .contract import Upload
 
 RAW_TYPES = ("application/octet-stream",)
 
@@ -90,7 +90,7 @@ def _over_limit(request: Request) -> bool:
 
 def _too_large(request: Request) -> TooLarge:
     drain_body(request.environ)
-    return TooLarge(f"the upload is larger than {request.max_content_length:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)")
+    return TooLarge.body(request.max_content_length)
 
 
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:

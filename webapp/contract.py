@@ -1,0 +1,59 @@
+"""What the views need from a classifier, and the data that crosses that line.
+
+The Flask views (``api.py``, ``ui.py``), the error pages and ``/metrics`` talk to a classifier
+only through ``ClassifierLike``. Two implement it: ``service.Classifier`` (this process's model,
+engine and batcher: a gunicorn worker, the CLI) and ``cluster.ingress.RemoteClassifier`` (forwards
+to Ray Serve model replicas). Torch-free and Flask-free, so both sides can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@dataclass
+class Upload:
+    """One uploaded file: its client-side ``name`` (only ever echoed, escaped) and raw ``data`` (bytes)."""
+
+    name: str
+    data: bytes
+
+
+@runtime_checkable
+class ClassifierLike(Protocol):
+    """The classifier the app serves (``app.extensions["classifier"]``).
+
+    - ``classify(uploads, topk=, keep_images=)`` -> the JSON answer ``{"model", "results",
+      "timing_ms"}`` (ms); with ``keep_images`` each result also carries ``thumbnail``, a JPEG of
+      the photo (bytes, <= 320 px) for the page. Raises ``errors.ServiceError`` subclasses only.
+    - ``ready`` (bool) and ``status`` (str, why not ready) for ``/readyz``; ``self_test`` (dict or
+      None); ``health()`` for ``/healthz``; ``describe()`` -> the answers' ``model`` object;
+      ``model`` (None until loaded); ``settings`` (``webapp.settings.Settings``).
+    - ``queue_depth`` (images waiting, for ``/metrics``) and ``on_outcomes`` (set by ``/metrics``:
+      called with each request's per-image batcher ``Result``s, where there are any).
+    """
+
+    settings: Any
+    on_outcomes: Callable[[list], None] | None
+
+    def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False) -> dict: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def self_test(self) -> dict | None: ...
+
+    @property
+    def model(self) -> Any: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    def describe(self) -> dict: ...
+
+    def health(self) -> dict: ...

@@ -1,0 +1,185 @@
+"""Start-up: weights -> precision -> calibration -> compile and warm-up -> self-test.
+
+Everything a process does before it can answer, in one place, reused as is by the gunicorn worker
+and the CLI (``service.Classifier.start``) and by the Ray Serve replica and Ray Data actor
+(``webapp/cluster/``). Only who runs the batches afterwards differs, so the self-test takes the
+caller's ``predict``: it must run on the thread that will serve (intra-op threads are per thread).
+
+The start-up time budget: a warm cache (compiled kernels, the bf16 AOTInductor package, the int8
+program, all under ``cache_dir``) makes a worker ready in seconds; a cold one compiles (about a
+minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torchvision.transforms import v2
+
+from . import imaging
+from .assets import GOLDEN, calibration_files
+from .engine import Engine, bf16_pays_off, choose_precision, choose_reduce_range, configure_threads
+from .errors import StartupError
+from .models import LoadedModel, encode, load_model
+
+log = logging.getLogger(__name__)
+
+# Our own photos (golden, calibration) are trusted files: the uploads' pixel cap does not apply.
+ASSET_MAX_PIXELS = 2**40
+
+
+@dataclass
+class Started:
+    """A model ready to serve: ``engine.predict`` maps ``(N, 3, S, S) float32`` to ``(N, C) float32``
+    logits for N = 1..``MAX_BATCH_SIZE`` (all warmed up); ``transform`` makes those inputs from RGB
+    photos; ``threads`` intra-op threads; ``precision_reason`` says why this precision; ``warm_s``
+    is the compile + warm-up time (s)."""
+
+    model: LoadedModel
+    engine: Engine
+    transform: v2.Compose
+    threads: int
+    precision_reason: str
+    warm_s: float
+
+    def describe(self) -> dict:
+        """The ``model`` object of every answer: name, title, weights, fallback/untrained note, input
+        size, categories, and the engine's precision, ``compiled`` and backend."""
+        e = self.engine
+        return {**self.model.describe(), "precision": e.precision, "compiled": e.compiled, "backend": e.backend}
+
+    def min_side(self, fast_decode: bool) -> int | None:
+        """With ``FAST_DECODE``, decode big photos only as large as the resize needs (short side, px)."""
+        return self.model.preprocessing.resize if fast_decode else None
+
+
+def cache_dir(settings) -> Path:
+    """The persistent cache folder: ``CACHE_DIR``, else ``~/.cache/photo-classifier`` (not created here)."""
+    return Path(settings.CACHE_DIR or Path.home() / ".cache" / "photo-classifier").expanduser()
+
+
+def use_cache_dir(settings) -> Path:
+    """Create the cache folder and point inductor's kernel cache into it; return the folder.
+
+    ``TORCHINDUCTOR_CACHE_DIR`` set by the user wins. Importing torchvision already sets that
+    variable to torch's default (``/tmp/torchinductor_<user>``, gone after a reboot), so only a
+    value other than the default counts as the user's.
+    """
+    cache = cache_dir(settings)
+    cache.mkdir(parents=True, exist_ok=True)
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    return cache
+
+
+def golden_batch(transform: v2.Compose) -> torch.Tensor:
+    """The golden photo and its mirror image, twice, preprocessed: ``(4, 3, S, S) float32`` for start-up checks."""
+    from PIL import ImageOps
+
+    img = imaging.decode(GOLDEN.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=GOLDEN.name).image
+    views = [img, ImageOps.mirror(img)] * 2
+    return torch.stack([imaging.preprocess(v, transform) for v in views])
+
+
+def calibration(settings, transform: v2.Compose) -> tuple[list[torch.Tensor], str]:
+    """int8 calibration photos (``CALIBRATION_DIR`` or the shipped set), each ``(3, S, S) float32``,
+    and an id of the set (names and byte sizes) for the int8 program's cache key.
+
+    :raises StartupError: no photo in the folder.
+    """
+    files = calibration_files(settings.CALIBRATION_DIR)
+    if not files:
+        raise StartupError(f"int8 needs calibration photos; none found in {settings.CALIBRATION_DIR}")
+    tensors, names = [], []
+    for f in files:
+        d = imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=f.name)
+        tensors.append(imaging.preprocess(d.image, transform))
+        names.append(f"{f.name}:{f.stat().st_size}")
+    return tensors, "|".join(names)
+
+
+def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose) -> tuple[str, str]:
+    """``PRECISION``, with ``auto`` resolved: bf16 only where oneDNN claims native bf16 *and* a short
+    eager measurement on the golden photos shows it pays off here (``engine.bf16_pays_off``).
+    Returns ``(precision, reason)`` for the log and ``/healthz``."""
+    precision, reason = choose_precision(settings.PRECISION)
+    if settings.PRECISION == "auto" and precision == "bf16":
+        ok, measured = bf16_pays_off(model.module, golden_batch(transform))
+        precision = "bf16" if ok else "fp32"
+        reason = f"{reason}; {measured}" if ok else f"auto: oneDNN claims native bf16 but {measured}, so fp32"
+    return precision, reason
+
+
+def load_engine(settings, *, status: Callable[[str], None] = lambda _: None) -> Started:
+    """Load the model, choose the precision, build the engine and warm up batch 1..``MAX_BATCH_SIZE``.
+
+    ``status`` is told each phase (``loading model``, ``compiling``/``warming up``) for ``/readyz``.
+
+    :raises StartupError: no weights (with fallback off), a bad weights file, int8 without
+        calibration photos.
+    """
+    status("loading model")
+    threads = configure_threads(settings.THREADS)
+    model = load_model(settings)
+    transform = imaging.build_transform(model.preprocessing)
+    precision, reason = choose_engine_precision(settings, model, transform)
+    cache = use_cache_dir(settings)
+    photos, calib_id = calibration(settings, transform) if precision == "int8" else ([], "none")
+    status("compiling" if settings.COMPILE else "warming up")
+    engine = Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE,
+                    precision=precision, calibration=photos,
+                    reduce_range=choose_reduce_range(settings.INT8_REDUCE_RANGE),
+                    cache_dir=cache, cache_id=f"{model.name}|{model.weights}|{calib_id}")
+    log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
+             model.name, model.weights, precision, reason, settings.COMPILE, threads,
+             sorted(os.sched_getaffinity(0)), settings.MAX_BATCH_SIZE)
+    warm_s = engine.warm_up(settings.MAX_BATCH_SIZE)
+    return Started(model=model, engine=engine, transform=transform, threads=threads, precision_reason=reason,
+                   warm_s=warm_s)
+
+
+def self_test_enabled(settings, model: LoadedModel) -> tuple[bool, dict | None]:
+    """Whether start-up runs the self-test (``SELF_TEST`` on, or auto with trained weights); when not,
+    the record that says why it was skipped."""
+    mode = settings.SELF_TEST
+    if mode == "on" or (mode == "auto" and not model.untrained):
+        return True, None
+    return False, {"skipped": "untrained weights" if model.untrained else "CLASSIFIER_SELF_TEST=off"}
+
+
+def judge_self_test(model: LoadedModel, top: list[dict]) -> dict:
+    """The self-test record from the golden photo's top-3 rows (``models.encode``'s dicts).
+
+    :raises StartupError: no dog breed among them (wrong weights or preprocessing).
+    """
+    passed = any(p["index"] in model.self_test_classes for p in top)
+    record = {"passed": passed, "photo": GOLDEN.name, "top3": [p["label"] for p in top]}
+    if not passed:
+        raise StartupError(f"self-test failed: the golden dog photo {GOLDEN} came out as "
+                           f"{[p['label'] for p in top]}, no dog breed in the top 3; the weights "
+                           f"({model.weights}) or preprocessing are wrong")
+    return record
+
+
+def self_test(settings, started: Started, predict: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """Classify the shipped golden dog photo through ``predict`` and judge it (see ``judge_self_test``).
+
+    ``predict`` maps ``(1, 3, S, S) float32`` to ``(1, C)`` logits on the serving path (the batcher's
+    thread, a replica's inference thread). Returns the record ``/readyz`` shows, also when skipped.
+
+    :raises StartupError: the self-test failed.
+    """
+    enabled, skipped = self_test_enabled(settings, started.model)
+    if not enabled:
+        return skipped
+    photo = imaging.prepare(GOLDEN.read_bytes(), name=GOLDEN.name, transform=started.transform,
+                            max_pixels=ASSET_MAX_PIXELS, min_side=started.min_side(settings.FAST_DECODE))
+    logits = predict(photo.tensor[None])
+    return judge_self_test(started.model, encode(logits[0], started.model.categories, 3))
