@@ -4,7 +4,7 @@ import pytest
 from PIL import Image
 
 from conftest import png_bytes
-from webapp import GUNICORN_ENV, create_app
+from webapp import GUNICORN_ENV
 from webapp.access import check_token
 from webapp.settings import SettingsError
 
@@ -12,11 +12,9 @@ PNG = png_bytes(Image.new("RGB", (32, 32), (10, 120, 200)))
 
 
 @pytest.fixture(scope="module")
-def guarded():
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1,
-                      "API_TOKEN": "s3cret-token", "RATE_LIMIT": "4/minute"})
-    yield app
-    app.extensions["classifier"].stop()
+def guarded(make_module_app):
+    return make_module_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, API_TOKEN="s3cret-token",
+                           RATE_LIMIT="4/minute")
 
 
 def post(client, **headers):
@@ -50,23 +48,20 @@ def test_rate_limit_answers_429_with_retry_after(guarded):
     assert client.get("/healthz").status_code == 200  # probes are never limited
 
 
-def test_retry_after_is_never_zero():
+def test_retry_after_is_never_zero(make_app):
     """Flask-Limiter can round the wait to the window's reset down to 0; clients must be told >= 1 s."""
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "RATE_LIMIT": "4/minute"})
-    try:
-        app.add_url_rule("/_zero", "zero", lambda: ("", 429, {"Retry-After": "0"}))
-        assert app.test_client().get("/_zero").headers["Retry-After"] == "1"
-    finally:
-        app.extensions["classifier"].stop()
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="4/minute")
+    app.add_url_rule("/_zero", "zero", lambda: ("", 429, {"Retry-After": "0"}))
+    assert app.test_client().get("/_zero").headers["Retry-After"] == "1"
 
 
-def test_bad_rate_limit_is_a_settings_error():
+def test_bad_rate_limit_is_a_settings_error(make_app):
     with pytest.raises(SettingsError, match="CLASSIFIER_RATE_LIMIT='lots'"):
-        create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "RATE_LIMIT": "lots"})
+        make_app(MODEL="resnet18_seeded", COMPILE=False, RATE_LIMIT="lots")
 
 
-def test_debug_is_never_on_under_gunicorn(monkeypatch):
+def test_debug_is_never_on_under_gunicorn(monkeypatch, make_app):
     monkeypatch.setenv("FLASK_DEBUG", "1")
     monkeypatch.setenv(GUNICORN_ENV, "1")  # as gunicorn.conf.py sets it; the model is then started by its hook
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False})
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False)
     assert app.debug is False

@@ -5,15 +5,8 @@ import io
 import pytest
 from PIL import Image
 
-from conftest import png_bytes, shared_image
-from webapp import create_app
+from conftest import DOG_BREEDS, png_bytes, shared_image, small_png
 from webapp.errors import Overloaded
-
-DOG_BREEDS = range(151, 269)
-
-
-def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
-    return png_bytes(Image.new("RGB", size, color))
 
 
 def assert_error(resp, status, code):
@@ -101,11 +94,9 @@ def test_one_bad_file_fails_the_request_and_names_it(client):
 
 
 @pytest.fixture(scope="module")
-def small_limits_app():
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 2,
-                      "MAX_UPLOAD_BYTES": 4096, "MAX_FILES": 2, "MAX_PIXELS": 10_000})
-    yield app
-    app.extensions["classifier"].stop()
+def small_limits_app(make_module_app):
+    return make_module_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=2, MAX_UPLOAD_BYTES=4096,
+                           MAX_FILES=2, MAX_PIXELS=10_000)
 
 
 def test_too_large_is_413(small_limits_app):
@@ -212,15 +203,11 @@ def test_models_lists_every_model_and_marks_the_serving_one(client):
     assert "weights" not in models["resnet18"] and "weights" not in models["efficientnet_lite0"]
 
 
-def test_models_names_the_fallback(tmp_path, monkeypatch):
+def test_models_names_the_fallback(tmp_path, monkeypatch, make_app):
     """No ResNet-18 weights anywhere: the list says resnet18 was asked for and the offline model serves."""
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # an empty hub cache
-    app = create_app({"MODEL": "resnet18", "DOWNLOAD": False, "COMPILE": False, "MAX_BATCH_SIZE": 1,
-                      "PRECISION": "fp32"})
-    try:
-        body = app.test_client().get("/api/v1/models").get_json()
-    finally:
-        app.extensions["classifier"].stop()
+    app = make_app(MODEL="resnet18", DOWNLOAD=False, COMPILE=False, MAX_BATCH_SIZE=1, PRECISION="fp32")
+    body = app.test_client().get("/api/v1/models").get_json()
     assert body["requested"] == "resnet18" and body["serving"] == "efficientnet_lite0"
     models = {m["name"]: m for m in body["models"]}
     assert models["resnet18"]["serving"] is False and models["efficientnet_lite0"]["serving"] is True

@@ -13,7 +13,6 @@ from PIL import Image
 
 from conftest import png_bytes
 from serving import Server
-from webapp import create_app
 from webapp.logs import ACCESS_LOGGER, RequestIdFilter, request_id_from
 
 PNG = png_bytes(Image.new("RGB", (40, 30), (10, 200, 90)))
@@ -44,14 +43,11 @@ def test_every_response_echoes_a_request_id(client):
         assert resp.status_code >= 400 and UUID_HEX.fullmatch(resp.headers["X-Request-ID"])
 
 
-def test_refused_by_the_token_check_still_has_an_id():
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "API_TOKEN": "t0ken"})
-    try:
-        resp = app.test_client().post("/api/v1/predict", data=PNG, content_type="image/png",
-                                      headers={"X-Request-ID": "no-token-1"})
-        assert resp.status_code == 401 and resp.headers["X-Request-ID"] == "no-token-1"
-    finally:
-        app.extensions["classifier"].stop()
+def test_refused_by_the_token_check_still_has_an_id(make_app):
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, API_TOKEN="t0ken")
+    resp = app.test_client().post("/api/v1/predict", data=PNG, content_type="image/png",
+                                  headers={"X-Request-ID": "no-token-1"})
+    assert resp.status_code == 401 and resp.headers["X-Request-ID"] == "no-token-1"
 
 
 class Lines(logging.Handler):
@@ -64,10 +60,8 @@ class Lines(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def json_app():
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "ACCESS_LOG": "json"})
-    yield app
-    app.extensions["classifier"].stop()
+def json_app(make_module_app):
+    return make_module_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, ACCESS_LOG="json")
 
 
 @pytest.fixture
@@ -135,6 +129,7 @@ def test_no_request_no_id():
 
 
 # ------------------------------------------------------------------------------------ real gunicorn
+@pytest.mark.server
 def test_gunicorn_json_access_log(tmp_path):
     """ACCESS_LOG=json under gunicorn: one JSON object per request on stdout, no text access lines;
     METRICS=0: no /metrics (404) and no metrics folder needed."""

@@ -12,19 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from PIL import Image
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import png_bytes
+from conftest import small_png
 from serving import Server
-from webapp import create_app
 
 PREDICT = "/api/v1/predict"
-
-
-def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
-    return png_bytes(Image.new("RGB", size, color))
 
 
 def parse(text: str) -> dict[tuple[str, frozenset], float]:
@@ -143,15 +137,11 @@ def test_odd_accept_headers_get_text(client):
         assert resp.status_code == 200 and resp.mimetype in ("text/plain", "application/openmetrics-text"), accept
 
 
-def test_metrics_off_is_404():
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "METRICS": False})
-    try:
-        client = app.test_client()
-        assert client.get("/metrics").status_code == 404
-        assert "/metrics" not in client.get("/openapi.json").get_json()["paths"]
-        assert client.post(PREDICT, data=small_png(), content_type="image/png").status_code == 200
-    finally:
-        app.extensions["classifier"].stop()
+def test_metrics_off_is_404(make_app):
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, METRICS=False).test_client()
+    assert client.get("/metrics").status_code == 404
+    assert "/metrics" not in client.get("/openapi.json").get_json()["paths"]
+    assert client.post(PREDICT, data=small_png(), content_type="image/png").status_code == 200
 
 
 # ------------------------------------------------------------------------------------ real gunicorn
@@ -172,6 +162,7 @@ def access_log(srv) -> list[dict]:
     return [json.loads(line) for line in srv.output().splitlines() if line.startswith("{")]
 
 
+@pytest.mark.server
 def test_counts_add_up_across_gunicorn_workers(server):
     """30 good + 5 bad predicts over 2 workers: the one scrape counts every one of them, from both workers."""
     png = small_png()

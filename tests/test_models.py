@@ -2,7 +2,6 @@
 
 import hashlib
 import http.server
-import socket
 import threading
 import time
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 import torchvision
 
+from serving import free_port
 from webapp import models, settings
 from webapp.errors import StartupError
 
@@ -43,12 +43,6 @@ def url(weights_file, monkeypatch):
 
 def cfg(**kw):
     return settings.load(environ={}, overrides={"DOWNLOAD": False, **kw})
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hash_prefix_is_read_from_torchvision_file_name():
@@ -100,7 +94,8 @@ def test_download_comes_third_and_is_hash_checked(weights_file, hub, monkeypatch
 
 
 def test_download_without_network_gives_up_fast_and_falls_back(hub, monkeypatch):
-    monkeypatch.setattr(models, "RESNET18_URL", f"http://127.0.0.1:{closed_port()}/resnet18-f37072fd.pth")
+    # A free port: nothing listens there, so the connection is refused at once.
+    monkeypatch.setattr(models, "RESNET18_URL", f"http://127.0.0.1:{free_port()}/resnet18-f37072fd.pth")
     start = time.monotonic()
     m = models.load_model(cfg(DOWNLOAD=True, DOWNLOAD_TIMEOUT_S=2))
     assert time.monotonic() - start < 10

@@ -18,8 +18,7 @@ import schemathesis
 from PIL import Image
 from schemathesis import GenerationMode, checks
 
-from conftest import ROOT, png_bytes
-from webapp import create_app
+from conftest import ROOT, encode, png_bytes, small_png
 from webapp import settings as settings_mod
 from webapp.errors import Overloaded
 from webapp.openapi import ERRORS, build_spec
@@ -36,11 +35,8 @@ SCHEMA.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.N
 
 
 @pytest.fixture(scope="module")
-def st_app():
-    app = create_app(CONFIG)
-    app.config["TESTING"] = True
-    yield app
-    app.extensions["classifier"].stop()
+def st_app(make_module_app):
+    return make_module_app(**CONFIG)
 
 
 def test_served_document_is_the_one_checked(st_app):
@@ -91,14 +87,8 @@ def test_app_conforms_to_its_document(case, st_app):
 
 
 # ------------------------------------------------------------------------------------ errors on purpose
-def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
-    return png_bytes(Image.new("RGB", size, color))
-
-
 def truncated_jpeg() -> bytes:
-    buf = io.BytesIO()
-    Image.effect_noise((256, 256), 80).convert("RGB").save(buf, format="JPEG", quality=90)
-    return buf.getvalue()[:2000]
+    return encode(Image.effect_noise((256, 256), 80).convert("RGB"), "JPEG", quality=90)[:2000]
 
 
 def conforms(schema, path: str, method: str, resp, status: int, code: str | None = None) -> None:
@@ -165,11 +155,9 @@ def test_provoked_errors_fit_the_document(app, client, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def guarded_app():
-    app = create_app({"MODEL": "resnet18_seeded", "COMPILE": False, "MAX_BATCH_SIZE": 1, "API_TOKEN": "t0ken",
-                      "RATE_LIMIT": "3/minute", "MAX_UPLOAD_BYTES": 4096})
-    yield app
-    app.extensions["classifier"].stop()
+def guarded_app(make_module_app):
+    return make_module_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, API_TOKEN="t0ken",
+                           RATE_LIMIT="3/minute", MAX_UPLOAD_BYTES=4096)
 
 
 def test_token_limits_and_rate_limit_fit_the_document(guarded_app):
