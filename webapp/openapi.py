@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 from . import catalog, errors
-from . import settings as settings_mod
 
 OPENAPI_VERSION = "3.0.3"
 API_VERSION = "1.0.0"

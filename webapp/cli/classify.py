@@ -137,7 +137,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     from tqdm import tqdm
 
     from ..contract import Upload
-    from ..errors import ServiceError, StartupError
+    from ..errors import ServiceError, StartupError, check_file_size
     from ..service import Classifier
 
     if not args.quiet:
@@ -162,10 +162,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 
     def one(path: Path) -> dict:
         try:
-            size = path.stat().st_size
-            if size > s.MAX_UPLOAD_BYTES:
-                return {"error": _error("too_large", f"the file is {size:,} bytes; the limit is "
-                                                     f"{s.MAX_UPLOAD_BYTES:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")}
+            check_file_size(path.stat().st_size, s.MAX_UPLOAD_BYTES)
             data = path.read_bytes()
             answer = classifier.classify([Upload(path.name, data)], topk=topk)
         except ServiceError as exc:

