@@ -29,6 +29,7 @@ def test_eager_engine_shapes(resnet):
     assert out.shape == (2, 1000) and out.dtype == torch.float32
 
 
+@pytest.mark.slow  # torch.compile: ~40 s on 2 cores
 def test_compiled_matches_eager_and_never_recompiles(resnet):
     x = torch.randn(3, 3, 224, 224)
     with torch.inference_mode():
@@ -64,6 +65,7 @@ def test_bf16_stays_close_to_fp32(resnet):
     assert (got - ref).abs().max() / ref.abs().max() < 0.03
 
 
+@pytest.mark.slow  # PT2E quantization + compile: ~15 s
 def test_int8_is_calibrated_compiled_and_cached(resnet, tmp_path):
     torch.manual_seed(1)
     calibration = list(torch.randn(8, 3, 224, 224))
@@ -107,6 +109,7 @@ def test_auto_picks_what_the_kernels_can_do_here():
         assert precision == ("bf16" if engine.native_bf16() else "fp32")
 
 
+@pytest.mark.slow  # AOTInductor packaging: ~50 s
 def test_bf16_is_packaged_ahead_of_time_and_reloaded(resnet, tmp_path):
     x = torch.randn(3, 3, 224, 224)
     with torch.inference_mode():
