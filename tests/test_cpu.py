@@ -26,9 +26,20 @@ def test_oversubscription_wraps_and_says_so():
 
 
 def test_usable_cores_is_the_affinity_mask():
-    assert cpu.usable_cores() == sorted(os.sched_getaffinity(0))
+    """What ``taskset -c`` (or a cgroup cpuset) leaves this process, sorted; not every core the machine has."""
+    given = os.sched_getaffinity(0)
+    first, last = min(given), max(given)
+    try:
+        os.sched_setaffinity(0, {last})  # this thread only (Linux): like `taskset -c <last>`
+        assert cpu.usable_cores() == [last]
+        assert cpu.plan(cpu.usable_cores()).slots == ((last,),)
+        os.sched_setaffinity(0, {last, first})
+        assert cpu.usable_cores() == sorted({first, last})
+    finally:
+        os.sched_setaffinity(0, given)
+    assert cpu.usable_cores() == sorted(os.sched_getaffinity(0)) == sorted(given)
 
 
 def test_no_cores_is_an_error():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^no usable cores$"):
         cpu.plan([])
