@@ -1,0 +1,61 @@
+"""The model catalog (webapp/catalog.py) is the one home of each model's name, title and sizes:
+what it says must be what the builders build, and every reader takes it from there."""
+
+import sys
+
+import pytest
+
+from webapp import catalog, models, settings
+
+
+@pytest.mark.parametrize("entry", catalog.MODELS, ids=lambda m: m.name)
+def test_catalog_says_what_the_builder_builds(entry, tmp_path, monkeypatch):
+    if entry.name == "resnet18":  # no real weights here: a ResNet-18 state dict stands in for the found file
+        import torch
+        import torchvision
+
+        path = tmp_path / "resnet18-f37072fd.pth"
+        torch.save(torchvision.models.resnet18(weights=None).state_dict(), path)
+        monkeypatch.setattr(models, "resolve_resnet18_weights", lambda s: (path, []))
+    built = models.BUILDERS[entry.name](settings.load(environ={}, overrides={"MODEL": entry.name, "DOWNLOAD": False}))
+    assert built.name == entry.name and built.title == entry.title and built.fallback_reason is None
+    assert built.preprocessing.crop == entry.input_size and built.preprocessing.resize == entry.resize_size
+    assert len(built.categories) == entry.categories and built.untrained == entry.untrained
+
+
+def test_resnet18_sizes_are_torchvisions_own():
+    t = models.RESNET18_WEIGHTS.transforms()
+    assert (catalog.entry("resnet18").input_size, catalog.entry("resnet18").resize_size) == \
+        (t.crop_size[0], t.resize_size[0])
+
+
+def test_every_catalog_name_has_a_builder_and_no_other():
+    assert set(models.BUILDERS) == set(catalog.NAMES)
+    assert catalog.DEFAULT in catalog.NAMES and catalog.OFFLINE in catalog.NAMES
+
+
+def test_the_settings_table_reads_the_catalog():
+    model = settings.BY_NAME["MODEL"]
+    assert model.choices == catalog.NAMES and model.default == catalog.DEFAULT
+    for m in catalog.MODELS:
+        assert f"{m.name}: {m.summary}" in model.help
+
+
+def test_unknown_model_names_the_known_ones():
+    with pytest.raises(KeyError, match="resnet18, efficientnet_lite0, resnet18_seeded"):
+        catalog.entry("resnet50")
+
+
+def test_api_lists_the_catalog(client):
+    body = client.get("/api/v1/models").get_json()
+    assert [(m["name"], m["input_size"], m["categories"]) for m in body["models"]] == \
+        [(m.name, m.input_size, m.categories) for m in catalog.MODELS]
+    titles = {m["name"]: m["title"] for m in body["models"] if not m["serving"]}
+    assert titles == {m.name: m.title for m in catalog.MODELS if m.name in titles}
+
+
+def test_catalog_and_settings_import_no_torch():
+    import subprocess
+
+    code = "import sys, webapp.catalog, webapp.settings, webapp.errors; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

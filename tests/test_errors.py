@@ -1,0 +1,74 @@
+"""The error table (webapp/errors.py) is the one home of each error's status, code and words:
+the handler, the README, OpenAPI, the page and the Ray path all take it from there."""
+
+import pytest
+
+from webapp import errors, i18n, openapi
+
+
+def test_codes_are_unique_and_statuses_are_errors():
+    codes = [cls.code for cls in errors.ERRORS]
+    assert len(codes) == len(set(codes))
+    for cls in errors.ERRORS:
+        assert 400 <= cls.status < 600 and cls.when and cls.__doc__.startswith(f"{cls.status} ``{cls.code}``")
+
+
+def test_every_code_has_words_in_every_language():
+    for lang in i18n.LANGS:
+        words = i18n.STRINGS[lang]
+        for cls in errors.ERRORS:
+            if cls.status == 500:  # both say "something went wrong" (err_other)
+                continue
+            assert f"err_{cls.code}" in words, (lang, cls.code)
+            if cls.retryable:
+                assert "{n}" in words[f"err_{cls.code}"] and f"err_{cls.code}_later" in words, (lang, cls.code)
+
+
+def test_retryable_codes_reach_the_page():
+    import json
+
+    assert errors.RETRYABLE == ("overloaded", "rate_limited", "not_ready")
+    for lang in i18n.LANGS:
+        assert json.loads(i18n.bundle(lang)[0])["retryable"] == list(errors.RETRYABLE)
+
+
+def test_openapi_errors_are_the_table_by_status():
+    by_status = {}
+    for cls in errors.ERRORS:
+        by_status.setdefault(cls.status, []).append(cls.code)
+    assert {s: list(codes) for s, (codes, _) in openapi.ERRORS.items()} == by_status
+
+
+@pytest.mark.parametrize("cls", errors.ERRORS, ids=lambda c: c.code)
+def test_from_dict_rebuilds_the_same_class(cls):
+    exc = cls("message for people", headers={"Retry-After": "3"})
+    again = errors.from_dict(exc.to_dict()["error"], exc.headers)
+    assert type(again) is cls and again.status == cls.status and again.message == "message for people"
+    assert again.headers == {"Retry-After": "3"}
+
+
+def test_unknown_code_from_a_replica_is_a_plain_500():
+    again = errors.from_dict({"code": "brand_new", "message": "m"})
+    assert type(again) is errors.ServiceError and again.status == 500
+
+
+def test_message_templates():
+    assert errors.TooLarge.body(33554432).message == \
+        "the upload is larger than 33,554,432 bytes (CLASSIFIER_MAX_UPLOAD_BYTES)"
+    assert errors.TooLarge.file(40_000_000, 33554432).message == \
+        "the file is 40,000,000 bytes; the limit is 33,554,432 (CLASSIFIER_MAX_UPLOAD_BYTES)"
+    assert errors.InferenceTimeout.after(2.5, "cluster").message == \
+        "no result within 2.5 s (CLASSIFIER_REQUEST_TIMEOUT_S); the cluster is overloaded, try again later"
+    errors.check_file_size(10, 10)
+    with pytest.raises(errors.TooLarge, match="the file is 11 bytes; the limit is 10"):
+        errors.check_file_size(11, 10)
+
+
+@pytest.mark.parametrize("path, method, status, code", [
+    ("/no/such/route", "get", 404, "not_found"),
+    ("/api/v1/predict", "get", 405, "method_not_allowed"),
+])
+def test_werkzeug_errors_are_rendered_by_their_row(client, path, method, status, code):
+    resp = getattr(client, method)(path, headers={"Accept": "application/json"})
+    assert resp.status_code == status and resp.get_json()["error"] == {
+        "code": code, "message": resp.get_json()["error"]["message"], "status": status}
