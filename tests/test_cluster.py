@@ -1,4 +1,4 @@
-"""The Ray path (webapp/cluster.py) against the gunicorn app, on one local Ray instance.
+"""The Ray path (webapp/cluster/) against the gunicorn app, on one local Ray instance.
 
 A Ray instance of 4 logical CPUs is started here; ``python -m webapp serve --cluster`` (2 model
 replicas of 1 CPU, 1 HTTP replica) and ``python -m webapp classify --cluster`` (2 Ray Data
@@ -25,6 +25,8 @@ from PIL import Image
 
 from conftest import ROOT, SHARED_IMAGES, png_bytes, png_declaring, shared_image
 from serving import Server, free_port
+
+pytestmark = pytest.mark.cluster
 
 ray = pytest.importorskip("ray", reason="the Ray path needs requirements-cluster.txt")
 pytest.importorskip("a2wsgi", reason="the Ray path needs requirements-cluster.txt")
@@ -229,7 +231,7 @@ def _classify_all(replica, requests_: list[list]) -> list[dict]:
 
 
 def _png_upload(name: str, shade: int):
-    from webapp.service import Upload
+    from webapp.contract import Upload
 
     return Upload(name, png_bytes(Image.new("RGB", (40, 30), (shade, 255 - shade, 90))))
 
@@ -245,7 +247,7 @@ def test_replica_batches_concurrent_requests_and_keeps_them_apart(replica):
 
 
 def test_replica_answers_a_bad_upload_as_data_and_spares_the_others(replica):
-    from webapp.service import Upload
+    from webapp.contract import Upload
 
     answers = _classify_all(replica, [[_png_upload("ok.png", 1), Upload("bad.jpg", b"\xff\xd8\xffnope")],
                                       [_png_upload("other.png", 2)]])
@@ -257,7 +259,7 @@ def test_replica_batch_failure_fails_its_requests_then_serves_again(replica, mon
     def broken(batch):
         raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(replica.clf.engine, "predict", broken)
+    monkeypatch.setattr(replica.started.engine, "predict", broken)
     answers = _classify_all(replica, [[_png_upload(f"{i}.png", i)] for i in range(3)])
     assert [a["error"]["code"] for a in answers] == ["inference_failed"] * 3
     assert "simulated" not in answers[0]["error"]["message"]  # logged on the server, never sent

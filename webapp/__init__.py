@@ -34,7 +34,7 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     gunicorn's config the model is loaded, compiled and warmed up here, before returning;
     under it, in each worker's ``post_worker_init``. A ``classifier`` given is used as it is and
     not started: the Ray Serve HTTP replica passes one that forwards to model replicas
-    (webapp/cluster.py).
+    (webapp/cluster/).
 
     :raises SettingsError: a bad setting (the message names it, its value and what is allowed).
     :raises StartupError: the model cannot be served (no weights with fallback off, bad file,

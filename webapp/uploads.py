@@ -11,15 +11,10 @@ import io
 from flask import Request
 from werkzeug.exceptions import HTTPException
 
-from .errors import BadRequest, NoFile, NotAnImage, TooLarge
+from .errors import BadRequest, NoFile, NotAnImage, TooLarge, drain_body
 from .contract import Upload
 
 RAW_TYPES = ("application/octet-stream",)
-
-# After a 413 we read and discard at most this much more of the body, so the client (which is
-# still sending) receives the 413 instead of a connection reset; past it we close regardless.
-DRAIN_LIMIT = 256 * 1024 * 1024
-
 
 class UploadRequest(Request):
     """Flask's request, with multipart files kept in memory: an upload never touches the disk.
@@ -30,26 +25,6 @@ class UploadRequest(Request):
 
     def _get_file_stream(self, total_content_length, content_type, filename=None, content_length=None):
         return io.BytesIO()
-
-
-def drain_body(environ: dict, limit: int = DRAIN_LIMIT) -> bool:
-    """Read and discard what is left of the request body, up to ``limit`` bytes.
-
-    Returns True if the body was read to its end (the connection can be reused cleanly).
-    """
-    stream = environ.get("wsgi.input")
-    if stream is None:
-        return True
-    left = limit
-    try:
-        while left > 0:
-            chunk = stream.read(min(65536, left))
-            if not chunk:
-                return True
-            left -= len(chunk)
-    except Exception:  # client went away, or a malformed chunked body: nothing more to save
-        return False
-    return False
 
 
 def parse_topk(raw: str | None, default: int) -> int:

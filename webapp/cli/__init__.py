@@ -2,7 +2,7 @@
 
 - ``serve``: exec gunicorn with the project's config (``gunicorn -c gunicorn.conf.py wsgi:app``);
   its options set the ``CLASSIFIER_*`` variables; what follows ``--`` goes to gunicorn.
-  ``--cluster``: the same API on a Ray cluster (Ray Serve, webapp/cluster.py) instead.
+  ``--cluster``: the same API on a Ray cluster (Ray Serve, webapp/cluster/) instead.
 - ``classify PATH...``: files and folders through the same ``Classifier`` the server runs (decode,
   dynamic batcher, engine), from a small thread pool so batches form; one bad file is one error
   line, never the end of the run. Exit 0: all classified, 1: some failed, 2: usage error.
