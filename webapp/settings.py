@@ -181,11 +181,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* needs 'Authorization: Bearer <token>' (compared in "
             "constant time); else 401. The page and /healthz, /readyz stay open.", commands=SERVERS, secret=True),
     Setting("RATE_LIMIT", _str, "", "Per-client-address limit on classify requests (API and page), in "
-            "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off.", commands=SERVERS),
+            "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off.",
+            commands=SERVERS),
     Setting("RATE_LIMIT_STORAGE", _str, "memory://", "Where rate-limit counters live (Flask-Limiter storage URI). "
-            "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts.", commands=SERVERS),
+            "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts.",
+            commands=SERVERS),
     # -- operations --
-    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted).", commands=SERVERS),
+    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted).",
+            commands=SERVERS),
     Setting("ACCESS_LOG", _str, "text", "Access log lines: text (gunicorn's), json (one JSON object per request, "
             "with its request id), or off.", choices=("text", "json", "off"), commands=SERVERS),
     # -- Ray cluster: python -m webapp serve --cluster / classify --cluster (requirements-cluster.txt) --
@@ -197,11 +200,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CLUSTER_MAX_REPLICAS", _int, 4, "Autoscaling (CLUSTER_REPLICAS=0): most model replicas.",
             low=1, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_INGRESS_REPLICAS", _int, 1, "HTTP replicas on the Ray cluster (this Flask app: parsing uploads, "
-            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000, commands=(SERVE_CLUSTER,)),
+            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000,
+            commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_ONGOING_REQUESTS", _int, 16, "Requests one model replica takes at once (Ray Serve "
-            "max_ongoing_requests); its batches form from these, so keep it >= MAX_BATCH_SIZE.", low=1, high=100_000, commands=(SERVE_CLUSTER,)),
+            "max_ongoing_requests); its batches form from these, so keep it >= MAX_BATCH_SIZE.", low=1, high=100_000,
+            commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_QUEUED_REQUESTS", _int, 64, "Requests waiting for a model replica, per HTTP replica (Ray "
-            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000, commands=(SERVE_CLUSTER,)),
+            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000,
+            commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_ACTORS", _int, 2, "classify --cluster: model actors classifying at once (Ray Data actor pool), "
             "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000, commands=(CLASSIFY_CLUSTER,)),
     # -- server --
