@@ -24,6 +24,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import PHOTO_12MP, log, main, median, num, photo, ratio, table
+from bench.load import multipart_body, run_load, summarize
+from bench.servers import ours_plan, parse_settings, rss_mb, start_ours
 
 LIBS = {
     "jemalloc": ("libjemalloc.so.2", "libjemalloc2"),
@@ -41,17 +43,8 @@ def find_lib(soname: str) -> str | None:
     return None
 
 
-def _rss_mb(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("nan")
-
-
 def _maps_has(pid: int, soname: str) -> bool:
+    """Whether the library (by soname, version dropped) is mapped into the process."""
     try:
         return soname.split(".so")[0] in Path(f"/proc/{pid}/maps").read_text()
     except OSError:
@@ -59,6 +52,7 @@ def _maps_has(pid: int, soname: str) -> bool:
 
 
 def add_arguments(parser) -> None:
+    """The benchmark's options (``run`` reads them)."""
     parser.add_argument("--quick", action="store_true", help="one short round (a smoke run)")
     parser.add_argument("--concurrency", type=int, default=8, help="clients (one level that saturates our server)")
     parser.add_argument("--rounds", type=int, default=0, help="rounds over the allocators (0: 3, --quick 1)")
@@ -75,13 +69,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
-    from bench.e2e_bench import multipart_body, ours_workers, parse_settings, run_load, start_ours, summarize
+    """Start one server per allocator, load them in rotating rounds, print the report; return every number.
 
+    :raises NotReady: a server did not start.
+    """
     rounds = args.rounds or (1 if args.quick else 3)
     seconds = args.seconds or (6.0 if args.quick else 20.0)
     warmup = args.warmup or (2.0 if args.quick else 3.0)
     settings = {"MODEL": args.model, **parse_settings(args.settings)}
-    workers = ours_workers(settings)
+    workers = ours_plan(settings).workers
     path = photo(args.photo)
     body, ctype = multipart_body(path.read_bytes(), path.name)
     log_dir = Path(tempfile.mkdtemp(prefix="alloc_bench-"))
@@ -122,10 +118,9 @@ def run(args) -> dict:
         for r in range(rounds):
             for name in order[r % len(order):] + order[:r % len(order)]:
                 srv = servers[name]
-                pids = [srv.proc.pid, *srv.worker_pids()]
                 s = summarize(run_load(srv.port, body, ctype, concurrency=args.concurrency, warmup=warmup,
-                                       seconds=seconds, server_pids=pids))
-                s["worker_rss_mb"] = [_rss_mb(p) for p in srv.worker_pids()]
+                                       seconds=seconds, server_pids=srv.pids()))
+                s["worker_rss_mb"] = [rss_mb(p, default=float("nan")) for p in srv.worker_pids()]
                 runs[name].append(s)
                 log(f"  round {r + 1} {name:9s} {s['images_per_s']:7.2f} img/s  p50 {s['p50_ms']:7.1f}  "
                     f"p99 {s['p99_ms']:7.1f} ms  cpu {s['server_cpu_ms_per_image']:.1f} ms/img  errors {s['errors']}")
@@ -158,6 +153,7 @@ def run(args) -> dict:
 
 
 def report(out: dict) -> str:
+    """The fixed-width text report of a ``run`` result."""
     rows = []
     for name, a in out["allocators"].items():
         rows.append([name, num(a["images_per_s"], 2), num(a["images_per_s_vs_default"], 3), num(a["p50_ms"]),

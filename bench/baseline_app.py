@@ -39,6 +39,9 @@ errorlog = "-"
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
+# What the baseline serves, as its answers' "model" and /healthz say it.
+BASELINE_MODEL = {"name": "resnet18_seeded", "title": "ResNet-18 (untrained, seeded) baseline", "untrained": True,
+                  "precision": "fp32", "compiled": False, "input_size": 224, "categories": 1000}
 
 
 def default_workers(workers: int = 0) -> int:
@@ -53,8 +56,23 @@ def command(port: int, *, workers: int = 0) -> tuple[list[str], dict]:
     return argv, {"BASELINE_BIND": f"127.0.0.1:{port}", "BASELINE_WORKERS": str(default_workers(workers))}
 
 
+def start_baseline(log_path: Path, *, workers: int = 0, env: dict | None = None):
+    """The baseline on a free port, as a ``bench.servers.Gunicorn`` (``wait_ready(workers)`` next).
+
+    ``workers`` 0: one per core. This process's ``CLASSIFIER_*`` variables are dropped; ``env`` adds others.
+    """
+    from bench.servers import Gunicorn, classifier_env, free_port
+
+    port = free_port()
+    argv, extra = command(port, workers=workers)
+    return Gunicorn("baseline", argv, env={**classifier_env(env=env), **extra}, port=port, log_path=log_path)
+
+
 class Pipeline:
-    """Decode (Pillow, full size) -> transforms -> eager fp32 ResNet-18 -> top-k, one image at a time."""
+    """Decode (Pillow, full size) -> transforms -> eager fp32 ResNet-18 -> top-k, one image at a time.
+
+    ``threads``: torch intra-op threads (process-wide).
+    """
 
     def __init__(self, threads: int = 1):
         import torch
@@ -76,7 +94,8 @@ class Pipeline:
         ])
 
     def classify(self, stream, topk: int = 3) -> tuple[dict, dict]:
-        """A file-like image -> (result, timing_ms)."""
+        """A file-like image -> (result, timing_ms): the API's result dict (``topk`` predictions) and
+        ``{"decode", "queue", "inference", "total"}`` in ms. :raises PIL.UnidentifiedImageError, OSError: not an image."""
         from PIL import Image
 
         torch = self.torch
@@ -104,8 +123,6 @@ def create_app():
 
     pipeline = Pipeline(threads=1)
     app = Flask(__name__)
-    model_info = {"name": "resnet18_seeded", "title": "ResNet-18 (untrained, seeded) baseline", "untrained": True,
-                  "precision": "fp32", "compiled": False, "input_size": 224, "categories": 1000}
 
     @app.post("/api/v1/predict")
     def predict():
@@ -116,12 +133,12 @@ def create_app():
             result, timing = pipeline.classify(f.stream)
         except Exception as exc:  # the seed answered 400 for anything Pillow could not read
             return jsonify({"error": {"code": "undecodable_image", "message": str(exc), "status": 400}}), 400
-        return jsonify({"model": model_info, "results": [{"filename": f.filename, **result}], "timing_ms": timing})
+        return jsonify({"model": BASELINE_MODEL, "results": [{"filename": f.filename, **result}], "timing_ms": timing})
 
     @app.get("/healthz")
     def healthz():
         return jsonify({"status": "ok", "ready": True, "pid": os.getpid(), "cores": sorted(os.sched_getaffinity(0)),
-                        "intra_op_threads": pipeline.torch.get_num_threads(), "model": model_info})
+                        "intra_op_threads": pipeline.torch.get_num_threads(), "model": BASELINE_MODEL})
 
     return app
 
@@ -129,6 +146,7 @@ def create_app():
 # -- alone: a smoke check of the baseline ---------------------------------------------------------
 
 def add_arguments(parser) -> None:
+    """The smoke check's options (``run`` reads them)."""
     parser.add_argument("--quick", action="store_true", help="fewer requests")
     parser.add_argument("--requests", type=int, default=0, help="sequential requests (0: 20, --quick 5)")
     parser.add_argument("--workers", type=int, default=0, help="sync workers (0: one per core)")
@@ -138,13 +156,17 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> dict:
-    import http.client
+    """Smoke check: start the baseline, time ``--requests`` sequential uploads of the 12 MP photo (ms) against
+    the same pipeline in this process, print the table; return the numbers. ``--serve``: serve until Ctrl-C.
+
+    :raises NotReady: the baseline did not start; RuntimeError: it answered other than 200.
+    """
     import io
-    import json
     import tempfile
 
     from bench import PHOTO_12MP, log, median, num, photo, ratio, table
-    from bench.e2e_bench import Gunicorn, free_port, multipart_body
+    from bench.load import PREDICT, multipart_body
+    from bench.servers import http_json
 
     if args.serve:
         import subprocess
@@ -162,28 +184,22 @@ def run(args) -> dict:
     path = photo(PHOTO_12MP)
     data = path.read_bytes()
     body, ctype = multipart_body(data, path.name)
-    port = free_port()
-    argv, extra = command(port, workers=args.workers)
     log_path = Path(tempfile.mkdtemp(prefix="baseline_app-")) / "baseline.log"
-    srv = Gunicorn("baseline", argv, env={**os.environ, **extra}, port=port, log_path=log_path)
+    srv = start_baseline(log_path, workers=args.workers)
     http_ms, local_ms, server_ms = [], [], []
     try:
-        srv.wait_ready(int(extra["BASELINE_WORKERS"]))
+        srv.wait_ready(default_workers(args.workers))
         ready_s = max(srv.ready_at.values())
         pipeline = Pipeline(threads=1)  # the same pipeline in this process: the ratio's baseline
         pipeline.classify(io.BytesIO(data))
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
         for i in range(n + 1):  # interleaved; the first round is a warm-up
             t0 = time.perf_counter()
-            conn.request("POST", "/api/v1/predict", body=body, headers={"Content-Type": ctype})
-            resp = conn.getresponse()
-            answer = json.loads(resp.read())
-            conn.close()
+            status, answer = http_json(srv.port, PREDICT, body=body, headers={"Content-Type": ctype}, timeout=120)
             t1 = time.perf_counter()
             local, _ = pipeline.classify(io.BytesIO(data))
             t2 = time.perf_counter()
-            if resp.status != 200:
-                raise RuntimeError(f"baseline answered {resp.status}: {answer}")
+            if status != 200 or answer is None:
+                raise RuntimeError(f"baseline answered {status}: {answer}")
             if i:
                 http_ms.append((t1 - t0) * 1e3)
                 local_ms.append((t2 - t1) * 1e3)

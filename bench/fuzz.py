@@ -15,7 +15,7 @@ CRCs are re-fixed half the time so a mutated IHDR really reaches the decoder). T
   (``{"model", "results", "timing_ms"}`` or ``{"error": {"code", "message", "status"}}``), a
   connection error, or the worker pid changing (a crash) is a failure.
 
-By default it starts its own server (``tests/serving.py``'s ``Server``: the offline
+By default it starts its own server (``bench/servers.py``'s ``start_ours``: the offline
 EfficientNet-Lite0, eager, 1 worker) and at the end also fails if the server did not exit 0 or
 its log holds a ``Traceback`` or a Pillow warning.
 
@@ -60,9 +60,10 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+if __package__ in (None, ""):  # run as `python bench/fuzz.py`: the bench package is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.servers import NotReady, start_ours  # noqa: E402
 from webapp import imaging  # noqa: E402
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage  # noqa: E402
 from webapp.models import LITE0_PREPROCESSING  # noqa: E402
@@ -199,6 +200,7 @@ TOPK = st.integers(0, 9).flatmap(lambda n: st.none() if n < 8 else st.one_of(
 
 @st.composite
 def http_requests(draw) -> dict:
+    """How one upload is sent: multipart (with a fuzzed filename) or a raw body (with a content type), and a ``topk`` (None: none)."""
     how = draw(st.sampled_from(["multipart", "raw"]))
     req = {"how": how, "topk": draw(TOPK)}
     if how == "multipart":
@@ -211,11 +213,13 @@ def http_requests(draw) -> dict:
 # ------------------------------------------------------------------------------------------ targets
 
 class Failure(AssertionError):
+    """An outcome the documentation does not allow (its message says which); hypothesis shrinks it."""
     pass
 
 
 @dataclass
 class Target:
+    """One fuzz target's tally: examples run, outcomes seen, the slowest example (s), failures."""
     name: str
     examples: int = 0
     outcomes: Counter = field(default_factory=Counter)
@@ -226,6 +230,7 @@ class Target:
     slowest_input: tuple | None = None  # (data, meta)
 
     def timed(self, elapsed: float, data: bytes, meta: dict) -> None:
+        """Count one example that took ``elapsed`` s (kept as the slowest when it is)."""
         self.examples += 1
         if elapsed > self.slowest:
             self.slowest, self.slowest_input = elapsed, (data, meta)
@@ -264,6 +269,7 @@ def check_decode(data: bytes) -> str:
 
 
 def check_body(status: int, body) -> None:
+    """Check an answer's JSON against the documented shapes. :raises Failure: it does not match."""
     if not isinstance(body, dict):
         raise Failure(f"{status}: body is not a JSON object: {body!r:.200}")
     if status == 200:
@@ -283,15 +289,20 @@ def check_body(status: int, body) -> None:
 
 
 class Http:
+    """The HTTP target: a server at ``url`` and the pid of the worker that answered first (a change is a crash).
+
+    :raises requests.RequestException: the server does not answer ``/healthz``."""
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.session = requests.Session()
         self.pid = self.health()["pid"]
 
     def health(self) -> dict:
+        """``/healthz`` of the server. :raises requests.RequestException, ValueError: no JSON answer within 10 s."""
         return requests.get(self.url + "/healthz", timeout=10).json()
 
     def send(self, data: bytes, req: dict) -> requests.Response:
+        """Upload ``data`` as ``req`` says (see ``http_requests``); 60 s timeout. :raises requests.RequestException."""
         params = {} if req["topk"] is None else {"topk": req["topk"]}
         if req["how"] == "multipart":
             return self.session.post(self.url + "/api/v1/predict", params=params, timeout=60,
@@ -300,6 +311,7 @@ class Http:
                                  headers={"Content-Type": req["content_type"]})
 
     def check(self, data: bytes, req: dict) -> str:
+        """Upload and check the answer; return the outcome (``<status>[:<code>]``). :raises Failure: anything undocumented."""
         try:
             resp = self.send(data, req)
         except requests.RequestException as exc:
@@ -315,12 +327,14 @@ class Http:
         return str(resp.status_code) + ("" if resp.status_code == 200 else ":" + body["error"]["code"])
 
     def check_alive(self) -> None:
+        """Compare the worker pid with the last one seen. :raises Failure: it changed (a crash)."""
         pid = self.health()["pid"]
         if pid != self.pid:
             old, self.pid = self.pid, pid
             raise Failure(f"the worker pid changed (a crash): {old} -> {pid}")
 
     def wait_ready(self, limit: float = 300) -> None:
+        """Wait up to ``limit`` s for ``/healthz`` to say ready again, and take the (new) worker pid."""
         end = time.monotonic() + limit
         while time.monotonic() < end:
             try:
@@ -334,6 +348,7 @@ class Http:
 
 
 def save_input(data: bytes, meta: dict) -> Path:
+    """Save an input under ``$TMPDIR/webapp-fuzz/`` (and its ``meta`` as JSON next to it); return its path."""
     digest = hashlib.sha256(data).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / "webapp-fuzz"
     folder.mkdir(exist_ok=True)
@@ -377,6 +392,7 @@ def run_round(target: Target, body, strategy, until: float, rng_seed: int) -> No
 
 
 def make_decode_body(target: Target):
+    """The hypothesis body of the decode target: check one input, tally it, remember it when it fails."""
     def body(data):
         start = time.perf_counter()
         try:
@@ -391,6 +407,7 @@ def make_decode_body(target: Target):
 
 
 def make_http_body(target: Target, http: Http):
+    """The hypothesis body of the HTTP target: send one input, tally it, remember it when it fails."""
     def body(data, req):
         start = time.perf_counter()
         try:
@@ -405,6 +422,7 @@ def make_http_body(target: Target, http: Http):
 
 
 def replay(path: Path, url: str | None) -> int:
+    """Re-run one saved input (over HTTP to ``url`` if it was an HTTP one); print the outcome; 0 fine, 1 failure, 2 no URL."""
     data = path.read_bytes()
     meta_path = path.with_suffix(".json")
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"target": "decode"}
@@ -424,6 +442,7 @@ def replay(path: Path, url: str | None) -> int:
 
 
 def main(argv=None) -> int:
+    """Fuzz for ``--seconds``, print the summary; exit status 0 no failure, 1 failures, 2 the server did not start."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=300, help="how long to fuzz, in all (default 300)")
@@ -448,15 +467,13 @@ def main(argv=None) -> int:
         targets["http"] = Target("http")
         url = args.url
         if not url:
-            from serving import Server
-
             log = Path(tempfile.mkdtemp(prefix="webapp-fuzz-server-")) / "server.log"
             print(f"starting gunicorn ({args.model}, eager, 1 worker); log: {log}", flush=True)
-            server = Server(log, args=("--no-control-socket",), MODEL=args.model, COMPILE=0, WORKERS=1,
-                            MAX_BATCH_SIZE=4, MAX_UPLOAD_BYTES=4 * 1024 * 1024)
+            server = start_ours(log, settings={"MODEL": args.model, "COMPILE": 0, "WORKERS": 1, "MAX_BATCH_SIZE": 4,
+                                               "MAX_UPLOAD_BYTES": 4 * 1024 * 1024}, name="gunicorn")
             try:
-                server.wait_ready(workers=1)
-            except BaseException as exc:  # serving.Server reports through pytest.fail
+                server.wait_ready(workers=1, poll=0.2)
+            except (NotReady, KeyboardInterrupt) as exc:
                 print(f"the server did not start: {exc}\n{server.output()[-3000:]}")
                 server.stop()
                 return 2

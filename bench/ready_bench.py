@@ -23,11 +23,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import log, main, median, num, ratio, table
+from bench.servers import ours_plan, parse_settings, start_ours
 
 TARGET_WARM_S = 10.0
 
 
 def add_arguments(parser) -> None:
+    """The benchmark's options (``run`` reads them)."""
     parser.add_argument("--quick", action="store_true", help="one warm start (the default too; kept for symmetry)")
     parser.add_argument("--model", default="resnet18_seeded", help="CLASSIFIER_MODEL")
     parser.add_argument("--precision", default="auto", help="CLASSIFIER_PRECISION (auto, fp32, bf16, int8)")
@@ -47,8 +49,10 @@ def _dir_size(path: Path) -> tuple[int, int]:
 
 
 def start_once(label: str, tmp: Path, settings: dict, env: dict, workers: int) -> dict:
-    from bench.e2e_bench import start_ours
+    """Start our server once (log ``tmp/<label>.log``), time it to ready (s), stop it; return the numbers.
 
+    :raises NotReady: it did not start.
+    """
     srv = start_ours(tmp / f"{label}.log", settings=settings, env=env)
     t0 = srv.started
     try:
@@ -74,10 +78,9 @@ def start_once(label: str, tmp: Path, settings: dict, env: dict, workers: int) -
 
 
 def run(args) -> dict:
-    from bench.e2e_bench import ours_workers, parse_settings
-
+    """One cold start, then ``rounds`` warm ones, on fresh cache folders; print the report; return every number (s)."""
     settings = {"MODEL": args.model, "PRECISION": args.precision, **parse_settings(args.settings)}
-    workers = ours_workers(settings)
+    workers = ours_plan(settings).workers
     rounds = args.rounds or (1 if args.quick else 2)
     tmp = Path(tempfile.mkdtemp(prefix="ready_bench-"))
     cache, inductor = tmp / "cache", tmp / "inductor"
@@ -105,6 +108,7 @@ def run(args) -> dict:
 
 
 def report(out: dict) -> str:
+    """The fixed-width text report of a ``run`` result."""
     rows = []
     cold = out["cold"]
     for label, r in [("cold", cold)] + [(f"warm {i + 1}", w) for i, w in enumerate(out["warm_runs"])]:

@@ -1,7 +1,7 @@
 """Soak test: mixed traffic against a real gunicorn server for minutes, watching each worker's memory.
 
-By default it starts its own server from the repo's gunicorn.conf.py (``tests/serving.py``'s
-``Server``; seeded ResNet-18, ``torch.compile`` on, 2 workers, ``MAX_BATCH_SIZE=8``), or it drives
+By default it starts its own server from the repo's gunicorn.conf.py (``bench/servers.py``'s
+``start_ours``; seeded ResNet-18, ``torch.compile`` on, 2 workers, ``MAX_BATCH_SIZE=8``), or it drives
 a running one (``--url``; RSS is then read only where that server's workers are on this machine).
 
 Traffic: ``--clients`` threads, each with its own keep-alive session, send back to back:
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import io
 import random
-import signal
 import sys
 import threading
 import time
@@ -51,17 +50,19 @@ import requests
 from PIL import Image, ImageOps
 from urllib3 import encode_multipart_formdata
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the bench package: run as `python bench/soak.py` too
-from bench import percentile  # noqa: E402
+if __package__ in (None, ""):  # run as `python bench/soak.py`: the bench package is at the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-IMAGES = ROOT.parent / "shared" / "images"
+from bench import IMAGES, ROOT, percentile  # noqa: E402
+from bench.servers import NotReady, parse_settings, rss_mb, start_ours  # noqa: E402
+
 MAX_REQUEST_BYTES = 28 * 1024 * 1024  # under the default CLASSIFIER_MAX_UPLOAD_BYTES (32 MiB)
 
 
 # -- inputs ----------------------------------------------------------------------------------------
 @dataclass
 class Photo:
+    """One upload: file name, bytes, MIME type."""
     name: str
     data: bytes
     mime: str
@@ -69,6 +70,7 @@ class Photo:
 
 @dataclass
 class Bad:
+    """A bad upload and the ``status`` it must get: multipart ``files`` (name, bytes, MIME) or a ``raw`` body."""
     kind: str
     status: int  # the status it must get
     files: list | None = None  # multipart (name, data, mime) parts, or None for a raw body
@@ -104,6 +106,7 @@ def make_photos(images: Path, rng: random.Random) -> list[Photo]:
 
 
 def make_bad(photo: bytes) -> list[Bad]:
+    """The bad inputs, built from a valid JPEG's bytes."""
     return [
         Bad("truncated-jpeg", 400, files=[("cut.jpg", photo[: len(photo) // 3], "image/jpeg")]),
         Bad("text-as-photo", 415, files=[("notes.jpg", b"hello, this is not a photo\n" * 20, "image/jpeg")]),
@@ -116,23 +119,23 @@ def make_bad(photo: bytes) -> list[Bad]:
 
 
 # -- the server --------------------------------------------------------------------------------------
-def start_server(args) -> object:
-    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    from serving import Server  # noqa: E402  (tests/serving.py: gunicorn -c gunicorn.conf.py with CLASSIFIER_*)
+def start_server(args):
+    """Our gunicorn with the command line's settings (log under bench/results unless ``--log``), ready.
 
+    Exits with status 2 (``SystemExit``) when it does not start.
+    """
     settings = {"MODEL": args.model, "COMPILE": int(args.compile), "WORKERS": args.workers,
                 "MAX_BATCH_SIZE": args.max_batch_size, "THREADS": args.threads}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        settings[key.upper().removeprefix("CLASSIFIER_")] = value
+    settings.update(parse_settings(args.set))
     log_path = Path(args.log) if args.log else ROOT / "bench" / "results" / f"soak-{time.strftime('%Y%m%d-%H%M%S')}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"starting gunicorn: {settings} (log {log_path})", flush=True)
     t0 = time.monotonic()
-    server = Server(log_path, **settings)
+    # control_socket=True: gunicorn's default control socket, as this command has always started it.
+    server = start_ours(log_path, settings=settings, control_socket=True, name="gunicorn")
     try:
-        server.wait_ready(workers=args.workers)
-    except BaseException as exc:  # serving.Server reports through pytest.fail
+        server.wait_ready(workers=args.workers, poll=0.2)
+    except (NotReady, KeyboardInterrupt) as exc:
         print(f"the server did not start: {exc}", file=sys.stderr)
         server.stop()
         sys.exit(2)
@@ -162,18 +165,9 @@ def worker_health(url: str, want: int, timeout: float = 60) -> dict[int, dict]:
     return seen
 
 
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 # -- traffic -----------------------------------------------------------------------------------------
 class Stats:
+    """Requests by status and kind, latencies (s) of 200s and of all, images answered, failures; thread-safe."""
     def __init__(self):
         self.lock = threading.Lock()
         self.by_status: Counter = Counter()
@@ -184,6 +178,7 @@ class Stats:
         self.failures: list[str] = []
 
     def add(self, kind: str, status: int | str, secs: float, images: int = 0, failure: str | None = None):
+        """Record one request that took ``secs`` s (and answered ``images`` images when a 200)."""
         with self.lock:
             self.by_status[status] += 1
             self.by_kind[kind][status] += 1
@@ -195,6 +190,7 @@ class Stats:
                 self.failures.append(failure)
 
     def snapshot(self):
+        """(requests by status, latencies of the 200s so far in s, images so far), copied."""
         with self.lock:
             return Counter(self.by_status), list(self.latency_ok), self.images
 
@@ -277,16 +273,19 @@ def one_request(url: str, photos: list[Photo], bad: list[Bad], stats: Stats, rng
 
 # -- the run -----------------------------------------------------------------------------------------
 def kind_order(kind: str):
+    """Sort key of request kinds: by kind, then ``files:N`` by N."""
     return kind.split(":")[0], int(kind.split(":")[1]) if kind.startswith("files:") else 0, kind
 
 
 def fmt_rss(pids: list[int], prefix: str) -> tuple[str, dict[int, float | None]]:
+    """A line of each pid's RSS, and the values in MB (None: not on this machine, or gone)."""
     values = {pid: rss_mb(pid) for pid in pids}
     cells = ", ".join(f"{pid}: {'n/a' if v is None else f'{v:.0f} MB'}" for pid, v in values.items())
     return f"{prefix} RSS {cells}", values
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The soak run and its report; exit status 0 fine, 1 failures, 2 the server did not start."""
     class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
         pass
 
@@ -400,13 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    for p, h in sorted(after.items())))
 
     if server is not None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            code = server.proc.wait(90)
-        except Exception:
-            server.proc.kill()
-            code = server.proc.wait()
-        server.log.close()
+        code = server.stop()
         out = server.output()
         print(f"== server exited {code} (log {server.log_path})")
         if code != 0:
