@@ -21,44 +21,12 @@ What it measures, all in one process, on the same inputs and the same thread cou
   photos in all; 32 with ``--quick``), the share whose top-1 class equals eager fp32's.
   (ResNet-18's seeded weights have no meaningful top-1, so only its logit error is reported.)
 
-Runtimes and their configuration (``threads`` = ``--threads``, default every core this process
-may use, ``len(os.sched_getaffinity(0))``):
-
-* ``eager fp32``: the baseline. The torch module as built by ``webapp.models.load_model``
-  (NCHW, fp32), under ``torch.inference_mode()``; ``torch.set_num_threads(threads)``, one
-  inter-op thread (``webapp.engine.configure_threads``).
-* ``ours fp32 / bf16 / int8``: ``webapp.engine.Engine(compile=True)``, as a worker serves it:
-  inductor with freezing and channels_last; bf16 by autocast; int8 by PT2E static quantization
-  (X86InductorQuantizer: per-channel s8 weights, per-tensor u8 activations; 7-bit activations
-  where oneDNN has no VNNI, as the service chooses) calibrated on the shipped calibration photos
-  (``webapp/calibration``, 28). ``warm_up(8)`` compiles bs1 (static) and bs2+ (dynamic batch)
-  before timing. As in the service, compiled kernels and the int8 program are cached in
-  ``--cache-dir`` (default the service's ``~/.cache/photo-classifier``; ``TORCHINDUCTOR_CACHE_DIR``
-  wins for kernels); ``--cache-dir ''`` quantizes int8 afresh. torchao's x86 quantizer module is
-  imported before an int8 Engine is built: it registers the Inductor int8 lowering, which
-  ``webapp.engine`` leaves unregistered when it loads a cached program (see ``build_ours``).
-* ``ORT fp32``: the model exported with ``torch.onnx.export`` (the TorchScript exporter,
-  ``dynamo=False``, where this torch still has it; else the dynamo exporter, which needs
-  ``onnxscript``), opset 17 (18 with the dynamo exporter, its lowest), dynamic batch axis. ``CPUExecutionProvider``,
-  ``intra_op_num_threads=threads``, ``inter_op_num_threads=1``, sequential execution,
-  ``ORT_ENABLE_ALL`` graph optimizations, default spinning.
-* ``ORT int8``: ``quant_pre_process`` (shape inference + ORT optimizations, ORT's recommended
-  first step) then ``quantize_static``: QDQ format, per-channel s8 weights, u8 activations
-  (U8S8, the layout oneDNN and ours use too), MinMax calibration over a data reader of the
-  same 28 calibration photos; ``reduce_range`` where the CPU has no VNNI. Same session options.
-* ``OV fp32 / bf16``: OpenVINO reads **the same ONNX file** (so ORT and OV run the same graph;
-  ``ov.convert_model`` of the torch module is only the fallback where the ONNX export failed).
-  Compiled for ``CPU`` with ``PERFORMANCE_HINT: LATENCY`` (one stream),
-  ``INFERENCE_NUM_THREADS: threads``, ``INFERENCE_PRECISION_HINT: f32`` or ``bf16``, dynamic
-  batch (like ORT and ours, one compiled model serves every batch size); synchronous infer
-  requests. bf16 is native only where the CPU has avx512_bf16 or AMX: the row's note says which.
-* ``OV int8``: ``nncf.quantize`` (post-training, default preset: per-channel symmetric weights,
-  per-tensor activations, fast bias correction) of the fp32 OV model on the same 28 calibration
-  photos, compiled as fp32 (``INFERENCE_PRECISION_HINT: f32`` for the ops left unquantized, as ours).
-
-Each runtime's effective configuration (and, for OV, what it resolved: streams, threads,
-precision, pinning) lands in the result under ``configs``. A runtime or export that fails is
-reported in the table and the JSON with its error, never hidden; the others still run.
+The runtimes and their configuration (eager fp32, ours fp32/bf16/int8, ONNX Runtime fp32/int8,
+OpenVINO fp32/bf16/int8; ``threads`` = ``--threads``, default every core this process may use)
+are described in ``bench/runtimes.py``, which builds them. Each runtime's effective configuration
+(and, for OV, what it resolved: streams, threads, precision, pinning) lands in the result under
+``configs``. A runtime or export that fails is reported in the table and the JSON with its error,
+never hidden; the others still run.
 
 Usage (repo root, venv with ``requirements-bench.txt``)::
 
@@ -80,423 +48,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import datetime
 import gc
-import inspect
-import io
 import logging
-import math
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
 import time
-import traceback
-import warnings
-from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import IMAGES, num, table  # noqa: E402  (the benchmarks' shared helpers)
+from bench import log, num, table  # noqa: E402
 from bench import main as bench_main  # noqa: E402
-from webapp import assets, imaging, models, settings  # noqa: E402
+from bench.inputs import BATCH, Inputs, augmented, make_inputs, shared_photos  # noqa: E402
+from bench.runtimes import BASELINE, LABELS, OPSET, RUNTIMES, Env, Runner, build_all, short_error, versions  # noqa: E402
+from webapp import models, settings  # noqa: E402
 from webapp import engine as engine_mod  # noqa: E402
+from webapp.cpu import cpu_info  # noqa: E402
 
-SHARED_IMAGES = IMAGES
 TIMED_MODEL = "resnet18_seeded"
 OFFLINE_MODEL = "efficientnet_lite0"
-# (runtime, precision), in table order. Keys are "runtime-precision", e.g. "ov-bf16".
-RUNTIMES = [("eager", "fp32"), ("ours", "fp32"), ("ours", "bf16"), ("ours", "int8"),
-            ("ort", "fp32"), ("ort", "int8"), ("ov", "fp32"), ("ov", "bf16"), ("ov", "int8")]
-BASELINE = "eager-fp32"
-LABELS = {"eager": "eager", "ours": "ours", "ort": "ONNX Runtime", "ov": "OpenVINO"}
-OPSET = 17
-BATCH = 8  # the bs8 of the throughput figures; also the chunk size of the fidelity runs
-CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# Inputs: real photos, preprocessed with the service's own pipeline
-# --------------------------------------------------------------------------------------------
-
-def shared_photos() -> list[tuple[str, Image.Image]]:
-    """Every photo in ``../shared/images``, decoded as the service decodes uploads (fast decode on)."""
-    if not SHARED_IMAGES.is_dir():
-        raise SystemExit(f"no shared photos at {SHARED_IMAGES}: this benchmark needs real photos")
-    out = []
-    for path in sorted(SHARED_IMAGES.iterdir()):
-        if path.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"):
-            d = imaging.decode(path.read_bytes(), max_pixels=80_000_000, name=path.name, min_side=256)
-            out.append((path.name, d.image))
-    # Scene photos first (the two 12 MP files are dog.jpg again): bs8 and bs1 use varied photos.
-    out.sort(key=lambda item: (item[0].startswith("phone"), item[0]))
-    return out
-
-
-def augmented(photos: list[Image.Image], n: int, *, seed: int) -> list[Image.Image]:
-    """``n`` deterministic variants of ``photos``: a random crop (35-100 % of the area, aspect 3:4..4:3),
-    a mirror half the time, and a rescale of the result to a short side of 96..640 px (bicubic),
-    so the pipeline sees zoomed-in, mirrored, low- and high-resolution views."""
-    rng = random.Random(seed)
-    out = []
-    for k in range(n):
-        img = photos[k % len(photos)]
-        w, h = img.size
-        area = rng.uniform(0.35, 1.0) * w * h
-        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-        cw = min(w, max(16, round(math.sqrt(area * aspect))))
-        ch = min(h, max(16, round(math.sqrt(area / aspect))))
-        x0, y0 = rng.randint(0, w - cw), rng.randint(0, h - ch)
-        view = img.crop((x0, y0, x0 + cw, y0 + ch))
-        if rng.random() < 0.5:
-            view = ImageOps.mirror(view)
-        short = rng.randint(96, 640)
-        scale = short / min(view.size)
-        view = view.resize((max(1, round(view.width * scale)), max(1, round(view.height * scale))),
-                           Image.Resampling.BICUBIC)
-        out.append(view)
-    return out
-
-
-@dataclass
-class Inputs:
-    """One model's inputs, all ``float32`` NCHW, preprocessed by its own ``webapp.imaging`` transform."""
-
-    names: list[str]
-    fixed: torch.Tensor        # the shared photos: the logit-error batch
-    fidelity: torch.Tensor     # shared photos + augmentations: the top-1 agreement set
-    calibration: list[torch.Tensor]
-    bs1: torch.Tensor
-    bs8: torch.Tensor
-
-
-def make_inputs(loaded: models.LoadedModel, photos, extra: list[Image.Image]) -> Inputs:
-    transform = imaging.build_transform(loaded.preprocessing)
-    fixed = torch.stack([imaging.preprocess(img, transform) for _, img in photos])
-    fidelity = torch.cat([fixed, torch.stack([imaging.preprocess(img, transform) for img in extra])]) if extra else fixed
-    calibration = []
-    for path in assets.calibration_files():
-        d = imaging.decode(path.read_bytes(), max_pixels=80_000_000, name=path.name)
-        calibration.append(imaging.preprocess(d.image, transform))
-    if len(fixed) < BATCH:
-        fixed_bs8 = fixed.repeat((BATCH + len(fixed) - 1) // len(fixed), 1, 1, 1)[:BATCH]
-    else:
-        fixed_bs8 = fixed[:BATCH]
-    return Inputs(names=[n for n, _ in photos], fixed=fixed, fidelity=fidelity, calibration=calibration,
-                  bs1=fixed[:1].clone(), bs8=fixed_bs8.clone())
-
-
-# --------------------------------------------------------------------------------------------
-# Runtimes: each becomes a Runner whose predict maps (N, 3, S, S) float32 -> (N, C) float32 numpy
-# --------------------------------------------------------------------------------------------
-
-@dataclass
-class Runner:
-    key: str
-    runtime: str
-    precision: str
-    predict: Callable[[torch.Tensor], np.ndarray] | None = None
-    config: dict = field(default_factory=dict)
-    build_s: float | None = None
-    error: str | None = None
-    notes: list[str] = field(default_factory=list)
-    keep: object = None  # whatever must stay alive for predict (engine, session, compiled model)
-
-
-def _short_error(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
-class Env:
-    """What every builder shares: threads, a scratch dir, the onnx files and OV models made so far."""
-
-    def __init__(self, threads: int, workdir: Path, cache_dir: Path | None = None):
-        self.threads = threads
-        self.workdir = workdir
-        self.cache_dir = cache_dir
-        self.onnx: dict[str, Path | BaseException] = {}
-        self.ov_fp32: dict[str, object] = {}
-        self._core = None
-
-    @property
-    def core(self):
-        if self._core is None:
-            import openvino as ov
-            self._core = ov.Core()
-        return self._core
-
-
-def build_eager(loaded, inputs: Inputs, env: Env) -> Runner:
-    module = copy.deepcopy(loaded.module).eval()
-
-    def predict(x):
-        with torch.inference_mode():
-            return module(x).numpy()
-    return Runner(key="", runtime="eager", precision="fp32", predict=predict, keep=module,
-                  config={"module": "as built by webapp.models.load_model, NCHW fp32", "mode": "torch.inference_mode()",
-                          "torch_threads": torch.get_num_threads()})
-
-
-def build_ours(loaded, inputs: Inputs, env: Env, precision: str) -> Runner:
-    calib_id = "|".join(f"{p.name}:{p.stat().st_size}" for p in assets.calibration_files())
-    kwargs = dict(input_size=loaded.preprocessing.crop, compile=True, precision=precision,
-                  calibration=inputs.calibration if precision == "int8" else None, cache_dir=env.cache_dir,
-                  cache_id=f"bench|{loaded.name}|{loaded.weights}|{calib_id}")
-    params = inspect.signature(engine_mod.Engine).parameters
-    if precision == "int8" and "reduce_range" in params and hasattr(engine_mod, "choose_reduce_range"):
-        kwargs["reduce_range"] = engine_mod.choose_reduce_range("auto")
-    if precision == "int8":
-        # Importing the x86 quantizer registers torchao's Inductor int8 passes (weight prepack, q/dq -> oneDNN
-        # qconv). webapp.engine imports it only when it quantizes, not when it loads its cached int8 program:
-        # then the compiled graph keeps dequantize + fp32 conv (no qconv at all, ~3x slower at bs1).
-        # Imported here so this row measures PT2E int8 as designed whether or not the program was cached.
-        import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
-    torch.compiler.set_stance("default")  # a previous Engine's warm-up left "fail_on_recompile" on, process-wide
-    engine = engine_mod.Engine(copy.deepcopy(loaded.module), **kwargs)
-    engine.warm_up(BATCH)
-
-    def predict(x):
-        return engine.predict(x).numpy()
-    config = {"engine": "webapp.engine.Engine(compile=True)", "precision": precision, "warm_up": BATCH,
-              "backend": getattr(engine, "backend", None),
-              "torch_threads": torch.get_num_threads(),
-              "calibration_photos": len(inputs.calibration) if precision == "int8" else None,
-              "int8_program_cache": str(env.cache_dir) if precision == "int8" and env.cache_dir else None,
-              "inductor_cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
-    if precision == "int8":
-        config["reduce_range"] = kwargs.get("reduce_range", False)
-    notes = []
-    if precision == "bf16" and not engine_mod.native_bf16():
-        notes.append("no native bf16 in oneDNN here: emulated")
-    return Runner(key="", runtime="ours", precision=precision, predict=predict, keep=engine, config=config, notes=notes)
-
-
-def export_onnx(loaded, env: Env) -> Path:
-    """The model as ONNX (opset 17, dynamic batch), made once per model; raises what the export raised."""
-    if loaded.name in env.onnx:
-        got = env.onnx[loaded.name]
-        if isinstance(got, BaseException):
-            raise got
-        return got
-    path = env.workdir / f"{loaded.name}.onnx"
-    module = copy.deepcopy(loaded.module).eval()
-    size = loaded.preprocessing.crop
-    example = (torch.zeros(2, 3, size, size),)
-    try:
-        try:
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                torch.onnx.export(module, example, str(path), dynamo=False, opset_version=OPSET,
-                                  input_names=["input"], output_names=["logits"],
-                                  dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}})
-            exporter = "torchscript (dynamo=False)"
-        except Exception as legacy_exc:  # a torch without the TorchScript exporter: the dynamo one
-            log(f"  legacy ONNX export failed ({_short_error(legacy_exc)}); trying dynamo=True")
-            batch = torch.export.Dim("batch", min=1, max=1024)
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                # opset 18: the dynamo exporter's lowest; it cannot convert these models down to 17
-                torch.onnx.export(module, example, str(path), dynamo=True, opset_version=max(OPSET, 18),
-                                  input_names=["input"], output_names=["logits"],
-                                  dynamic_shapes=({0: batch},), external_data=False)
-            exporter = "dynamo (dynamo=True)"
-    except Exception as exc:
-        env.onnx[loaded.name] = exc
-        raise
-    import onnx
-
-    opset = max((o.version for o in onnx.load(str(path), load_external_data=False).opset_import if o.domain in ("", "ai.onnx")),
-                default=None)
-    env.onnx[loaded.name] = path
-    env.onnx[loaded.name + ":exporter"] = f"{exporter}, opset {opset}"
-    return path
-
-
-def _ort_session(path: Path, env: Env):
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = env.threads
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    so.log_severity_level = 3
-    session = ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-    config = {"providers": session.get_providers(), "intra_op_num_threads": env.threads, "inter_op_num_threads": 1,
-              "execution_mode": "ORT_SEQUENTIAL", "graph_optimization_level": "ORT_ENABLE_ALL",
-              "allow_spinning": "default (1)"}
-    return session, config
-
-
-def _ort_runner(session, config, precision) -> Runner:
-    name = session.get_inputs()[0].name
-
-    def predict(x):
-        return session.run(None, {name: x.numpy()})[0]
-    return Runner(key="", runtime="ort", precision=precision, predict=predict, keep=session, config=config)
-
-
-def build_ort(loaded, inputs: Inputs, env: Env, precision: str) -> Runner:
-    path = export_onnx(loaded, env)
-    exporter = env.onnx[loaded.name + ":exporter"]
-    if precision == "fp32":
-        session, config = _ort_session(path, env)
-        config.update(onnx=f"{exporter}, dynamic batch")
-        return _ort_runner(session, config, precision)
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
-    class Reader(CalibrationDataReader):
-        def __init__(self, tensors):
-            self._it = iter([{"input": t[None].numpy()} for t in tensors])
-
-        def get_next(self):
-            return next(self._it, None)
-
-    pre = env.workdir / f"{loaded.name}-pre.onnx"
-    notes = []
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            quant_pre_process(str(path), str(pre))
-        source = pre
-    except Exception as exc:  # quantize the plain export instead, and say so
-        notes.append(f"quant_pre_process failed ({_short_error(exc)}); quantized the plain export")
-        source = path
-    reduce_range = not engine_mod.int8_vnni() if hasattr(engine_mod, "int8_vnni") else False
-    out = env.workdir / f"{loaded.name}-int8-qdq.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        quantize_static(str(source), str(out), Reader(inputs.calibration), quant_format=QuantFormat.QDQ,
-                        per_channel=True, reduce_range=reduce_range, activation_type=QuantType.QUInt8,
-                        weight_type=QuantType.QInt8, calibrate_method=CalibrationMethod.MinMax)
-    session, config = _ort_session(out, env)
-    config.update(onnx=f"{exporter}, dynamic batch",
-                  quantization={"api": "quantize_static", "pre_process": source == pre, "format": "QDQ",
-                                "per_channel": True, "activations": "QUInt8", "weights": "QInt8",
-                                "calibrate_method": "MinMax", "calibration_photos": len(inputs.calibration),
-                                "reduce_range": reduce_range})
-    runner = _ort_runner(session, config, precision)
-    runner.notes += notes
-    return runner
-
-
-def _ov_fp32_model(loaded, env: Env):
-    """The fp32 OV model: read from our ONNX file, or converted from torch where the export failed."""
-    if loaded.name in env.ov_fp32:
-        return env.ov_fp32[loaded.name]
-    import openvino as ov
-
-    try:
-        path = export_onnx(loaded, env)
-        model, source = env.core.read_model(str(path)), f"read_model of the ONNX file ({env.onnx[loaded.name + ':exporter']})"
-    except Exception as exc:
-        log(f"  OV: no ONNX file ({_short_error(exc)}); ov.convert_model of the torch module instead")
-        size = loaded.preprocessing.crop
-        model = ov.convert_model(copy.deepcopy(loaded.module).eval(), example_input=torch.zeros(2, 3, size, size),
-                                 input=[(-1, 3, size, size)])
-        source = "ov.convert_model of the torch module (ONNX export failed)"
-    env.ov_fp32[loaded.name] = (model, source)
-    return model, source
-
-
-def build_ov(loaded, inputs: Inputs, env: Env, precision: str) -> Runner:
-    model, source = _ov_fp32_model(loaded, env)
-    notes = [] if source.startswith("read_model") else ["ONNX export failed: converted with ov.convert_model"]
-    quant = None
-    if precision == "int8":
-        import nncf
-
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            dataset = nncf.Dataset(inputs.calibration, lambda t: t[None].numpy())
-            model = nncf.quantize(model, dataset, subset_size=len(inputs.calibration))
-        quant = {"api": "nncf.quantize", "preset": "default (PERFORMANCE: symmetric)", "fast_bias_correction": True,
-                 "calibration_photos": len(inputs.calibration)}
-    hint = "bf16" if precision == "bf16" else "f32"
-    props = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": env.threads, "INFERENCE_PRECISION_HINT": hint}
-    compiled = env.core.compile_model(model, "CPU", props)
-    effective = {}
-    for prop in ("PERFORMANCE_HINT", "NUM_STREAMS", "INFERENCE_NUM_THREADS", "INFERENCE_PRECISION_HINT",
-                 "ENABLE_CPU_PINNING", "ENABLE_HYPER_THREADING", "SCHEDULING_CORE_TYPE"):
-        try:
-            value = compiled.get_property(prop)
-            effective[prop] = value.get_type_name() if hasattr(value, "get_type_name") else str(value)
-        except Exception:
-            pass
-    if precision == "bf16":
-        caps = env.core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
-        flags = cpu_flags()
-        native = "BF16" in caps and (flags.get("avx512_bf16") or flags.get("amx_bf16"))
-        notes.append("native bf16 (avx512_bf16/AMX)" if native else "CPU has no native bf16: OV emulates or falls back")
-        if effective.get("INFERENCE_PRECISION_HINT", "bf16") != "bf16":
-            notes.append(f"OV runs {effective['INFERENCE_PRECISION_HINT']}, not bf16")
-    request = compiled.create_infer_request()
-
-    def predict(x):
-        request.infer({0: x.numpy()})
-        return request.get_output_tensor(0).data.copy()
-    config = {"model": source, "device": "CPU", "properties": props, "effective": effective,
-              "batch": "dynamic (-1)", "api": "synchronous InferRequest.infer"}
-    if quant:
-        config["quantization"] = quant
-    return Runner(key="", runtime="ov", precision=precision, predict=predict, keep=(compiled, request),
-                  config=config, notes=notes)
-
-
-BUILDERS = {"eager": build_eager, "ours": build_ours, "ort": build_ort, "ov": build_ov}
-
-
-# Build order (the table keeps RUNTIMES' order). Strict torch.export, which ours-int8 runs, drops
-# dynamo's compiled code for the model class's forward (torch._dynamo.eval_frame.remove_from_cache),
-# process-wide: an Engine of the same model compiled earlier would have to recompile on its next
-# call, which its warm-up made an error. So every export comes first and ours fp32/bf16 last.
-BUILD_ORDER = ["eager-fp32", "ort-fp32", "ort-int8", "ov-fp32", "ov-bf16", "ov-int8", "ours-int8", "ours-fp32", "ours-bf16"]
-
-
-def build_all(loaded, inputs: Inputs, env: Env, keys: list[str]) -> dict[str, Runner]:
-    runners = {}
-    for key in BUILD_ORDER:
-        runtime, precision = key.split("-")
-        if key not in keys:
-            continue
-        log(f"{loaded.name}: building {key}")
-        t0 = time.perf_counter()
-        try:
-            builder = BUILDERS[runtime]
-            runner = builder(loaded, inputs, env) if runtime == "eager" else builder(loaded, inputs, env, precision)
-            out = runner.predict(inputs.bs1)  # one call each: catches a runner that builds but cannot run
-            if out.shape != (1, len(loaded.categories)) or not np.isfinite(out).all():
-                raise RuntimeError(f"bad output: shape {out.shape}, finite {bool(np.isfinite(out).all())}")
-        except Exception as exc:
-            log(f"  {key} FAILED: {_short_error(exc)}")
-            traceback.print_exc(file=sys.stderr)
-            runner = Runner(key=key, runtime=runtime, precision=precision, error=_short_error(exc))
-            if runtime == "ort" and isinstance(env.onnx.get(loaded.name), BaseException):
-                runner.error = f"ONNX export failed: {_short_error(env.onnx[loaded.name])}"
-        runner.key = key
-        runner.build_s = round(time.perf_counter() - t0, 2)
-        runners[key] = runner
-        gc.collect()
-    return {f"{r}-{p}": runners[f"{r}-{p}"] for r, p in RUNTIMES if f"{r}-{p}" in runners}
+# Base vector ISA flags (of webapp.cpu.CPU_FLAGS): the report's header names only the extensions beyond them.
+BASE_ISA = ("avx", "avx2", "fma", "avx512f", "avx512bw")
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,11 +84,16 @@ def build_all(loaded, inputs: Inputs, env: Env, keys: list[str]) -> dict[str, Ru
 # --------------------------------------------------------------------------------------------
 
 def run_batched(runner: Runner, x: torch.Tensor) -> np.ndarray:
+    """``runner``'s logits (N, C) float32 for ``x`` (N, 3, S, S) float32, in chunks of ``BATCH``."""
     return np.concatenate([runner.predict(x[i:i + BATCH].contiguous()) for i in range(0, len(x), BATCH)])
 
 
 def fidelity(runners: dict[str, Runner], inputs: Inputs, *, top1: bool) -> dict[str, dict]:
-    """Logit error on the fixed batch and (``top1``) top-1 agreement on the fidelity set, vs eager fp32."""
+    """Logit error on the fixed batch and (``top1``) top-1 agreement on the fidelity set, vs eager fp32.
+
+    By key: ``rel_err`` (max |logits - ref| / max |ref|), ``top1_agree`` (share, 0..1), ``fidelity_s``
+    (s); or ``error``. Empty where the baseline failed.
+    """
     ref_runner = runners.get(BASELINE)
     if ref_runner is None or ref_runner.predict is None:
         return {}
@@ -529,19 +114,23 @@ def fidelity(runners: dict[str, Runner], inputs: Inputs, *, top1: bool) -> dict[
                 row.update(top1_agree=agree / len(ref_top), top1_n=len(ref_top), top1_agree_count=agree)
             row["fidelity_s"] = round(time.perf_counter() - t0, 2)
         except Exception as exc:
-            log(f"  fidelity of {key} FAILED: {_short_error(exc)}")
-            row = {"error": _short_error(exc)}
+            log(f"  fidelity of {key} FAILED: {short_error(exc)}")
+            row = {"error": short_error(exc)}
         out[key] = row
     return out
 
 
 def _stats(samples: list[float]) -> dict:
+    """median, p10, p90 (``statistics.quantiles``, deciles) and n of ``samples``, in their own unit."""
     qs = statistics.quantiles(samples, n=10) if len(samples) >= 2 else [samples[0]] * 9
     return {"median": statistics.median(samples), "p10": qs[0], "p90": qs[-1], "n": len(samples)}
 
 
 def timing(runners: dict[str, Runner], inputs: Inputs, *, rounds: int, iters1: int, iters8: int) -> dict[str, dict]:
-    """Round-robin timing: each round, every runner does 1 untimed + ``iters1`` bs1 calls, then 1 + ``iters8`` bs8."""
+    """Round-robin timing: each round, every runner does 1 untimed + ``iters1`` bs1 calls, then 1 + ``iters8`` bs8.
+
+    By key: ``bs1_ms`` (latency stats, ms) and ``bs8_img_s`` (throughput stats, images/s), as ``_stats``.
+    """
     live = [r for r in runners.values() if r.predict is not None]
     samples = {r.key: {1: [], BATCH: []} for r in live}
     clock = time.perf_counter
@@ -568,7 +157,8 @@ def timing(runners: dict[str, Runner], inputs: Inputs, *, rounds: int, iters1: i
 
 
 def ratios(rows: dict[str, dict]) -> None:
-    """Add speed-up vs the baseline and ratios to OpenVINO at the same precision (in place)."""
+    """Add speed-up vs the baseline (``speedup_bs1``: its ms / ours, ``speedup_bs8``: ours img/s / its) and
+    ratios to OpenVINO at the same precision (``vs_ov_bs1_latency``, ``vs_ov_bs8_throughput``), in place."""
     base = rows.get(BASELINE, {})
     tkey = f"bs{BATCH}_img_s"
     for key, row in rows.items():
@@ -585,45 +175,11 @@ def ratios(rows: dict[str, dict]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Machine facts
-# --------------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> dict[str, bool]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return {f: f in have for f in CPU_FLAGS}
-    except OSError:
-        pass
-    return {}
-
-
-def versions() -> dict[str, str | None]:
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "torchvision", "torchao", "numpy", "onnx", "onnxruntime", "onnxscript", "openvino", "nncf"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------
 
 def _err(value) -> str:
+    """A relative error (fraction) as a percentage cell."""
     if value is None:
         return "-"
     if value == 0:
@@ -632,6 +188,7 @@ def _err(value) -> str:
 
 
 def _pct(v) -> str:
+    """A share (0..1) as a percentage cell."""
     return "-" if v is None else f"{v * 100:.1f}%"
 
 
@@ -686,7 +243,7 @@ def _model_table(result: dict, name: str, footnotes: list[list]) -> str:
 def format_table(result: dict) -> str:
     """The fixed-width text report of a ``run`` result."""
     host, s = result["host"], result["settings"]
-    flags = ", ".join(f for f, on in host["cpu_flags"].items() if on and f not in ("avx2", "avx512f")) or "none"
+    flags = ", ".join(f for f, on in host["cpu_flags"].items() if on and f not in BASE_ISA) or "none"
     lines = [
         f"Engine benchmark {result['date']}: {host['cpu_model']} ({flags}; oneDNN native bf16: "
         f"{'yes' if host['onednn_native_bf16'] else 'no'}), {result['threads']} threads for every runtime",
@@ -785,10 +342,11 @@ def run(args: argparse.Namespace) -> dict:
     scenes = [img for name, img in photos if not name.startswith("phone")] or [img for _, img in photos]
     extra = augmented(scenes, max(0, n_fid - len(photos)), seed=args.seed)  # the phone photos are dog.jpg again
 
+    cpu = cpu_info()
     result = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": {"cpu_model": cpu_model(), "cpu_flags": cpu_flags(), "onednn_native_bf16": engine_mod.native_bf16(),
-                 "int8_vnni": engine_mod.int8_vnni() if hasattr(engine_mod, "int8_vnni") else None,
+        "host": {"cpu_model": cpu["model"] or platform.processor() or "unknown", "cpu_flags": cpu["flags"],
+                 "onednn_native_bf16": engine_mod.native_bf16(), "int8_vnni": engine_mod.int8_vnni(),
                  "cores_allowed": affinity_before, "cpu_count": os.cpu_count(), "platform": platform.platform(),
                  "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_", "ONEDNN_"))}},
         "threads": threads,
@@ -839,7 +397,7 @@ def run(args: argparse.Namespace) -> dict:
             onnx = env.onnx.get(name)
             result["models"][name] = {"rows": rows, "timed": timed, "weights": loaded.weights,
                                       "fidelity_photos": len(inputs.fidelity) if top1 else None,
-                                      "onnx_export": (f"failed: {_short_error(onnx)}" if isinstance(onnx, BaseException)
+                                      "onnx_export": (f"failed: {short_error(onnx)}" if isinstance(onnx, BaseException)
                                                       else env.onnx.get(name + ":exporter"))}
             del runners, inputs
             gc.collect()
@@ -855,6 +413,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv=None) -> int:
+    """``python bench/engine_bench.py ...``: parse, run, print, write ``--json``; 0."""
     bench_main(__doc__, add_arguments, run, argv)
     return 0
 

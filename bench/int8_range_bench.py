@@ -25,26 +25,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.engine_bench import augmented, make_inputs, shared_photos  # noqa: E402
+from bench.inputs import BATCH, augmented, make_inputs, shared_photos  # noqa: E402
 from webapp import models, settings  # noqa: E402
 from webapp.engine import Engine, int8_vnni  # noqa: E402
 
 
 def predict_all(fn, x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([fn(x[i:i + 8]) for i in range(0, len(x), 8)])
+    """``fn``'s logits (N, C) for ``x`` (N, 3, S, S) float32, in chunks of ``BATCH``."""
+    return torch.cat([fn(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
 
 
 def throughput(fn, x8: torch.Tensor, rounds: int) -> float:
+    """images/s of ``fn`` on the batch ``x8`` (``BATCH``, 3, S, S): after one untimed call, the median of ``rounds`` calls."""
     fn(x8)
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         fn(x8)
         times.append(time.perf_counter() - t0)
-    return 8 / sorted(times)[len(times) // 2]
+    return BATCH / sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> int:
+    """Measure fp32 and int8 with 8- and 7-bit activations for both models; print a line each; 0."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--photos", type=int, default=256, help="fidelity photos (shared + augmented)")
     parser.add_argument("--rounds", type=int, default=10, help="timed bs8 calls per mode")
