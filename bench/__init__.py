@@ -5,7 +5,9 @@
 or is imported: ``add_arguments(parser)`` then ``run(args) -> dict`` (JSON-serialisable; ``run``
 also prints its fixed-width tables). The machine these run on is shared and noisy, so every
 timing is reported as a ratio against a baseline measured in the same run, interleaved where
-possible. This package holds only what the modules share: paths, statistics, tables, ``main``.
+possible. This package holds only what the modules share: paths, statistics, tables, the log, ``main``;
+the shared pieces live in ``servers.py`` (starting servers), ``load.py`` (HTTP load),
+``inputs.py`` and ``runtimes.py`` (the engine benchmarks' photos and runtimes).
 Torch is never imported here (the server modules must stay cheap to import).
 """
 
@@ -15,6 +17,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -43,6 +46,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def median(values: Sequence[float]) -> float:
+    """The 50th ``percentile``; NaN for no values."""
     return percentile(values, 50)
 
 
@@ -91,8 +95,8 @@ def clean(obj):
 
 
 def log(*parts) -> None:
-    """Progress for people, on stderr (stdout keeps the tables)."""
-    print(*parts, file=sys.stderr, flush=True)
+    """Progress for people, on stderr (stdout keeps the tables), after the time of day: ``[HH:MM:SS] ...``."""
+    print(f"[{time.strftime('%H:%M:%S')}]", *parts, file=sys.stderr, flush=True)
 
 
 def main(doc: str | None, add_arguments: Callable, run: Callable, argv: list[str] | None = None) -> dict:

@@ -33,6 +33,9 @@ CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the chosen parts (each prints its tables), write all results to one JSON file; 0.
+
+    :raises SystemExit: unknown parts (usage error); subprocess.CalledProcessError: the capped engine run failed."""
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, minutes not tens of minutes)")

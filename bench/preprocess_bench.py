@@ -22,6 +22,7 @@ from bench import PHOTO_12MP, PHOTO_12MP_ROTATED, log, main, median, num, percen
 
 
 def add_arguments(parser) -> None:
+    """The benchmark's options (``run`` reads them)."""
     parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
     parser.add_argument("--rounds", type=int, default=0, help="timed rounds per photo and path (0: 40, --quick 8)")
     parser.add_argument("--threads", type=int, default=0,
@@ -43,6 +44,8 @@ def _one(data: bytes, transform, *, max_pixels: int, min_side: int | None):
 
 
 def run(args) -> dict:
+    """Time full vs fast decode + preprocess of each photo (ms, interleaved rounds) and compare the model's
+    top-1 on both; print the report; return every number."""
     import torch
 
     from webapp import cpu, imaging, settings
@@ -109,6 +112,7 @@ def run(args) -> dict:
 
 
 def report(out: dict) -> str:
+    """The fixed-width text report of a ``run`` result."""
     rows = []
     for name, r in out["photos"].items():
         for k in ("full", "fast"):
