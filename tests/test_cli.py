@@ -13,7 +13,6 @@ import io
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SHARED_IMAGES
+from conftest import DOG_BREEDS, ROOT, SHARED_IMAGES
+from serving import free_port
 from webapp import cli, settings
 from webapp.cli import files, options
 
-DOG_BREEDS = range(151, 269)
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 # Fast, deterministic classify runs: real weights, eager, fp32 on every CPU, small batches.
 QUICK = ("--model", "efficientnet_lite0", "--no-compile", "--precision", "fp32", "--max-batch-size", "4")
@@ -254,14 +253,8 @@ def test_weights_verify(tmp_path, capsys):
     assert cli.main(["weights", "verify", str(tmp_path / "absent.pth")]) == 1
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_weights_fetch_without_network_fails_fast(tmp_path, no_classifier_env, capsys):
-    url = f"http://127.0.0.1:{_closed_port()}/resnet18-f37072fd.pth"
+    url = f"http://127.0.0.1:{free_port()}/resnet18-f37072fd.pth"  # nothing listens there: refused at once
     start = time.monotonic()
     assert cli.main(["weights", "fetch", "--dest", str(tmp_path / "w"), "--url", url, "--timeout", "2"]) == 1
     assert time.monotonic() - start < 10
