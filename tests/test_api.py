@@ -50,7 +50,8 @@ def test_several_files_keep_their_order_and_names(client):
         assert [p["index"] for p in r["predictions"]] == [p["index"] for p in single["results"][0]["predictions"]]
 
 
-@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5", "%203", "3_0", "\u0663", "\uff13", "+3"])
+@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5", "%203", "3_0", "\u0663", "\uff13", "+3", "9" * 5000,
+                                  "-" + "9" * 5000, "0" * 5000 + "11"])
 def test_bad_topk_is_400(client, topk):
     resp = client.post(f"/api/v1/predict?topk={topk}", data=small_png(), content_type="image/png")
     assert "topk" in assert_error(resp, 400, "bad_request")

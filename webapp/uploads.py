@@ -37,7 +37,10 @@ def parse_topk(raw: str | None, default: int) -> int:
     # ASCII digits only: int() would also take " 3", "3_0" and other scripts' digits ("٣").
     if not (raw.isascii() and raw.isdigit() or raw.startswith("-") and raw[1:].isascii() and raw[1:].isdigit()):
         raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
-    k = int(raw)
+    digits = raw.lstrip("-").lstrip("0") or "0"
+    if len(digits) > 2:  # int() refuses over 4300 digits (a 500); nothing that long is in range
+        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
+    k = int(digits) * (-1 if raw.startswith("-") else 1)
     if not 1 <= k <= 10:
         raise BadRequest(f"topk must be an integer from 1 to 10, got {k}")
     return k
