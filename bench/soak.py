@@ -55,6 +55,7 @@ if __package__ in (None, ""):  # run as `python bench/soak.py`: the bench packag
 
 from bench import IMAGES, ROOT, percentile  # noqa: E402
 from bench.servers import NotReady, parse_settings, rss_mb, start_ours  # noqa: E402
+from webapp import catalog  # noqa: E402
 
 MAX_REQUEST_BYTES = 28 * 1024 * 1024  # under the default CLASSIFIER_MAX_UPLOAD_BYTES (32 MiB)
 
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images", default=str(IMAGES), help="folder of source photos (*.jpg)")
     own = parser.add_argument_group("own server (ignored with --url)")
     own.add_argument("--model", default="resnet18_seeded",
-                     choices=("resnet18", "efficientnet_lite0", "resnet18_seeded"))
+                     choices=catalog.NAMES)
     own.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile the model")
     own.add_argument("--workers", type=int, default=2)
     own.add_argument("--threads", type=int, default=0, help="intra-op threads per worker (0: from the cores)")
