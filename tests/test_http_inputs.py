@@ -27,12 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from conftest import ROOT, png_bytes, png_chunk, png_declaring, shared_image
+from conftest import DOG_BREEDS, ROOT, encode, png_bytes, png_chunk, png_declaring, shared_image, small_png
 from serving import Server
+
+pytestmark = pytest.mark.server
 
 MAX_UPLOAD = 2 * 1024 * 1024
 CAPPED_PIXELS = 10_000
-DOG_BREEDS = set(range(151, 269))
 ALLOWED = {200, 400, 413, 415}
 # What must never reach the server log: tracebacks, and Pillow warnings about uploads.
 LEAKS = re.compile(r"Traceback|\w+Warning\b|Palette images with Transparency|Corrupt EXIF"
@@ -131,12 +132,6 @@ def predictions(body: dict) -> list[tuple[int, float]]:
     return [(p["index"], p["probability"]) for p in body["results"][0]["predictions"]]
 
 
-def encode(img: Image.Image, fmt: str, **save) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format=fmt, **save)
-    return buf.getvalue()
-
-
 def classify(srv, data: bytes, name: str = "photo", topk: int = 5) -> dict:
     return assert_ok(post_file(srv, data, name, topk=topk))
 
@@ -194,10 +189,6 @@ def upright(srv, dog) -> dict:
     body = classify(srv, encode(dog, "JPEG", quality=95), "upright.jpg")
     assert set(top(body)) & DOG_BREEDS
     return body
-
-
-def small_png(color=(200, 30, 30), size=(64, 48)) -> bytes:
-    return png_bytes(Image.new("RGB", size, color))
 
 
 # ------------------------------------------------------------------------------- EXIF orientation

@@ -16,10 +16,10 @@ import pytest
 import requests
 from PIL import Image, ImageOps
 
-from conftest import SHARED_IMAGES, shared_image
+from conftest import DOG_BREEDS, SHARED_IMAGES, shared_image
 from serving import Server
 
-DOG_BREEDS = set(range(151, 269))
+pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
