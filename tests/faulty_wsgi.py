@@ -52,7 +52,7 @@ _poison: torch.Tensor | None = None
 def _is_poison(t: torch.Tensor) -> bool:
     global _poison
     if _poison is None:  # first batch: the classifier's transform exists once the worker started it
-        _poison = imaging.preprocess(poison_image(), _classifier.transform)
+        _poison = imaging.preprocess(poison_image(), _classifier.started.transform)
     return t.shape == _poison.shape and torch.equal(t, _poison)
 
 

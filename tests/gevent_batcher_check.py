@@ -21,7 +21,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from webapp.batcher import InferenceBatcher, gevent_active, keep_alive  # noqa: E402
+from webapp.batcher import InferenceBatcher  # noqa: E402
+from webapp.concurrency import gevent_active, keep_alive  # noqa: E402
 from webapp.errors import ServiceError  # noqa: E402
 
 PREDICT_S = 0.3
@@ -68,12 +69,12 @@ def main() -> None:
             last = now
 
     def client(i: int):
-        (r,) = b.classify([torch.full((3, 4, 4), float(i))])
+        (r,) = b.infer([torch.full((3, 4, 4), float(i))])
         return i, int(r.logits[0].item())
 
     def poisoned():
         try:
-            b.classify([torch.full((3, 4, 4), float(POISON))])
+            b.infer([torch.full((3, 4, 4), float(POISON))])
         except ServiceError as e:
             return e.status
         return None

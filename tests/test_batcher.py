@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from webapp.batcher import InferenceBatcher, keep_alive
+from webapp.batcher import InferenceBatcher
+from webapp.concurrency import keep_alive
 from webapp.errors import InferenceFailed, InferenceTimeout, NotReady, Overloaded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +117,7 @@ def test_classify_order(make_batcher):
     model = FakeModel()
     b = make_batcher(model)
     ids = [7, 3, 11, 0, 42, 5, 9, 1, 30, 2]  # 10 images: several batches
-    results = b.classify([img(i) for i in ids])
+    results = b.infer([img(i) for i in ids])
     assert [ident(r) for r in results] == ids
     assert sorted(model.seen) == sorted(ids)
 
@@ -148,7 +149,7 @@ def test_concurrent_submitters_form_batches_no_larger_than_max(make_batcher):
         out = []
         for j in range(5):
             i = 100 * k + j
-            (r,) = b.classify([img(i)])
+            (r,) = b.infer([img(i)])
             out.append((i, ident(r), r.batch_size))
         return out
 
@@ -166,7 +167,7 @@ def test_concurrent_submitters_form_batches_no_larger_than_max(make_batcher):
 def test_many_images_at_once_are_split_into_full_batches(make_batcher):
     model = FakeModel()
     b = make_batcher(model, max_batch_size=4, batch_timeout=0.2)
-    results = b.classify([img(i) for i in range(10)])
+    results = b.infer([img(i) for i in range(10)])
     assert [ident(r) for r in results] == list(range(10))
     assert model.sizes == [4, 4, 2]
     assert [r.batch_size for r in results] == [4] * 8 + [2] * 2
@@ -176,9 +177,9 @@ def test_many_images_at_once_are_split_into_full_batches(make_batcher):
 def test_lone_request_waits_about_batch_timeout(make_batcher):
     model = FakeModel(delay=0.05)
     b = make_batcher(model, max_batch_size=4, batch_timeout=0.2)
-    b.classify([img(0)])  # warm-up (thread started, torch ops touched)
+    b.infer([img(0)])  # warm-up (thread started, torch ops touched)
     t0 = time.monotonic()
-    (r,) = b.classify([img(1)])
+    (r,) = b.infer([img(1)])
     took = time.monotonic() - t0
     assert ident(r) == 1 and r.batch_size == 1
     # Waits for company up to batch_timeout, then runs: about 0.25 s, not much more.
@@ -190,7 +191,7 @@ def test_full_batch_does_not_wait_for_batch_timeout(make_batcher):
     model = FakeModel()
     b = make_batcher(model, max_batch_size=4, batch_timeout=2.0)
     t0 = time.monotonic()
-    results = b.classify([img(i) for i in range(4)])
+    results = b.infer([img(i) for i in range(4)])
     took = time.monotonic() - t0
     assert [ident(r) for r in results] == [0, 1, 2, 3]
     assert model.sizes == [4]
@@ -203,7 +204,7 @@ def test_200_concurrent_submissions_each_get_their_own_result(make_batcher):
     b = make_batcher(model, max_batch_size=4, batch_timeout=0.005, queue_size=256, request_timeout=20)
 
     def one(i: int) -> tuple[int, int]:
-        (r,) = b.classify([img(i)])
+        (r,) = b.infer([img(i)])
         return i, ident(r)
 
     with ThreadPoolExecutor(32) as pool:
@@ -239,7 +240,7 @@ def test_failing_batch_is_isolated(make_batcher, fault):
     assert model.calls == [[0], [1, 2, 3, 4], [10, 11, 12, 13], [20, 21, 22, 23]]
     # The loop keeps going.
     assert b.alive
-    assert [ident(r) for r in b.classify([img(30), img(31)])] == [30, 31]
+    assert [ident(r) for r in b.infer([img(30), img(31)])] == [30, 31]
     assert b.images == 1 + 4 + 4 + 2  # the failed batch is not counted
 
 
@@ -257,7 +258,7 @@ def test_request_expiring_while_queued_times_out_and_is_never_run(make_batcher):
     assert ei.value.status == 504
     assert 0.25 <= took <= 0.3 + 0.4, took  # at its deadline, not when the model frees up
     model.release.set()
-    assert [ident(r) for r in b.classify([img(2)])] == [2]
+    assert [ident(r) for r in b.infer([img(2)])] == [2]
     assert 1 not in model.seen, model.calls
     assert b.queue_depth == 0
 
@@ -272,7 +273,7 @@ def test_expired_request_nobody_waits_for_is_dropped_by_the_loop(make_batcher):
     assert not late.abandoned
     model.release.set()
     # FIFO: by the time a later request is served, the loop has dealt with the expired one.
-    assert [ident(r) for r in b.classify([img(2)])] == [2]
+    assert [ident(r) for r in b.infer([img(2)])] == [2]
     assert 1 not in model.seen, model.calls
     with pytest.raises(InferenceTimeout) as ei:
         b.wait(late)
@@ -354,7 +355,7 @@ def test_stop_without_queued_work_is_prompt(make_batcher):
     assert not b.alive
     assert b.died is None
     with pytest.raises(NotReady):
-        b.classify([img(1)])
+        b.infer([img(1)])
 
 
 # -- 8. death of the loop ---------------------------------------------------------------------
@@ -388,7 +389,7 @@ def test_loop_death_fails_everything_promptly(make_batcher):
 
     b._run_batch = run_batch
 
-    assert [ident(r) for r in b.classify([img(0)])] == [0]
+    assert [ident(r) for r in b.infer([img(0)])] == [0]
     in_flight = b.submit([img(1)])
     assert in_second.wait(5)
     queued = b.submit([img(2)]) + b.submit([img(3), img(4)])

@@ -21,3 +21,11 @@ def test_ci_runs_the_readme_test_command():
     assert "gunicorn -c gunicorn.conf.py wsgi:app" in run and "pytest" in test
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert test in ci, ".ci/run must run the README's test command verbatim"
+
+
+def test_readme_error_table_is_generated_from_the_error_table():
+    from webapp import errors
+
+    start = README.index("<!-- error table")
+    block = README[README.index("\n", start) + 1: README.index("<!-- end of error table -->")].strip()
+    assert block == errors.markdown_table(), "regenerate the README table from webapp.errors.markdown_table()"

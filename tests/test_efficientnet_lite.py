@@ -216,6 +216,7 @@ def test_top1_on_photos(model, photos):
     assert dict(zip(EXPECTED_TOP1, top1)) == EXPECTED_TOP1
 
 
+@pytest.mark.slow
 def test_compiled_matches_eager(model):
     """Inductor with freezing, channels_last input, dynamic batch: one graph, same logits.
     Compiling takes ~10-30 s on 2 cores (cold cache)."""

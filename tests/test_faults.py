@@ -103,7 +103,7 @@ def test_isolation_and_routing_at_scale(main_server, offline_app):
     candidates whose top-2 are within 0.005 are left out, so float noise between batch sizes and
     thread counts cannot flip a top-1. The queue is large (1024): no request is refused or retried.
     """
-    from webapp.service import Upload
+    from webapp.contract import Upload
 
     candidates = distinct_photos(N_DISTINCT + 60)
     clf = offline_app.extensions["classifier"]
@@ -483,7 +483,7 @@ def test_inference_thread_death_replaces_the_worker(faulty_server):
         time.sleep(0.1)
     assert not alive(old_pid)
     out_log = faulty_server.output()
-    assert "InferenceLoopKilled" in out_log and f"exits to be replaced" in out_log, out_log[-3000:]
+    assert "InferenceLoopKilled" in out_log and "exits to be replaced" in out_log, out_log[-3000:]
     answer = post(faulty_server, body, ctype, timeout=30).json()
     assert set(top(answer)) & DOG_BREEDS, answer
     assert requests.get(faulty_server.url + "/readyz", timeout=10).status_code == 200

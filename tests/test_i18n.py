@@ -7,7 +7,7 @@ import pytest
 from werkzeug.datastructures import LanguageAccept
 from werkzeug.http import parse_accept_header
 
-from webapp import i18n
+from webapp import errors, i18n
 from webapp.models import IMAGENET_CATEGORIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +112,9 @@ def test_every_string_the_page_and_script_use_exists():
     script = (ROOT / "static" / "app.js").read_text(encoding="utf-8")
     used = set(re.findall(r'data-t(?:-aria-label)?="(\w+)"', template)) | set(re.findall(r"\bt\.(\w+)", template))
     used |= set(re.findall(r'\btr\("(\w+)"', script))
-    used |= {f"err_{code}" for code in re.findall(r'"(\w+)"', re.search(r"const retryable = \[([^\]]*)\]", script).group(1))}
+    # The script's "try again in N s" codes come with the strings, from the error table.
+    assert "state.i18n?.retryable" in script and i18n.RETRY_CODES == errors.RETRYABLE
+    used |= {f"err_{code}{later}" for code in i18n.RETRY_CODES for later in ("", "_later")}
     assert used and used <= set(i18n.STRINGS["en"]), used - set(i18n.STRINGS["en"])
 
 
@@ -131,10 +133,9 @@ def test_error_words(code, retry, lang, words):
 
 
 def test_every_error_code_of_the_service_has_words():
-    from webapp import errors
     from webapp.access import Unauthorized
 
     codes = {cls.code for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.ServiceError)}
-    codes |= {Unauthorized.code, "too_large", "not_found", "rate_limited"}
+    codes |= {Unauthorized.code, "too_large", "not_found", "rate_limited"} | set(errors.BY_CODE)
     for code in codes - {"internal_error", "inference_failed"}:  # those two say "something went wrong"
         assert f"err_{code}" in i18n.STRINGS["en"], code

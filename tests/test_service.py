@@ -5,9 +5,10 @@ import torch
 from PIL import Image, ImageChops, ImageStat
 
 from conftest import shared_image
-from webapp import assets, service, settings
+from webapp import assets, settings, startup
 from webapp.errors import StartupError
-from webapp.service import Classifier, encode
+from webapp.models import encode
+from webapp.service import Classifier
 
 
 def test_golden_photo_is_the_one_make_golden_cuts(tmp_path):
@@ -27,7 +28,7 @@ def test_self_test_passes_on_real_weights(offline_app):
 def test_failed_self_test_never_reports_ready(tmp_path, monkeypatch):
     not_a_dog = tmp_path / "zebra.jpg"
     Image.open(shared_image("giraffe.jpg")).convert("RGB").save(not_a_dog)
-    monkeypatch.setattr(service, "GOLDEN", not_a_dog)
+    monkeypatch.setattr(startup, "GOLDEN", not_a_dog)
     clf = Classifier(settings.load(environ={}, overrides={"MODEL": "efficientnet_lite0", "COMPILE": False,
                                                           "MAX_BATCH_SIZE": 1}))
     with pytest.raises(StartupError, match="self-test failed"):
@@ -51,7 +52,7 @@ def test_auto_keeps_bf16_only_if_the_startup_measurement_says_it_pays_off(monkey
     from webapp import engine
 
     monkeypatch.setattr(engine, "native_bf16", lambda: True)  # oneDNN claims native bf16...
-    monkeypatch.setattr(service, "bf16_pays_off", lambda module, batch: (False, "measured bf16 0.90x fp32"))
+    monkeypatch.setattr(startup, "bf16_pays_off", lambda module, batch: (False, "measured bf16 0.90x fp32"))
     clf = Classifier(settings.load(environ={}, overrides={"MODEL": "resnet18_seeded", "COMPILE": False,
                                                           "MAX_BATCH_SIZE": 1}))
     clf.start()
