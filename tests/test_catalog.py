@@ -50,6 +50,9 @@ def test_api_lists_the_catalog(client):
     body = client.get("/api/v1/models").get_json()
     assert [(m["name"], m["input_size"], m["categories"]) for m in body["models"]] == \
         [(m.name, m.input_size, m.categories) for m in catalog.MODELS]
+    # The size worth sending (the page scales photos to it in the browser): twice the resize size.
+    assert [m["send_short_side"] for m in body["models"]] == [2 * m.resize_size for m in catalog.MODELS] == \
+        [512, 512, 512]
     titles = {m["name"]: m["title"] for m in body["models"] if not m["serving"]}
     assert titles == {m.name: m.title for m in catalog.MODELS if m.name in titles}
 

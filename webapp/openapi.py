@@ -194,13 +194,20 @@ SCHEMAS: dict[str, Any] = {
     },
     "ModelEntry": {
         "type": "object",
-        "required": ["name", "title", "description", "categories", "input_size", "precision", "serving"],
+        "required": ["name", "title", "description", "categories", "input_size", "send_short_side", "precision",
+                     "serving"],
         "properties": {
             "name": {"type": "string", "enum": list(catalog.NAMES)},
             "title": _STR,
             "description": _STR,
             "categories": {"type": "integer", "minimum": 1},
             "input_size": {"type": "integer", "minimum": 1},
+            "send_short_side": {"type": "integer", "minimum": 1,
+                                "description": "px: the short side worth sending for this model (2x the size it "
+                                               "resizes to). A photo scaled down to it before upload (JPEG, no EXIF "
+                                               "needed once it is upright) gets the same labels as the full photo, "
+                                               "with far fewer bytes and less server time; larger photos gain "
+                                               "nothing. The page scales to it in the browser."},
             "precision": {"type": "string", "description": "The arithmetic it runs in on this server: the "
                                                            "serving engine's (`auto` resolved); `CLASSIFIER_PRECISION` "
                                                            "as set before a model is loaded."},
