@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from conftest import DOG_BREEDS, ROOT, encode, png_bytes, png_chunk, png_declaring, shared_image, small_png
+import exif_blocks
 from serving import Server
 
 pytestmark = pytest.mark.server
@@ -219,6 +220,21 @@ def test_exif_orientation_gives_the_upright_answer(srv, dog, upright, orientatio
     # The check can fail: the same stored pixels without the tag answer differently.
     ignored = classify(srv, encode(stored, "JPEG", quality=95), "untagged.jpg")
     assert (top(ignored), size(ignored)) != (top(upright), size(upright))
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+@pytest.mark.parametrize("damage", sorted(exif_blocks.DAMAGED) + sorted(exif_blocks.DAMAGED_GPS))
+def test_damaged_exif_keeps_its_orientation(srv, dog, upright, damage, fmt):
+    """Orientation=6 beside a tag of the wrong type (Pillow's exif_transpose raises on these): still upright."""
+    ifd0, gps = exif_blocks.DAMAGED_GPS[damage] if damage in exif_blocks.DAMAGED_GPS else \
+        (exif_blocks.DAMAGED[damage], None)
+    data = exif_blocks.stored_sideways(dog, exif_blocks.block(ifd0, gps), fmt)
+    with Image.open(io.BytesIO(data)) as im, pytest.raises(Exception):
+        ImageOps.exif_transpose(im)  # the damage is real: the old path fell back to "as stored"
+    body = classify(srv, data, f"{damage}.{fmt.lower()}")
+    assert size(body) == size(upright)
+    reference = upright if fmt == "JPEG" else classify(srv, encode(dog, "PNG"), "upright.png")
+    assert top(body) == top(reference), (damage, fmt, predictions(body), predictions(reference))
 
 
 # ------------------------------------------------------------------------------------ colour modes

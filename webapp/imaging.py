@@ -1,7 +1,7 @@
 """Decode an upload into an RGB photo, then preprocess it into the model's input tensor.
 
 decode: Pillow, restricted to photo formats (never EPS, which would run Ghostscript); the pixel
-count is read from the header and checked before any pixel is decoded; EXIF orientation is
+count is read from the header and checked before any pixel is decoded; EXIF orientation (webapp/exif.py) is
 applied; every mode becomes RGB deterministically (alpha composited on white, 16-bit scaled
 to 8-bit, CMYK converted). preprocess: a ``torchvision.transforms.v2`` pipeline built from the
 model spec (Resize with antialias, CenterCrop, ToDtype with scale, Normalize).
@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageChops, ImageOps, UnidentifiedImageError
+from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
+from . import exif
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
@@ -170,6 +171,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
     fmt = img.format or "unknown"
     try:
+        orientation = exif.orientation(img)  # read before any conversion drops img.info
         if min_side and fmt == "JPEG":
             _draft(img, min_side)
         img.load()
@@ -178,7 +180,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             # samples are plain CMYK (libvips' convention), so undo that inversion.
             img = ImageChops.invert(img)
         stored = img.size
-        img = _upright(img)
+        img = exif.turn(img, orientation)
         size = (height, width) if img.size != stored else (width, height)  # orientations 5-8 swap
         if min_side:
             img = _reduce(img, min_side)  # before to_rgb: its copies are then small too
@@ -209,14 +211,6 @@ def _reduce(img: Image.Image, min_side: int) -> Image.Image:
     try:
         return img.reduce(factor)
     except (ValueError, TypeError):
-        return img
-
-
-def _upright(img: Image.Image) -> Image.Image:
-    """Apply EXIF orientation (2-8); a broken EXIF block leaves the image as stored rather than failing it."""
-    try:
-        return ImageOps.exif_transpose(img)
-    except Exception:
         return img
 
 

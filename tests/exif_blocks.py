@@ -1,0 +1,77 @@
+"""Raw EXIF blocks built byte by byte, damaged the ways phones and editors damage them.
+
+Pillow's own writer cannot make a wrong type or count (that is the point), so the TIFF structure
+(TIFF 6.0 section 2: header, IFD of 12-byte entries, values over 4 bytes at offsets) is written here.
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+from dataclasses import dataclass
+
+from PIL import Image
+
+BYTE, ASCII, SHORT, LONG, RATIONAL, UNDEFINED, DOUBLE = 1, 2, 3, 4, 5, 7, 12
+SIZES = {BYTE: 1, ASCII: 1, SHORT: 2, LONG: 4, RATIONAL: 8, UNDEFINED: 1, DOUBLE: 8}
+
+
+@dataclass
+class Entry:
+    """One IFD entry: ``tag``, TIFF field ``kind``, ``count`` and the value's raw bytes (any length)."""
+
+    tag: int
+    kind: int
+    count: int
+    data: bytes
+
+
+def orientation(value: int = 6, order: str = "<") -> Entry:
+    return Entry(0x0112, SHORT, 1, struct.pack(order + "H", value))
+
+
+def block(ifd0: list[Entry], gps: list[Entry] | None = None, order: str = "<", prefix: bool = True) -> bytes:
+    """A little- (``<``) or big-endian (``>``) TIFF structure with IFD0 and, optionally, a GPS IFD."""
+    entries = list(ifd0)
+    if gps is not None:
+        entries.append(Entry(0x8825, LONG, 1, b"\0\0\0\0"))  # offset patched below
+    head = (b"II" if order == "<" else b"MM") + struct.pack(order + "HI", 42, 8)
+
+    def ifd(items: list[Entry], at: int) -> tuple[bytes, bytes]:
+        table, extra = struct.pack(order + "H", len(items)), b""
+        data_at = at + 2 + 12 * len(items) + 4
+        for e in items:
+            if len(e.data) <= 4:
+                value = e.data.ljust(4, b"\0")
+            else:
+                value = struct.pack(order + "I", data_at + len(extra))
+                extra += e.data + (b"\0" if len(e.data) % 2 else b"")
+            table += struct.pack(order + "HHI", e.tag, e.kind, e.count) + value
+        return table + b"\0\0\0\0", extra
+
+    table0, extra0 = ifd(entries, 8)
+    body = head + table0 + extra0
+    if gps is not None:
+        gps_at = len(body)
+        pointer = body.index(struct.pack(order + "HHI", 0x8825, LONG, 1)) + 8
+        body = body[:pointer] + struct.pack(order + "I", gps_at) + body[pointer + 4:]
+        table1, extra1 = ifd(gps, gps_at)
+        body += table1 + extra1
+    return (b"Exif\0\0" if prefix else b"") + body
+
+
+# The issue's examples: each breaks Pillow's exif_transpose (it re-writes EXIF while rotating).
+DAMAGED = {
+    "xresolution-undefined": [Entry(0x011A, UNDEFINED, 4, b"\x48\0\0\0"), orientation()],
+    "datetime-rational": [Entry(0x0132, RATIONAL, 1, struct.pack("<II", 2024, 1)), orientation()],
+    "copyright-double": [Entry(0x8298, DOUBLE, 1, struct.pack("<d", 1.5)), orientation()],
+}
+DAMAGED_GPS = {"gpsversion-ascii": ([orientation()], [Entry(0x0000, ASCII, 4, b"2.2\0")])}
+
+
+def stored_sideways(upright: Image.Image, raw_exif: bytes, fmt: str = "JPEG") -> bytes:
+    """``upright`` stored as a phone stores it for Orientation 6 (turned 90° clockwise back), with ``raw_exif``."""
+    sideways = upright.transpose(Image.Transpose.ROTATE_90)
+    buf = io.BytesIO()
+    sideways.save(buf, format=fmt, exif=raw_exif, **({"quality": 95} if fmt == "JPEG" else {}))
+    return buf.getvalue()
