@@ -12,12 +12,37 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
 
+# Formats a client may name as the original of a photo it scaled before upload: what browsers and
+# phones decode (HEIC/HEIF included: Safari decodes them, so the page can send a JPEG of one).
+ORIGINAL_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "HEIC", "HEIF")
+
+
+@dataclass(frozen=True)
+class Original:
+    """What a client says of the photo it scaled before upload (the page does, in the browser).
+
+    ``width``, ``height``: the original's upright size in px (EXIF orientation applied), each
+    1..``MAX_SIDE``; ``format``: one of ``ORIGINAL_FORMATS``; ``bytes``: its file size, 1..``MAX_BYTES``.
+    Answers report these as the photo's, and mark the result ``scaled_by_client``.
+    """
+
+    width: int
+    height: int
+    format: str
+    bytes: int
+
+    MAX_SIDE = 65535  # the largest side JPEG, WebP, HEIC and AVIF can state, and browsers' canvas limit
+    MAX_BYTES = 2**40  # 1 TiB: any file a phone or camera writes
+
+
 @dataclass
 class Upload:
-    """One uploaded file: its client-side ``name`` (only ever echoed, escaped) and raw ``data`` (bytes)."""
+    """One uploaded file: its client-side ``name`` (only ever echoed, escaped) and raw ``data`` (bytes);
+    ``original``: where the client scaled the photo before sending it, what it says of the original."""
 
     name: str
     data: bytes
+    original: Original | None = None
 
 
 @runtime_checkable

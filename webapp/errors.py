@@ -53,7 +53,8 @@ class UndecodableImage(ServiceError):
 
 class BadRequest(ServiceError):
     status, code = 400, "bad_request"
-    when = "`topk` not an integer from 1 to 10, or a malformed multipart body"
+    when = ("`topk` not an integer from 1 to 10, a malformed multipart body, or bad `original_*` fields (the "
+            "message names the field)")
 
 
 class Unauthorized(ServiceError):

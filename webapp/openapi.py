@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import catalog, errors
+from .contract import ORIGINAL_FORMATS, Original
 
 OPENAPI_VERSION = "3.0.3"
 API_VERSION = "1.0.0"
@@ -114,14 +115,28 @@ SCHEMAS: dict[str, Any] = {
     },
     "Result": {
         "type": "object",
-        "required": ["filename", "width", "height", "format", "batch_size", "predictions"],
+        "required": ["filename", "width", "height", "format", "bytes", "batch_size", "predictions"],
         "additionalProperties": False,
         "properties": {
             "filename": {"type": "string", "description": "As the client sent it (raw bodies: `X-Filename`, else "
                                                           "`upload`)."},
-            "width": {"type": "integer", "minimum": 1},
-            "height": {"type": "integer", "minimum": 1},
-            "format": {"type": "string", "description": "Pillow's name of the image format, e.g. `JPEG`."},
+            "width": {"type": "integer", "minimum": 1, "description": "px, upright (EXIF orientation applied); the "
+                                                                      "original's where the client scaled the photo."},
+            "height": {"type": "integer", "minimum": 1, "description": "px, as `width`."},
+            "format": {"type": "string", "description": "Pillow's name of the image format, e.g. `JPEG`; the "
+                                                        "original's where the client scaled the photo."},
+            "bytes": {"type": "integer", "minimum": 1, "description": "The file's size in bytes; the original's "
+                                                                      "where the client scaled the photo."},
+            "scaled_by_client": {
+                "type": "object",
+                "description": "Present where the upload carried `original_*` fields: the client scaled the photo "
+                               "before sending it, `width`/`height`/`format`/`bytes` above are the original's as it "
+                               "said, and these are what the server received and decoded.",
+                "required": ["width", "height", "format", "bytes"],
+                "additionalProperties": False,
+                "properties": {"width": {"type": "integer", "minimum": 1}, "height": {"type": "integer", "minimum": 1},
+                               "format": _STR, "bytes": {"type": "integer", "minimum": 1}},
+            },
             "batch_size": {"type": "integer", "minimum": 1, "description": "Images in the forward pass this one ran in."},
             "predictions": {"type": "array", "minItems": 1, "maxItems": 10,
                             "items": {"$ref": "#/components/schemas/Prediction"},
@@ -222,6 +237,28 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+def _original_fields(max_files: int) -> dict:
+    """The optional ``original_*`` multipart fields: what a client says of the photos it scaled before upload."""
+    said = ("Optional, with the other `original_*` fields (all four or none), one value per `file` part in the "
+            "same order: the file is a copy the client scaled down (e.g. to `send_short_side` of "
+            "`GET /api/v1/models`, as the page does in the browser), and this describes its original. The result "
+            "then reports the original's `width`, `height`, `format` and `bytes`, and `scaled_by_client`. A bad "
+            "value is 400 `bad_request` naming the field.")
+    side = {"type": "integer", "minimum": 1, "maximum": Original.MAX_SIDE}
+
+    def field(items: dict, what: str) -> dict:
+        return {"type": "array", "items": items, "minItems": 1, "maxItems": max_files, "description": f"{what}. {said}"}
+
+    return {
+        "original_width": field(side, "The original's width in px, upright (EXIF orientation applied)"),
+        "original_height": field(side, "The original's height in px, upright"),
+        "original_format": field({"type": "string", "enum": list(ORIGINAL_FORMATS)},
+                                 "The original's format (case does not matter)"),
+        "original_bytes": field({"type": "integer", "minimum": 1, "maximum": Original.MAX_BYTES},
+                                "The original's file size in bytes"),
+    }
+
+
 def build_spec(settings, *, metrics: bool | None = None) -> dict:
     """The OpenAPI document for a server running with ``settings`` (a fresh dict each call)."""
     metrics = settings.METRICS if metrics is None else metrics
@@ -255,7 +292,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                         "required": ["file"],
                         "properties": {"file": {"type": "array", "items": image_body, "minItems": 1,
                                                 "maxItems": settings.MAX_FILES,
-                                                "description": "The image(s): one part per file."}},
+                                                "description": "The image(s): one part per file."},
+                                       **_original_fields(settings.MAX_FILES)},
                     },
                 },
                 "image/*": {"schema": image_body},

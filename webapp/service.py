@@ -33,11 +33,20 @@ def answer(model: dict, categories: list[str], uploads: list[Upload], prepared: 
 
     ``model`` is the answers' ``model`` object; ``start`` the request's ``time.perf_counter()`` at
     arrival; times in the answer are ms. Shared by the Ray Serve replica, so both paths answer alike.
+    Each result's ``width``, ``height`` (px), ``format`` and ``bytes`` describe the photo: the upload,
+    or, where the client scaled it before sending (``Upload.original``), the original it describes;
+    ``scaled_by_client`` then gives the same four of what was actually received and decoded.
     """
     results = []
     for up, p, out in zip(uploads, prepared, outcomes, strict=True):
-        item = {"filename": up.name, "width": p.size[0], "height": p.size[1], "format": p.format,
+        received = {"width": p.size[0], "height": p.size[1], "format": p.format, "bytes": len(up.data)}
+        o = up.original
+        photo = received if o is None else {"width": o.width, "height": o.height, "format": o.format,
+                                            "bytes": o.bytes}
+        item = {"filename": up.name, **photo,
                 "predictions": encode(out.logits, categories, topk), "batch_size": out.batch_size}
+        if o is not None:
+            item["scaled_by_client"] = received
         if p.thumbnail is not None:
             item["thumbnail"] = p.thumbnail
         results.append(item)

@@ -2,6 +2,8 @@
 
 HTTP only: no decoding here. Filenames are kept as the client sent them, only to be echoed
 (escaped by JSON and Jinja); they are never used as paths, and nothing is written to disk.
+A multipart upload may also describe, per file, the original of a photo the client scaled down
+before sending it (``original_width``, ``original_height``, ``original_format``, ``original_bytes``).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from flask import Request
 from werkzeug.exceptions import HTTPException
 
 from .errors import BadRequest, NoFile, NotAnImage, TooLarge, drain_body
-from .contract import Upload
+from .contract import ORIGINAL_FORMATS, Original, Upload
 
 RAW_TYPES = ("application/octet-stream",)
 
@@ -46,6 +48,55 @@ def parse_topk(raw: str | None, default: int) -> int:
     return k
 
 
+# Multipart form fields describing the photo a client scaled before upload, one value per ``file``
+# part, in the same order: all four or none (see ``read_originals``).
+ORIGINAL_FIELDS = ("original_width", "original_height", "original_format", "original_bytes")
+
+
+def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
+    """``raw`` as an integer in ``lo..hi``.
+
+    :raises BadRequest: not plain ASCII digits, or out of range (400, naming ``field``).
+    """
+    # ASCII digits only, and few of them: int() takes " 3", "3_0", other scripts' digits, and
+    # refuses over 4300 digits with a ValueError.
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 20):
+        raise BadRequest(f"{field} must be an integer from {lo} to {hi}, got {raw[:40]!r}")
+    value = int(raw)
+    if not lo <= value <= hi:
+        raise BadRequest(f"{field} must be an integer from {lo} to {hi}, got {value}")
+    return value
+
+
+def read_originals(form, files: int) -> list[Original | None]:
+    """The ``original_*`` form fields of a multipart upload of ``files`` file parts: one ``Original``
+    per part, in order; ``[None] * files`` when the client sent none of them.
+
+    :raises BadRequest: some of the four fields and not the others, a count other than one per
+        file part, a width or height not an integer in 1..65535, a byte size not in 1..2**40, or a
+        format not in ``contract.ORIGINAL_FORMATS`` (400, naming the field).
+    """
+    values = {f: form.getlist(f) for f in ORIGINAL_FIELDS}
+    if not any(values.values()):
+        return [None] * files
+    for f in ORIGINAL_FIELDS:
+        if not values[f]:
+            raise BadRequest(f"{f} is missing: {', '.join(ORIGINAL_FIELDS)} describe the original of a photo "
+                             f"scaled before upload and go together")
+        if len(values[f]) != files:
+            raise BadRequest(f"{f}: {len(values[f])} value(s) for {files} file(s); send one per file part, "
+                             f"in the same order")
+    out = []
+    for width, height, fmt, size in zip(*values.values()):
+        name = fmt.strip().upper()
+        if name not in ORIGINAL_FORMATS:
+            raise BadRequest(f"original_format must be one of {', '.join(ORIGINAL_FORMATS)}, got {fmt[:40]!r}")
+        out.append(Original(width=_int_field("original_width", width, 1, Original.MAX_SIDE),
+                            height=_int_field("original_height", height, 1, Original.MAX_SIDE),
+                            format=name, bytes=_int_field("original_bytes", size, 1, Original.MAX_BYTES)))
+    return out
+
+
 def _clean_name(name: str | None) -> str:
     # Keep what the client sent (non-ASCII and emoji included) for display; cap the length.
     name = (name or "").replace("\x00", "")
@@ -77,7 +128,7 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises NoFile: multipart without a ``file`` part, or with only empty ones (400).
     :raises TooLarge: more than ``max_files`` files, or a body over ``MAX_CONTENT_LENGTH`` (413;
         Werkzeug raises its own 413 when Content-Length already says so).
-    :raises BadRequest: a malformed multipart body (400).
+    :raises BadRequest: a malformed multipart body, or bad ``original_*`` fields (400; see ``read_originals``).
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
     """
     mimetype = request.mimetype
@@ -95,7 +146,8 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
             raise NoFile(f"no image: send it as multipart field 'file' (file fields received: {other})")
         if len(parts) > max_files:
             raise TooLarge(f"{len(parts)} files in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
-        uploads = [Upload(_clean_name(p.filename), p.read()) for p in parts]
+        originals = read_originals(request.form, len(parts))
+        uploads = [Upload(_clean_name(p.filename), p.read(), o) for p, o in zip(parts, originals)]
         if all(not u.data for u in uploads) and all(not p.filename for p in parts):
             raise NoFile("no image: the 'file' field is empty; choose a photo first")
         return uploads

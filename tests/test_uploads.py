@@ -1,0 +1,103 @@
+"""Reading uploads (webapp/uploads.py): the optional ``original_*`` fields a client sends with a photo
+it scaled before upload (the page does, in the browser), validated, carried through ``Upload.original``
+and reported by ``service.answer`` as the photo's, with ``scaled_by_client`` saying what arrived."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import schemathesis
+from PIL import Image
+
+from conftest import encode
+from webapp.contract import ORIGINAL_FORMATS, Original, Upload
+from webapp.errors import BadRequest
+from webapp.uploads import ORIGINAL_FIELDS, read_originals
+from werkzeug.datastructures import MultiDict
+
+SCALED = encode(Image.new("RGB", (80, 60), (40, 120, 200)), "JPEG", quality=90)  # the "scaled copy"
+ORIGINAL = {"original_width": "4032", "original_height": "3024", "original_format": "JPEG",
+            "original_bytes": "3212345"}
+
+
+def post(client, files, **fields):
+    data = MultiDict([("file", (io.BytesIO(d), n)) for n, d in files])
+    for k, v in fields.items():
+        for one in v if isinstance(v, list) else [v]:
+            data.add(k, one)
+    return client.post("/api/v1/predict", data=data, content_type="multipart/form-data")
+
+
+def test_a_scaled_upload_is_reported_as_its_original(client, app):
+    resp = post(client, [("phone.jpg", SCALED)], **ORIGINAL)
+    assert resp.status_code == 200, resp.get_json()
+    (res,) = resp.get_json()["results"]
+    assert (res["width"], res["height"], res["format"], res["bytes"]) == (4032, 3024, "JPEG", 3212345)
+    assert res["scaled_by_client"] == {"width": 80, "height": 60, "format": "JPEG", "bytes": len(SCALED)}
+    # and that answer is the one the document describes
+    schema = schemathesis.openapi.from_dict(client.get("/openapi.json").get_json())
+    schema["/api/v1/predict"]["POST"].validate_response(resp)
+
+
+def test_without_the_fields_the_result_describes_the_upload(client):
+    (res,) = post(client, [("small.jpg", SCALED)]).get_json()["results"]
+    assert (res["width"], res["height"], res["format"], res["bytes"]) == (80, 60, "JPEG", len(SCALED))
+    assert "scaled_by_client" not in res
+
+
+def test_one_value_per_file_in_order(client):
+    fields = {"original_width": ["4000", "1000"], "original_height": ["3000", "2000"],
+              "original_format": ["heic", "webp"], "original_bytes": ["2000000", "90000"]}
+    resp = post(client, [("a.jpg", SCALED), ("b.jpg", SCALED)], **fields)
+    assert resp.status_code == 200, resp.get_json()
+    got = [(r["filename"], r["width"], r["height"], r["format"], r["bytes"]) for r in resp.get_json()["results"]]
+    assert got == [("a.jpg", 4000, 3000, "HEIC", 2000000), ("b.jpg", 1000, 2000, "WEBP", 90000)]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("original_width", "0"), ("original_width", "65536"), ("original_width", "-5"), ("original_width", "4e3"),
+    ("original_width", " 40"), ("original_width", "3_000"), ("original_width", "٣"), ("original_width", ""),
+    ("original_width", "9" * 5000), ("original_height", "1.5"), ("original_bytes", "0"),
+    ("original_bytes", str(2**40 + 1)), ("original_format", "EXE"), ("original_format", ""),
+])
+def test_a_bad_value_is_400_naming_the_field(client, field, value):
+    resp = post(client, [("x.jpg", SCALED)], **{**ORIGINAL, field: value})
+    assert resp.status_code == 400
+    err = resp.get_json()["error"]
+    assert err["code"] == "bad_request" and err["message"].startswith(field), err
+
+
+@pytest.mark.parametrize("missing", ORIGINAL_FIELDS)
+def test_the_four_fields_go_together(client, missing):
+    fields = {k: v for k, v in ORIGINAL.items() if k != missing}
+    resp = post(client, [("x.jpg", SCALED)], **fields)
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["message"].startswith(f"{missing} is missing")
+
+
+def test_one_value_for_two_files_is_400(client):
+    resp = post(client, [("a.jpg", SCALED), ("b.jpg", SCALED)], **ORIGINAL)
+    assert resp.status_code == 400
+    assert resp.get_json()["error"]["message"] == ("original_width: 1 value(s) for 2 file(s); send one per file "
+                                                   "part, in the same order")
+
+
+def test_limits_are_inclusive_and_every_format_is_known():
+    for fmt in ORIGINAL_FORMATS:
+        form = MultiDict({"original_width": str(Original.MAX_SIDE), "original_height": "1",
+                          "original_format": fmt.lower(), "original_bytes": str(Original.MAX_BYTES)})
+        assert read_originals(form, 1) == [Original(Original.MAX_SIDE, 1, fmt, Original.MAX_BYTES)]
+    assert read_originals(MultiDict({"topk": "3"}), 2) == [None, None]
+    with pytest.raises(BadRequest, match="original_format must be one of JPEG, PNG"):
+        read_originals(MultiDict({**ORIGINAL, "original_format": "PDF"}), 1)
+
+
+def test_the_shared_answer_reports_the_original(app):
+    """``service.answer`` (the gunicorn worker's and the Ray replica's) reads ``Upload.original``."""
+    clf = app.extensions["classifier"]
+    up = Upload("p.jpg", SCALED, Original(4032, 3024, "HEIC", 2_500_000))
+    scaled, plain = clf.classify([up, Upload("q.jpg", SCALED)], topk=1)["results"]
+    assert (scaled["width"], scaled["height"], scaled["format"], scaled["bytes"]) == (4032, 3024, "HEIC", 2_500_000)
+    assert scaled["scaled_by_client"] == {"width": 80, "height": 60, "format": "JPEG", "bytes": len(SCALED)}
+    assert (plain["width"], plain["bytes"], "scaled_by_client" in plain) == (80, len(SCALED), False)
