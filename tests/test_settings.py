@@ -38,6 +38,40 @@ def test_bad_values_name_key_value_and_rule(env, value, words):
     assert env in message and repr(value) in message and words in message
 
 
+# One case per kind of setting: int, float, bool, choices, each bad in form and (numbers) out of range, from
+# the environment and as a typed config value. The whole message is checked: variable, value, rule, once.
+@pytest.mark.parametrize("environ, overrides, message", [
+    ({"CLASSIFIER_TOP_K": "abc"}, {}, "CLASSIFIER_TOP_K='abc' is not valid; allowed: an integer from 1 to 10"),
+    ({"CLASSIFIER_TOP_K": "2.5"}, {}, "CLASSIFIER_TOP_K='2.5' is not valid; allowed: an integer from 1 to 10"),
+    ({"CLASSIFIER_TOP_K": "11"}, {}, "CLASSIFIER_TOP_K='11' is out of range; allowed: an integer from 1 to 10"),
+    ({"CLASSIFIER_THREADS": "-1"}, {}, "CLASSIFIER_THREADS='-1' is out of range; allowed: an integer from 0 to 1,024"),
+    ({"CLASSIFIER_BATCH_TIMEOUT_MS": "fast"}, {},
+     "CLASSIFIER_BATCH_TIMEOUT_MS='fast' is not valid; allowed: a number from 0 to 10,000"),
+    ({"CLASSIFIER_BATCH_TIMEOUT_MS": "inf"}, {},
+     "CLASSIFIER_BATCH_TIMEOUT_MS='inf' is not valid; allowed: a number from 0 to 10,000"),
+    ({"CLASSIFIER_DOWNLOAD_TIMEOUT_S": "0"}, {},
+     "CLASSIFIER_DOWNLOAD_TIMEOUT_S='0' is out of range; allowed: a number from 0.1 to 600"),
+    ({"CLASSIFIER_COMPILE": "nope"}, {},
+     "CLASSIFIER_COMPILE='nope' is not valid; allowed: a boolean (1/0, true/false, yes/no, on/off)"),
+    ({"CLASSIFIER_PRECISION": "fp16"}, {},
+     "CLASSIFIER_PRECISION='fp16' is not valid; allowed: one of auto, fp32, bf16, int8"),
+    ({}, {"COMPILE": 3}, "COMPILE=3 is not valid; allowed: a boolean (1/0, true/false, yes/no, on/off)"),
+    ({}, {"MAX_BATCH_SIZE": True}, "MAX_BATCH_SIZE=True is not valid; allowed: an integer from 1 to 256"),
+    ({}, {"TOP_K": 2.5}, "TOP_K=2.5 is not valid; allowed: an integer from 1 to 10"),
+    ({}, {"BATCH_TIMEOUT_MS": False}, "BATCH_TIMEOUT_MS=False is not valid; allowed: a number from 0 to 10,000"),
+    ({}, {"SELF_TEST": "yes"}, "SELF_TEST='yes' is not valid; allowed: one of auto, on, off"),
+])
+def test_each_message_says_variable_value_and_rule_once(environ, overrides, message):
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ=environ, overrides=overrides)
+    assert str(err.value) == message
+
+
+def test_strings_are_taken_as_given_but_trimmed():
+    s = settings.load(environ={"CLASSIFIER_WEIGHTS": "  /srv/models/resnet18-f37072fd.pth ", "CLASSIFIER_CACHE_DIR": ""})
+    assert s.WEIGHTS == "/srv/models/resnet18-f37072fd.pth" and s.CACHE_DIR == ""
+
+
 def test_unknown_variable_is_an_error_not_ignored():
     with pytest.raises(SettingsError, match="CLASSIFIER_MAX_BATCH"):
         settings.load(environ={"CLASSIFIER_MAX_BATCH": "4"})

@@ -95,7 +95,7 @@ class Setting:
         if self.parse is _bool:
             return "a boolean (1/0, true/false, yes/no, on/off)"
         kind = "an integer" if self.parse is _int else "a number" if self.parse is _float else "a string"
-        low, high = ("" if v is None else f"{v:,}" if self.parse is _int else f"{v:g}" for v in (self.low, self.high))
+        low, high = ("" if v is None else f"{v:,}" if self.parse is _int else f"{v:,g}" for v in (self.low, self.high))
         if self.low is not None and self.high is not None:
             return f"{kind} from {low} to {high}"
         if self.low is not None:
@@ -118,8 +118,10 @@ class Setting:
                 raise ValueError("expected a number, got a boolean")
             else:
                 value = self.parse(str(raw)) if self.parse is not _float else _float(raw)
-        except ValueError as exc:
-            raise SettingsError(f"{source}={raw!r} is not valid: {exc}; allowed: {self.rule()}") from None
+        except ValueError:
+            # The parser's own words ("invalid literal for int() with base 10") are Python's, not the
+            # operator's: the rule says what is allowed, once.
+            raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}") from None
         if self.choices and value not in self.choices:
             raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}")
         if self.low is not None and value < self.low or self.high is not None and value > self.high:
