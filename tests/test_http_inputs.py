@@ -384,6 +384,39 @@ def test_multipart_without_a_file_part_is_400(srv):
     assert_error(resp, 400, "no_file")
 
 
+def _multipart(boundary: bytes, filename: bytes, data: bytes) -> bytes:
+    return (b"--" + boundary + b'\r\nContent-Disposition: form-data; name="file"; filename="' + filename
+            + b'"\r\nContent-Type: image/png\r\n\r\n' + data + b"\r\n--" + boundary + b"--\r\n")
+
+
+@pytest.mark.parametrize("ctype, boundary, problem", [
+    ("multipart/form-data", b"b0undary", "no boundary parameter"),
+    ("multipart/form-data; boundary=other", b"b0undary", "no part is delimited by the boundary 'other'"),
+])
+def test_broken_multipart_boundary_is_bad_request(srv, ctype, boundary, problem):
+    body = _multipart(boundary, b"a.png", small_png())
+    resp = requests.post(predict_url(srv), data=body, headers={"Content-Type": ctype}, timeout=30)
+    assert problem in assert_error(resp, 400, "bad_request")
+
+
+def test_a_multipart_body_with_no_parts_is_still_no_file(srv):
+    resp = requests.post(predict_url(srv), data=b"--b--\r\n", headers={"Content-Type": "multipart/form-data; boundary=b"},
+                         timeout=30)
+    assert_error(resp, 400, "no_file")
+
+
+@pytest.mark.parametrize("sent, echoed", [
+    (b"C:\\Users\\x\\pic.png", "pic.png"),  # bare backslashes, as some Windows clients send them
+    (b"C:\\\\Users\\\\x\\\\pic.png", "pic.png"),  # the same, escaped as RFC 7578 quoted-strings
+    (b"folder/pic.png", "folder/pic.png"),  # no backslash: echoed as sent
+])
+def test_windows_paths_are_echoed_as_their_last_component(srv, sent, echoed):
+    body = _multipart(b"XyZ", sent, small_png())
+    resp = requests.post(predict_url(srv), data=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+                         timeout=30)
+    assert assert_ok(resp)["results"][0]["filename"] == echoed
+
+
 def test_empty_file_part_is_400(srv):
     # What a browser sends when no photo was chosen: an unnamed, empty part.
     resp = requests.post(predict_url(srv), files={"file": ("", b"", "application/octet-stream")}, timeout=30)

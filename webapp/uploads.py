@@ -9,6 +9,7 @@ before sending it (``original_width``, ``original_height``, ``original_format``,
 from __future__ import annotations
 
 import io
+import re
 
 from flask import Request
 from werkzeug.exceptions import HTTPException
@@ -97,6 +98,27 @@ def read_originals(form, files: int) -> list[Original | None]:
     return out
 
 
+def _longer_than_empty(request: Request, boundary: str) -> bool:
+    """True if the body is longer than a multipart body with no part at all (``--boundary--``)."""
+    return (request.content_length or 0) > len(boundary) + 8
+
+
+_FILENAME = re.compile(r'filename="((?:[^"\\]|\\.)*)"')
+
+
+def _part_name(part) -> str | None:
+    """A multipart file's name as the client meant it: a Windows path's last component.
+
+    Some Windows clients send ``filename="C:\\Users\\x\\pic.jpg"`` with bare backslashes, which the
+    quoted-string rules Werkzeug applies read as escapes (``C:Usersxpic.jpg``); the raw header still
+    has them, so a name with a backslash is cut to what follows the last ``\\`` or ``/``.
+    """
+    raw = _FILENAME.search(part.headers.get("Content-Disposition", ""))
+    if raw and "\\" in raw.group(1):
+        return re.split(r"[\\/]", raw.group(1))[-1]
+    return part.filename
+
+
 def _clean_name(name: str | None) -> str:
     # Keep what the client sent (non-ASCII and emoji included) for display; cap the length.
     name = (name or "").replace("\x00", "")
@@ -133,6 +155,10 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     """
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
+        boundary = request.mimetype_params.get("boundary")
+        if not boundary:
+            raise BadRequest("malformed multipart body: Content-Type multipart/form-data has no boundary "
+                             "parameter (multipart/form-data; boundary=...)")
         try:
             parts = list(request.files.getlist("file"))
         except HTTPException as exc:
@@ -141,13 +167,17 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
             raise BadRequest(f"malformed multipart body: {exc.description}") from None
         if _over_limit(request):
             raise _too_large(request)
+        if not parts and not request.files and not request.form and _longer_than_empty(request, boundary):
+            # Werkzeug finds no part when the body's delimiters are not the boundary the header names.
+            raise BadRequest(f"malformed multipart body: no part is delimited by the boundary {boundary[:70]!r} "
+                             f"that the Content-Type header names")
         if not parts:
             other = ", ".join(sorted(request.files)) or "none"
             raise NoFile(f"no image: send it as multipart field 'file' (file fields received: {other})")
         if len(parts) > max_files:
             raise TooLarge(f"{len(parts)} files in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
         originals = read_originals(request.form, len(parts))
-        uploads = [Upload(_clean_name(p.filename), p.read(), o) for p, o in zip(parts, originals)]
+        uploads = [Upload(_clean_name(_part_name(p)), p.read(), o) for p, o in zip(parts, originals)]
         if all(not u.data for u in uploads) and all(not p.filename for p in parts):
             raise NoFile("no image: the 'file' field is empty; choose a photo first")
         return uploads
