@@ -83,8 +83,7 @@ def on_starting(server):
     metrics_dir = _clear_metrics_dir()
     if metrics_dir:
         server.log.info("/metrics counts all workers: PROMETHEUS_MULTIPROC_DIR=%s", metrics_dir)
-    server.log.info("cores %s -> %d workers x %d intra-op threads%s", list(cpu.usable_cores()), _plan.workers,
-                    _plan.threads, " (oversubscribed: workers share cores)" if _plan.shared else "")
+    server.log.info("plan: %s", cpu.describe(_plan, cpu.usable_cores()))
     if server.cfg.workers != _plan.workers:
         server.log.warning("-w %d overrides the plan's %d workers; slots wrap around the cores",
                            server.cfg.workers, _plan.workers)
@@ -119,7 +118,7 @@ def post_fork(server, worker):
         configure_access_logger(sys.stdout)  # where gunicorn's access log would go
     cores = _plan.slots[worker.slot % len(_plan.slots)]
     os.sched_setaffinity(0, cores)
-    server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, list(cores))
+    server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, cpu.core_ranges(cores))
 
 
 def post_worker_init(worker):

@@ -22,7 +22,31 @@ def test_plan_splits_cores_without_overlap(cores, workers, threads, slots):
 
 def test_oversubscription_wraps_and_says_so():
     plan = cpu.plan([0, 1], workers=3, threads=1)
-    assert plan.slots == ((0,), (1,), (0,)) and plan.shared
+    assert plan.slots == ((0,), (1,), (0,)) and plan.oversubscribed and plan.shared
+
+
+def test_one_worker_with_more_threads_than_cores_oversubscribes_without_sharing():
+    """The README's ``CLASSIFIER_WORKERS=1 CLASSIFIER_THREADS=4 taskset -c 0-3`` on a 2-core box."""
+    plan = cpu.plan([0, 1], workers=1, threads=4)
+    assert plan.slots == ((0, 1),)  # each core once: the worker's affinity mask, not a thread list
+    assert plan.oversubscribed and not plan.shared
+
+
+@pytest.mark.parametrize("cores, workers, threads, words", [
+    ([0, 1], 1, 4, "1 worker, 4 threads on 2 cores: oversubscribed"),
+    ([0, 1], 0, 0, "2 workers, 1 thread each, on 2 cores, pinned to 0 | 1 (one core set per worker)"),
+    ([2, 3, 4, 5], 0, 0, "2 workers, 2 threads each, on 4 cores, pinned to 2-3 | 4-5 (one core set per worker)"),
+    ([0, 1, 2, 3], 1, 0, "1 worker, 4 threads on 4 cores (0-3)"),
+    ([5], 0, 0, "1 worker, 1 thread on 1 core (5)"),
+    ([0, 1], 3, 1, "3 workers, 1 thread each, on 2 cores: oversubscribed, workers share cores (0 | 1 | 0)"),
+])
+def test_the_plan_in_plain_words(cores, workers, threads, words):
+    assert cpu.describe(cpu.plan(cores, workers=workers, threads=threads), cores) == words
+
+
+def test_core_ranges():
+    assert cpu.core_ranges([3, 0, 1, 2, 6, 8, 9]) == "0-3,6,8-9"
+    assert cpu.core_ranges([4]) == "4"
 
 
 def test_usable_cores_is_the_affinity_mask():
@@ -43,3 +67,34 @@ def test_usable_cores_is_the_affinity_mask():
 def test_no_cores_is_an_error():
     with pytest.raises(ValueError, match="^no usable cores$"):
         cpu.plan([])
+
+
+def test_the_server_log_says_the_plan_in_plain_words(monkeypatch):
+    """gunicorn.conf.py's start-up line is ``describe``'s words (the README's taskset example on 2 cores)."""
+    import runpy
+
+    from conftest import ROOT
+    from webapp import GUNICORN_ENV
+
+    for key in [k for k in os.environ if k.startswith("CLASSIFIER_")] + ["PROMETHEUS_MULTIPROC_DIR", GUNICORN_ENV]:
+        monkeypatch.delenv(key, raising=False)  # restored afterwards: the config file sets GUNICORN_ENV
+    monkeypatch.setenv("CLASSIFIER_WORKERS", "1")
+    monkeypatch.setenv("CLASSIFIER_THREADS", "4")
+    monkeypatch.setenv("CLASSIFIER_METRICS", "0")  # no metrics folder made by this test
+    monkeypatch.setattr(cpu, "usable_cores", lambda: [0, 1])
+    conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+    lines = []
+
+    class Log:
+        def info(self, msg, *args):
+            lines.append(msg % args)
+
+        warning = info
+
+    class FakeServer:
+        log = Log()
+        cfg = type("Cfg", (), {"workers": conf["workers"]})()
+
+    conf["on_starting"](FakeServer())
+    assert "plan: 1 worker, 4 threads on 2 cores: oversubscribed" in lines, lines
+    assert not any("workers share" in line or "1 workers" in line for line in lines)

@@ -1,6 +1,7 @@
 """CPU layout: how many workers, how many intra-op threads each, and which cores each is pinned to.
 
-The one place this policy lives; ``gunicorn.conf.py`` applies it and ``/healthz`` shows it.
+The one place this policy lives; ``gunicorn.conf.py`` applies it, ``/healthz`` shows each worker's
+cores, and the server's log and ``python -m webapp info`` say it in words (``describe``).
 Why this shape: every worker holds its own model and batches its own requests, so workers
 scale throughput almost linearly while they do not share cores; each extra intra-op thread
 inside a worker shortens one forward pass but with falling returns (oneDNN splits a batch-1..8
@@ -36,10 +37,13 @@ def default_threads(n_cores: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """``slots[i]`` is the core list of worker slot ``i``; ``shared`` is True when cores are oversubscribed."""
+    """``slots[i]`` is the core set of worker slot ``i`` (each core once, ascending); ``threads`` the
+    intra-op threads of each worker; ``oversubscribed`` when workers x threads exceed the cores;
+    ``shared`` when two workers' core sets overlap (only with more workers than the cores allow)."""
 
     slots: tuple[tuple[int, ...], ...]
     threads: int
+    oversubscribed: bool
     shared: bool
 
     @property
@@ -53,15 +57,49 @@ def plan(cores: list[int], *, workers: int = 0, threads: int = 0) -> Plan:
 
     ``workers``/``threads`` of 0 are derived: threads from ``default_threads``, workers as
     ``len(cores) // threads`` (at least 1). Explicit values that need more cores than there are
-    wrap around the core list (``shared=True``: the caller should warn).
+    wrap around the core list: ``oversubscribed`` (and ``shared`` where workers overlap), which
+    ``describe`` says in words.
+
+    :raises ValueError: ``cores`` is empty.
     """
     if not cores:
         raise ValueError("no usable cores")
     n = len(cores)
     t = threads or (default_threads(n) if not workers else max(1, n // workers))
     w = workers or max(1, n // t)
-    slots = tuple(tuple(cores[(i * t + j) % n] for j in range(t)) for i in range(w))
-    return Plan(slots=slots, threads=t, shared=w * t > n)
+    slots = tuple(tuple(sorted({cores[(i * t + j) % n] for j in range(t)})) for i in range(w))
+    held = [c for slot in slots for c in slot]
+    return Plan(slots=slots, threads=t, oversubscribed=w * t > n, shared=len(held) != len(set(held)))
+
+
+def core_ranges(cores) -> str:
+    """Cores as people write them: ``[0, 1, 2, 3, 6]`` -> ``0-3,6``."""
+    runs: list[list[int]] = []
+    for c in sorted(cores):
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def describe(p: Plan, cores: list[int]) -> str:
+    """The plan in plain words, as the server's log and ``python -m webapp info`` print it.
+
+    ``1 worker, 4 threads on 2 cores: oversubscribed``; ``2 workers, 2 threads each, on 4 cores,
+    pinned to 2-3 | 4-5 (one core set per worker)``; ``3 workers, 1 thread each, on 2 cores:
+    oversubscribed, workers share cores (0 | 1 | 0)``. ``cores``: the usable cores the plan was made from.
+    """
+    n, w, t = len(cores), p.workers, p.threads
+    threads = f"{t} thread{'' if t == 1 else 's'}"
+    head = f"1 worker, {threads} on" if w == 1 else f"{w} workers, {threads} each, on"
+    text = f"{head} {n} core{'' if n == 1 else 's'}"
+    sets = " | ".join(core_ranges(s) for s in p.slots)
+    if p.oversubscribed:
+        return text + (f": oversubscribed, workers share cores ({sets})" if p.shared else ": oversubscribed")
+    if w == 1:
+        return f"{text} ({sets})"
+    return f"{text}, pinned to {sets} (one core set per worker)"
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict:

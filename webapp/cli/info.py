@@ -8,7 +8,7 @@ import os
 import sys
 
 from .. import settings as settings_mod
-from .common import EXIT_OK, plural
+from .common import EXIT_OK
 from .options import HelpFormatter, settings_epilog
 
 
@@ -38,7 +38,7 @@ def gather_info() -> dict:
 
     from ..engine import choose_precision, native_bf16
     from ..models import RESNET18_URL, explain_resolution
-    from ..startup import cache_dir
+    from ..startup import cache_dir, inductor_cache_dir
 
     cores = cpu.usable_cores()
     plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
@@ -61,14 +61,14 @@ def gather_info() -> dict:
                       "auto_reason": auto_reason},
         "cores": {"usable": cores, "count": len(cores)},
         "plan": {"workers": plan.workers, "threads": plan.threads, "slots": [list(c) for c in plan.slots],
-                 "shared": plan.shared, "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS}},
+                 "oversubscribed": plan.oversubscribed, "shared": plan.shared, "text": cpu.describe(plan, cores),
+                 "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS}},
         "weights": {
             "model": s.MODEL, "url": RESNET18_URL, "setting": weights["setting"], "hub": weights["hub"],
             "download": s.DOWNLOAD, "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK,
             "offline_model": weights["offline_model"], "would_serve": weights["would_serve"],
         },
-        "cache_dir": {"path": str(cache), "exists": cache.is_dir(),
-                      "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))},
+        "cache_dir": {"path": str(cache), "exists": cache.is_dir(), "inductor": str(inductor_cache_dir(s))},
     }
 
 
@@ -113,9 +113,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         rows.append(("  auto would be", f"{p['auto']} ({p['auto_reason']})"))
     rows += [
         ("cores", f"{info['cores']['count']} usable: {info['cores']['usable']}"),
-        ("plan", f"{plural(plan['workers'], 'worker')} x {plural(plan['threads'], 'intra-op thread')}, cores "
-                 f"{' '.join(str(list(s)) for s in plan['slots'])}"
-                 + (" (oversubscribed: workers share cores)" if plan["shared"] else "")),
+        ("plan", plan["text"]),
         ("model", w["model"]),
         ("  will serve", w["would_serve"]),
     ]
