@@ -314,3 +314,23 @@ def test_info(no_classifier_env, capsys):
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert "precision" in text and "plan" in text and "hub cache" in text
+
+
+@pytest.mark.parametrize("user_dir", [False, True])
+def test_info_shows_the_kernel_cache_the_service_uses(no_classifier_env, monkeypatch, tmp_path, capsys, user_dir):
+    """``info``'s inductor folder is the one ``startup.use_cache_dir`` points torch at (not torch's /tmp default)."""
+    from webapp import startup
+
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / "cache"))
+    if user_dir:  # the operator's own TORCHINDUCTOR_CACHE_DIR wins, in both
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    else:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert cli.main(["info", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["cache_dir"]
+    expected = tmp_path / ("mine" if user_dir else "cache/inductor")
+    assert shown["path"] == str(tmp_path / "cache") and shown["inductor"] == str(expected)
+    startup.use_cache_dir(settings.load())  # what a worker does at start-up
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == shown["inductor"]
+    assert cli.main(["info"]) == 0
+    assert f"inductor kernels in {expected}" in capsys.readouterr().out

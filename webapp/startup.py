@@ -63,19 +63,26 @@ def cache_dir(settings) -> Path:
     return Path(settings.CACHE_DIR or Path.home() / ".cache" / "photo-classifier").expanduser()
 
 
-def use_cache_dir(settings) -> Path:
-    """Create the cache folder and point inductor's kernel cache into it; return the folder.
+def inductor_cache_dir(settings) -> Path:
+    """Where inductor's compiled kernels go: ``TORCHINDUCTOR_CACHE_DIR`` if the user set it, else
+    ``<cache_dir>/inductor``. What ``use_cache_dir`` applies and ``python -m webapp info`` shows.
 
-    ``TORCHINDUCTOR_CACHE_DIR`` set by the user wins. Importing torchvision already sets that
-    variable to torch's default (``/tmp/torchinductor_<user>``, gone after a reboot), so only a
-    value other than the default counts as the user's.
+    Importing torchvision already sets that variable to torch's default (``/tmp/torchinductor_<user>``,
+    gone after a reboot), so only a value other than the default counts as the user's.
     """
-    cache = cache_dir(settings)
-    cache.mkdir(parents=True, exist_ok=True)
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given not in (None, "", default_cache_dir()):
+        return Path(given)
+    return cache_dir(settings) / "inductor"
+
+
+def use_cache_dir(settings) -> Path:
+    """Create the cache folder and point inductor's kernel cache at ``inductor_cache_dir``; return the folder."""
+    cache = cache_dir(settings)
+    cache.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir(settings))
     return cache
 
 
