@@ -65,3 +65,44 @@ def test_debug_is_never_on_under_gunicorn(monkeypatch, make_app):
     monkeypatch.setenv(GUNICORN_ENV, "1")  # as gunicorn.conf.py sets it; the model is then started by its hook
     app = make_app(MODEL="resnet18_seeded", COMPILE=False)
     assert app.debug is False
+
+
+def test_metrics_needs_the_api_token_when_one_is_set(guarded):
+    client = guarded.test_client()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        resp = client.get("/metrics", headers=headers)
+        assert resp.status_code == 401 and resp.get_json()["error"]["code"] == "unauthorized"
+        assert "/metrics needs a token" in resp.get_json()["error"]["message"]
+    assert client.get("/metrics", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+
+
+@pytest.mark.parametrize("api_token", ["", "api-token"])
+def test_metrics_token_is_its_own_when_set(make_app, api_token):
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, API_TOKEN=api_token,
+                      METRICS_TOKEN="prom-token").test_client()
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer api-token"}).status_code == 401
+    assert client.get("/metrics", headers={"Authorization": "Bearer prom-token"}).status_code == 200
+    assert (post(client).status_code == 401) == bool(api_token)  # the metrics token guards /metrics only
+
+
+def test_metrics_stays_open_without_any_token(make_app):
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1).test_client()
+    assert client.get("/metrics").status_code == 200
+
+
+@pytest.mark.server
+def test_metrics_token_over_gunicorn(tmp_path):
+    import requests
+
+    from serving import Server
+
+    srv = Server(tmp_path / "server.log", args=("--no-control-socket",), MODEL="resnet18_seeded", COMPILE=0,
+                 WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1, API_TOKEN="api-token", METRICS_TOKEN="prom-token")
+    try:
+        srv.wait_ready(workers=1)
+        assert requests.get(srv.url + "/metrics", timeout=10).status_code == 401
+        ok = requests.get(srv.url + "/metrics", headers={"Authorization": "Bearer prom-token"}, timeout=10)
+        assert ok.status_code == 200 and "classifier_worker_ready" in ok.text
+    finally:
+        assert srv.stop() == 0, srv.output()[-2000:]

@@ -15,8 +15,10 @@ from flask import Flask, request
 from .errors import Unauthorized
 from .settings import SettingsError
 
-# Endpoints that classify (and so cost CPU): the token and the rate limit apply to these.
-CLASSIFY_ENDPOINTS = ("api.predict", "ui.classify")
+# Endpoints that classify (and so cost CPU): the rate limit applies to these, the API token to the
+# JSON API's and the Open Inference Protocol's (webapp/v2.py), not to the page's.
+CLASSIFY_ENDPOINTS = ("api.predict", "ui.classify", "v2.infer")
+TOKEN_ENDPOINTS = ("api.predict", "v2.infer")
 
 
 def check_token(header: str | None, token: str) -> bool:
@@ -30,12 +32,21 @@ def init_access(app: Flask, settings) -> None:
 
     :raises SettingsError: ``RATE_LIMIT`` is not in Flask-Limiter's notation, or its storage is unknown.
     """
+    # Which token each protected endpoint takes. /metrics is open only when no token is set at all:
+    # with an API token, a scrape needs METRICS_TOKEN if set (Prometheus' `authorization` config),
+    # else the API token.
+    tokens = {}
     if settings.API_TOKEN:
+        tokens.update(dict.fromkeys(TOKEN_ENDPOINTS, settings.API_TOKEN))
+    if settings.METRICS_TOKEN or settings.API_TOKEN:
+        tokens["metrics"] = settings.METRICS_TOKEN or settings.API_TOKEN
+    if tokens:
         @app.before_request
         def require_token():
-            if request.endpoint == "api.predict" and not check_token(request.headers.get("Authorization"),
-                                                                      settings.API_TOKEN):
-                raise Unauthorized("this API needs a token: send 'Authorization: Bearer <token>'",
+            token = tokens.get(request.endpoint)
+            if token and not check_token(request.headers.get("Authorization"), token):
+                what = "/metrics" if request.endpoint == "metrics" else "this API"
+                raise Unauthorized(f"{what} needs a token: send 'Authorization: Bearer <token>'",
                                    headers={"WWW-Authenticate": 'Bearer realm="classifier"'})
 
     if not settings.RATE_LIMIT:

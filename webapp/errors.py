@@ -206,7 +206,8 @@ def drain_body(environ: dict, limit: int = DRAIN_LIMIT) -> bool:
 
 
 def init_errors(app, settings) -> None:
-    """Register the one error handler on ``app``: JSON for the API, the page for the UI.
+    """Register the one error handler on ``app``: JSON for the API, the page for the UI, and
+    ``{"error": "<code>: <message>"}`` under ``/v2`` (the Open Inference Protocol's shape).
 
     ``ServiceError``s render as themselves; Werkzeug's HTTP errors by their row (404, 405, 413, 429;
     others as ``http_error``); any other exception is logged with its traceback and answered 500
@@ -216,12 +217,15 @@ def init_errors(app, settings) -> None:
     from werkzeug.exceptions import HTTPException
 
     def wants_json() -> bool:
-        return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz") \
+        return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz", "/metrics") \
             or request.path != "/" and request.accept_mimetypes.best == "application/json"
 
     def render(status: int, code: str, message: str, headers: dict | None = None):
         body = {"error": {"code": code, "message": message, "status": status}}
-        if wants_json():
+        if request.path == "/v2" or request.path.startswith("/v2/"):
+            # The Open Inference Protocol's shape (webapp/v2.py): its clients read the string "error".
+            resp = jsonify({"error": f"{code}: {message}"})
+        elif wants_json():
             resp = jsonify(body)
         else:
             classifier = app.extensions["classifier"]

@@ -263,6 +263,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     """The OpenAPI document for a server running with ``settings`` (a fresh dict each call)."""
     metrics = settings.METRICS if metrics is None else metrics
     token = bool(settings.API_TOKEN)
+    metrics_token = bool(settings.METRICS_TOKEN or settings.API_TOKEN)
     errors = (400, 401, 413, 415, 429, 500, 503, 504) if token else (400, 413, 415, 429, 500, 503, 504)
     image_body = {"type": "string", "format": "binary"}
     predict = {
@@ -356,9 +357,11 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
             "parameters": [{"$ref": "#/components/parameters/RequestId"}],
             "summary": "Prometheus metrics, all gunicorn workers counted",
             "description": "Prometheus text format (OpenMetrics when asked for in `Accept`). Off with "
-                           "`CLASSIFIER_METRICS=0` (404).",
+                           "`CLASSIFIER_METRICS=0` (404). Needs a bearer token when `CLASSIFIER_METRICS_TOKEN` or "
+                           "`CLASSIFIER_API_TOKEN` is set.",
             "tags": ["operations"],
-            "responses": {"200": {
+            **({"security": [{"bearerAuth": []}]} if metrics_token else {}),
+            "responses": {**({"401": {"$ref": "#/components/responses/E401"}} if metrics_token else {}), "200": {
                 "description": "Request counts and latency by endpoint and status, queue wait, batch size and "
                                "inference time histograms, queue depth, ready workers, model info.",
                 "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
@@ -389,6 +392,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                 "schema": {"type": "string"}}},
             "securitySchemes": {"bearerAuth": {
                 "type": "http", "scheme": "bearer",
-                "description": "Needed on POST /api/v1/* when `CLASSIFIER_API_TOKEN` is set."}},
+                "description": "Needed on POST /api/v1/* when `CLASSIFIER_API_TOKEN` is set, and on GET /metrics "
+                               "when `CLASSIFIER_METRICS_TOKEN` or `CLASSIFIER_API_TOKEN` is set."}},
         },
     }

@@ -57,6 +57,49 @@ def _str(text: str) -> str:
     return str(text).strip()
 
 
+BIND_RULE = ("a port (8000: 127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), [IPv6]:PORT ([::1]:8000) or unix:PATH "
+             "(port 1 to 65535)")
+
+
+def _bind(text: str) -> str:
+    """A listening address in gunicorn's forms; a bare port means ``127.0.0.1:PORT`` (localhost unless opened).
+
+    gunicorn itself reads a bare ``8010`` as the host ``8010`` on port 8000 and retries binding it.
+    """
+    value = str(text).strip()
+
+    def port_of(digits: str) -> str:
+        if not digits.isdigit() or not 0 < int(digits) < 65536:
+            raise ValueError(f"{digits!r} is not a port")
+        return str(int(digits))
+
+    if value.isdigit():
+        return f"127.0.0.1:{port_of(value)}"
+    if value.startswith("unix:"):
+        if not value[5:].strip():
+            raise ValueError("unix: needs a path")
+        return value
+    if value.startswith("["):
+        import ipaddress
+
+        host, sep, port = value[1:].partition("]:")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv6 address") from None
+        if not sep:
+            raise ValueError("no port after the ]")
+        return f"[{host}]:{port_of(port)}"
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError("no port" if not sep else "no host before the :")
+    if ":" in host:
+        raise ValueError("an IPv6 address goes in brackets")
+    if not all(part and part.replace("-", "").isalnum() for part in host.split(".")):
+        raise ValueError(f"{host!r} is not a host name or address")
+    return f"{host}:{port_of(port)}"
+
+
 @dataclass(frozen=True)
 class Setting:
     """One row of the table.
@@ -86,7 +129,7 @@ class Setting:
         """Short type name for docs: int, float, bool, str or one of the choices."""
         if self.choices:
             return " / ".join(self.choices)
-        return {_bool: "bool", _int: "int", _float: "float", _str: "str"}[self.parse]
+        return {_bool: "bool", _int: "int", _float: "float", _str: "str", _bind: "address"}[self.parse]
 
     def rule(self) -> str:
         """What values are allowed, in words (used in error messages and docs)."""
@@ -94,6 +137,8 @@ class Setting:
             return "one of " + ", ".join(self.choices)
         if self.parse is _bool:
             return "a boolean (1/0, true/false, yes/no, on/off)"
+        if self.parse is _bind:
+            return BIND_RULE
         kind = "an integer" if self.parse is _int else "a number" if self.parse is _float else "a string"
         low, high = ("" if v is None else f"{v:,}" if self.parse is _int else f"{v:,g}" for v in (self.low, self.high))
         if self.low is not None and self.high is not None:
@@ -189,8 +234,12 @@ SETTINGS: tuple[Setting, ...] = (
             "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts.",
             commands=SERVERS),
     # -- operations --
-    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted).",
+    Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted). With "
+            "API_TOKEN set, a scrape needs a token too (METRICS_TOKEN, else API_TOKEN).",
             commands=SERVERS),
+    Setting("METRICS_TOKEN", _str, "", "If set, GET /metrics needs 'Authorization: Bearer <token>' (Prometheus: "
+            "authorization: {credentials: <token>} in the scrape config); else 401. Empty: the API_TOKEN, if set.",
+            commands=SERVERS, secret=True),
     Setting("ACCESS_LOG", _str, "text", "Access log lines: text (gunicorn's), json (one JSON object per request, "
             "with its request id), or off.", choices=("text", "json", "off"), commands=SERVERS),
     # -- Ray cluster: python -m webapp serve --cluster / classify --cluster (requirements-cluster.txt) --
@@ -213,8 +262,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CLUSTER_ACTORS", _int, 2, "classify --cluster: model actors classifying at once (Ray Data actor pool), "
             "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000, commands=(CLASSIFY_CLUSTER,)),
     # -- server --
-    Setting("BIND", _str, "127.0.0.1:8000", "Address gunicorn listens on (host:port), or Ray Serve's HTTP proxy with "
-            "serve --cluster. Localhost unless you open it.", commands=SERVERS),
+    Setting("BIND", _bind, "127.0.0.1:8000", "Address gunicorn listens on: HOST:PORT, [IPv6]:PORT, unix:PATH, or a "
+            "bare PORT (on 127.0.0.1); or Ray Serve's HTTP proxy with serve --cluster. Localhost unless you open it.",
+            commands=SERVERS),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
             low=0, high=1024, commands=SERVERS),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
