@@ -62,13 +62,14 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
         classifier = Classifier(settings)
     app.extensions["classifier"] = classifier
 
-    from . import api, ui
+    from . import api, ui, v2
     from .access import init_access
     from .logs import init_logs
     from .metrics import init_metrics
 
     app.register_blueprint(api.bp)
     app.register_blueprint(ui.bp)
+    app.register_blueprint(v2.bp)  # the Open Inference Protocol (KServe v2) over the same classifier
     init_access(app, settings)
     init_logs(app, settings)  # request ids (X-Request-ID) and the JSON access log
     init_metrics(app, settings)  # GET /metrics, if METRICS is on

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import catalog, errors
+from . import catalog, errors, v2_openapi
 from .contract import ORIGINAL_FORMATS, Original
 
 OPENAPI_VERSION = "3.0.3"
@@ -378,11 +378,12 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                            "`{\"error\": {\"code\", \"message\", \"status\"}}`; every response carries "
                            "`X-Request-ID`.",
         },
-        "tags": [{"name": "classify"}, {"name": "operations"}],
-        "paths": paths,
+        "tags": [{"name": "classify"}, {"name": "operations"}, {"name": v2_openapi.TAG}],
+        "paths": {**paths, **v2_openapi.paths(settings, token=token)},  # the Open Inference Protocol's (/v2)
         "components": {
-            "schemas": SCHEMAS,
-            "responses": {f"E{status}": _error_response(status) for status in ERRORS},
+            "schemas": {**SCHEMAS, **v2_openapi.SCHEMAS},
+            "responses": {**{f"E{status}": _error_response(status) for status in ERRORS},
+                          **v2_openapi.responses(ERRORS)},
             "headers": {"RequestId": _REQUEST_ID, "RetryAfter": _RETRY_AFTER},
             "parameters": {"RequestId": {
                 "name": "X-Request-ID", "in": "header", "required": False,

@@ -119,13 +119,10 @@ class Classifier:
         return torch.stack([r.logits for r in self.batcher.infer(list(batch))])
 
     def mark_ready(self, startup_s: float) -> None:
-        """Record the start-up time (s) and report ready (logged with the model's fallback note, if any)."""
+        """Record the start-up time (s) and report ready (the fallback note was logged by ``startup.load_engine``)."""
         self.startup_s = startup_s
         self._ready = True
         self.status = "ready"
-        model = self.started.model
-        if model.note():
-            log.warning("serving %s: %s", model.name, model.note())
         log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, self.started.warm_s)
 
     def _died(self, exc: BaseException) -> None:

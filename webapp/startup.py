@@ -135,6 +135,8 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None) -> 
     status("loading model")
     threads = configure_threads(settings.THREADS)
     model = load_model(settings)
+    if model.note():  # said once per process, here, where every path (worker, CLI, Ray) passes
+        log.warning("serving %s: %s", model.name, model.note())
     transform = imaging.build_transform(model.preprocessing)
     precision, reason = choose_engine_precision(settings, model, transform)
     cache = use_cache_dir(settings)

@@ -1,0 +1,365 @@
+"""The Open Inference Protocol (KServe v2) against a real gunicorn, spoken by clients no one here wrote:
+Triton's ``tritonclient[http]`` and the ``kserve`` SDK's ``InferenceRESTClient``.
+
+One server for the module: the offline EfficientNet-Lite0, eager, fp32, 1 worker, a 4 MB upload
+limit (the shared 12 MP photos are 3.2 MB: they fit binary, their base64 does not fit 4 MB). For
+every shared photo the top-3 each client gets equals ``/api/v1/predict``'s; bad inputs get the
+protocol's ``{"error": "..."}`` with the API's status. The protocol's parsing on bytes alone, the
+token, the rate limit and the OpenAPI document are in test_v2_codec.py (in-process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+import requests
+
+from conftest import SHARED_IMAGES, png_declaring, shared_image, small_png
+from serving import Server
+from webapp.v2_codec import body_limit
+
+pytestmark = pytest.mark.server
+
+MAX_UPLOAD = 4_000_000
+MAX_FILES = 12
+PHOTOS = sorted(p.name for p in SHARED_IMAGES.glob("*.jpg")) if SHARED_IMAGES.is_dir() else []
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("v2") / "server.log", args=("--no-control-socket",),
+                    MODEL="efficientnet_lite0", COMPILE=0, PRECISION="fp32", WORKERS=1, MAX_BATCH_SIZE=4,
+                    MAX_UPLOAD_BYTES=MAX_UPLOAD, MAX_FILES=MAX_FILES)
+    try:
+        server.wait_ready(workers=1)
+    except BaseException:
+        server.stop()
+        raise
+    yield server
+    server.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def triton(srv):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(url=srv.url.removeprefix("http://"), network_timeout=120)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def reference(srv) -> dict[str, list[dict]]:
+    """Each shared photo's top-3 from /api/v1/predict (raw body), by file name."""
+    if not PHOTOS:
+        pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
+    out = {}
+    for name in PHOTOS:
+        resp = requests.post(srv.url + "/api/v1/predict", data=(SHARED_IMAGES / name).read_bytes(),
+                             headers={"Content-Type": "image/jpeg"}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        out[name] = resp.json()["results"][0]["predictions"]
+    return out
+
+
+def photo_bytes(*names: str) -> np.ndarray:
+    return np.array([(SHARED_IMAGES / n).read_bytes() for n in names], dtype=np.object_)
+
+
+def triton_input(data: np.ndarray, *, binary: bool = True, datatype: str = "BYTES", shape=None):
+    import tritonclient.http as httpclient
+
+    inp = httpclient.InferInput("image", list(shape or data.shape), datatype)
+    inp.set_data_from_numpy(data, binary_data=binary)
+    return inp
+
+
+def triton_outputs(*, binary: bool = True, class_count: int = 0):
+    import tritonclient.http as httpclient
+
+    outs = [httpclient.InferRequestedOutput(n, binary_data=binary) for n in ("labels", "indices")]
+    return outs + [httpclient.InferRequestedOutput("probabilities", binary_data=binary, class_count=class_count)]
+
+
+def assert_top3(result, expected: list[dict], row: int = 0) -> None:
+    """tritonclient's result (or kserve's outputs by name) row ``row`` equals /api/v1/predict's predictions."""
+    labels = [b.decode() if isinstance(b, bytes) else b for b in result["labels"][row]]
+    assert labels == [p["label"] for p in expected]
+    assert [int(i) for i in result["indices"][row]] == [p["index"] for p in expected]
+    # The same decode, model and batch size as /api/v1/predict: the same probabilities (FP32 of its 6 decimals).
+    assert [float(p) for p in result["probabilities"][row]] == pytest.approx([p["probability"] for p in expected],
+                                                                              abs=1e-6)
+
+
+def as_dict(result) -> dict:
+    return {n: result.as_numpy(n) for n in ("labels", "indices", "probabilities")}
+
+
+def triton_error(call, status: str) -> str:
+    """Run ``call``; it must raise tritonclient's error with ``status``; returns the server's error string."""
+    from tritonclient.utils import InferenceServerException
+
+    with pytest.raises(InferenceServerException) as info:
+        call()
+    assert info.value.status() == status, info.value
+    return info.value.message()
+
+
+# -- health and metadata ---------------------------------------------------------------------------------
+def test_triton_health_and_metadata(srv, triton):
+    assert triton.is_server_live() and triton.is_server_ready()
+    assert triton.is_model_ready("classifier") and triton.is_model_ready("efficientnet_lite0", "1")
+    assert not triton.is_model_ready("resnet18") and not triton.is_model_ready("classifier", "2")
+    assert triton.get_server_metadata() == {"name": "photo-classifier", "version": "1.0.0",
+                                            "extensions": ["binary_tensor_data", "classification"]}
+    meta = triton.get_model_metadata("classifier")
+    assert meta == {"name": "efficientnet_lite0", "versions": ["1"], "platform": "pytorch",
+                    "inputs": [{"name": "image", "datatype": "BYTES", "shape": [-1]}],
+                    "outputs": [{"name": "labels", "datatype": "BYTES", "shape": [-1, -1]},
+                                {"name": "probabilities", "datatype": "FP32", "shape": [-1, -1]},
+                                {"name": "indices", "datatype": "INT64", "shape": [-1, -1]}]}
+    assert triton.get_model_metadata("efficientnet_lite0", "1") == meta
+    assert "not_found: unknown model 'nope'" in triton_error(lambda: triton.get_model_metadata("nope"), "404")
+    # The bodies KServe's client parses (Triton's ignores them).
+    assert requests.get(srv.url + "/v2/health/live", timeout=10).json() == {"live": True}
+    assert requests.get(srv.url + "/v2/health/ready", timeout=10).json() == {"ready": True}
+
+
+# -- the same answers as /api/v1/predict -------------------------------------------------------------------
+@pytest.mark.parametrize("name", PHOTOS)
+def test_triton_binary_top3_equals_predict(triton, reference, name):
+    """Triton's default: binary input (sent with no Content-Type), binary outputs."""
+    result = triton.infer("classifier", [triton_input(photo_bytes(name))], outputs=triton_outputs(),
+                          request_id=f"req-{name}")
+    assert result.get_response()["id"] == f"req-{name}"
+    assert result.get_response()["model_name"] == "efficientnet_lite0"
+    assert result.as_numpy("labels").shape == (1, 3)
+    assert result.as_numpy("probabilities").dtype == np.float32
+    assert result.as_numpy("indices").dtype == np.int64
+    assert_top3(as_dict(result), reference[name])
+
+
+def test_triton_all_photos_in_one_request_no_outputs_named(triton, reference):
+    """N photos in one tensor (batched together, as several files to /api/v1/predict); with no outputs
+    named, tritonclient asks for all of them in binary."""
+    small = [p for p in PHOTOS if not p.startswith("phone")]  # two 3.2 MB photos would pass the 4 MB limit
+    result = triton.infer("efficientnet_lite0", [triton_input(photo_bytes(*small))], model_version="1")
+    assert {o["name"] for o in result.get_response()["outputs"]} == {"labels", "probabilities", "indices"}
+    got = as_dict(result)
+    assert got["labels"].shape == (len(small), 3)
+    for row, name in enumerate(small):
+        labels = [b.decode() for b in got["labels"][row]]
+        assert labels == [p["label"] for p in reference[name]], name
+        # Batched with others: the same labels, probabilities within float noise of batch size 1.
+        assert got["probabilities"][row].tolist() == pytest.approx([p["probability"] for p in reference[name]],
+                                                                   abs=2e-4)
+
+
+@pytest.mark.parametrize("name", PHOTOS[:3])
+def test_triton_json_base64_top3_equals_predict(triton, reference, name):
+    """JSON input: base64 strings (tritonclient cannot say content_type: the server sees base64), JSON outputs."""
+    b64 = np.array([base64.b64encode((SHARED_IMAGES / name).read_bytes())], dtype=np.object_)
+    result = triton.infer("classifier", [triton_input(b64, binary=False)], outputs=triton_outputs(binary=False))
+    assert_top3(as_dict(result), reference[name])
+
+
+@pytest.mark.parametrize("name", PHOTOS)
+def test_triton_classification_extension(triton, reference, name):
+    import tritonclient.http as httpclient
+
+    out = httpclient.InferRequestedOutput("probabilities", binary_data=True, class_count=3)
+    result = triton.infer("classifier", [triton_input(photo_bytes(name))], outputs=[out])
+    got = [s.decode() for s in result.as_numpy("probabilities")[0]]
+    assert got == [f"{p['probability']:f}:{p['index']}:{p['label']}" for p in reference[name]]
+
+
+def test_classification_ranks_the_whole_vector(triton, reference):
+    """class_count beyond topk's 10: the full softmax ranked, highest first, summing to ~1."""
+    import tritonclient.http as httpclient
+
+    out = httpclient.InferRequestedOutput("probabilities", binary_data=False, class_count=1000)
+    result = triton.infer("classifier", [triton_input(photo_bytes("dog.jpg"))], outputs=[out])
+    # JSON outputs: tritonclient gives BYTES elements as str
+    rows = [s.split(":", 2) for s in result.as_numpy("probabilities")[0]]
+    assert len(rows) == 1000 and sorted(int(i) for _, i, _ in rows) == list(range(1000))
+    probs = [float(p) for p, _, _ in rows]
+    assert probs == sorted(probs, reverse=True) and sum(probs) == pytest.approx(1.0, abs=1e-3)
+    assert [r[2] for r in rows[:3]] == [p["label"] for p in reference["dog.jpg"]]
+
+
+def test_topk_request_parameter(triton, reference):
+    result = triton.infer("classifier", [triton_input(photo_bytes("eagle.jpg"))], outputs=triton_outputs(),
+                          parameters={"topk": 5})
+    assert result.as_numpy("labels").shape == (1, 5)
+    assert [b.decode() for b in result.as_numpy("labels")[0][:3]] == [p["label"] for p in reference["eagle.jpg"]]
+
+
+def test_gzip_request_body(triton, reference):
+    result = triton.infer("classifier", [triton_input(photo_bytes("giraffe.jpg"))], outputs=triton_outputs(),
+                          request_compression_algorithm="gzip")
+    assert_top3(as_dict(result), reference["giraffe.jpg"])
+
+
+def test_kserve_rest_client(srv, reference):
+    """KServe's SDK, v2 REST, binary input (Content-Type application/octet-stream), JSON outputs."""
+    from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+    async def run():
+        client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=120))
+        try:
+            assert await client.is_server_live(srv.url) is True
+            assert await client.is_server_ready(srv.url) is True
+            assert await client.is_model_ready(srv.url, "classifier") is True
+            assert await client.is_model_ready(srv.url, "resnet18") is False
+            answers = {}
+            for name in PHOTOS:
+                inp = InferInput("image", [1], "BYTES")
+                inp.set_data_from_numpy(photo_bytes(name), binary_data=True)
+                res = await client.infer(srv.url, InferRequest("classifier", [inp], request_id=name),
+                                         model_name="classifier")
+                assert res.id == name and res.model_name == "efficientnet_lite0"
+                answers[name] = {o.name: o.as_numpy() for o in res.outputs}
+            return answers
+        finally:
+            await client.close()
+
+    for name, outputs in asyncio.run(run()).items():
+        assert_top3(outputs, reference[name])
+
+
+# -- bad inputs: the protocol's error shape, the API's status ------------------------------------------------
+def post_infer(srv, body, **headers) -> requests.Response:
+    kw = {"json": body} if isinstance(body, dict) else {"data": body}  # bytes, or a generator: sent chunked
+    return requests.post(srv.url + "/v2/models/classifier/infer", headers=headers, timeout=120, **kw)
+
+
+def assert_v2_error(resp: requests.Response, status: int, code: str) -> str:
+    """The protocol's error body exactly: ``{"error": "<code>: <message>"}``; returns the message."""
+    assert resp.status_code == status, resp.text[:500]
+    assert resp.headers["Content-Type"] == "application/json"
+    body = resp.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str), body
+    assert body["error"].startswith(f"{code}: "), body
+    return body["error"].removeprefix(f"{code}: ")
+
+
+def b64_request(*photos: bytes, content_type: str | None = "base64") -> dict:
+    params = {"content_type": content_type} if content_type else {}
+    return {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(photos)], "parameters": params,
+                        "data": [base64.b64encode(p).decode() for p in photos]}]}
+
+
+def test_bad_inputs_through_tritonclient(triton):
+    dog = shared_image("dog.jpg").read_bytes()
+    # An undecodable element fails the request, naming the element.
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(np.array([small_png(), dog[:3000]],
+                                                                                  dtype=np.object_))]), "400")
+    assert msg.startswith("undecodable_image: image[1]: ")
+    # Not an image format at all: 415, as /api/v1/predict.
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(np.array([b"%PDF-1.7\n"], dtype=np.object_))]),
+                       "415")
+    assert msg.startswith("unsupported_media_type: image[0]: a PDF file")
+    # An over-limit photo: too many pixels (read from the header), and too many bytes.
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(np.array([png_declaring(20_000, 20_000)],
+                                                                                  dtype=np.object_))]), "413")
+    assert msg == "too_large: image[0]: the image is 400,000,000 pixels; the limit is 80,000,000 " \
+                  "(CLASSIFIER_MAX_PIXELS)"
+    big = np.array([dog + b"\0" * (MAX_UPLOAD + 1 - len(dog))], dtype=np.object_)
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(big)]), "413")
+    assert msg == f"too_large: the photos are {MAX_UPLOAD + 1:,} bytes; the limit is {MAX_UPLOAD:,} " \
+                  f"(CLASSIFIER_MAX_UPLOAD_BYTES)"
+    # A wrong datatype: decoded pixels instead of the photo's bytes.
+    pixels = np.zeros((1, 3), dtype=np.float32)
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(pixels, datatype="FP32")]), "400")
+    assert msg.startswith('bad_request: input \'image\' is BYTES (encoded photos), not "FP32"')
+    # A wrong shape: [1, 1] instead of [N].
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(np.array([[dog]], dtype=np.object_))]),
+                       "400")
+    assert msg == "bad_request: input 'image' has shape [1, 1]; it takes [N], N photos"
+    # Too many photos; an unknown model; an unknown output.
+    many = np.array([small_png()] * (MAX_FILES + 1), dtype=np.object_)
+    assert triton_error(lambda: triton.infer("classifier", [triton_input(many)]), "413") == \
+        f"too_large: {MAX_FILES + 1} photos in one request; the limit is {MAX_FILES} (CLASSIFIER_MAX_FILES)"
+    assert triton_error(lambda: triton.infer("resnet18", [triton_input(photo_bytes("dog.jpg"))]), "404") == \
+        "not_found: unknown model 'resnet18': this server serves 'efficientnet_lite0' (also as 'classifier')"
+    import tritonclient.http as httpclient
+
+    msg = triton_error(lambda: triton.infer("classifier", [triton_input(photo_bytes("dog.jpg"))],
+                                            outputs=[httpclient.InferRequestedOutput("logits")]), "400")
+    assert msg == 'bad_request: unknown output "logits": this model answers labels, probabilities, indices'
+
+
+def test_bad_inputs_through_kserve(srv):
+    import httpx
+    from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+
+    async def status_of(inp) -> tuple[int, dict]:
+        client = InferenceRESTClient(RESTConfig(protocol="v2", timeout=120))
+        try:
+            with pytest.raises(httpx.HTTPStatusError) as info:
+                await client.infer(srv.url, InferRequest("classifier", [inp]), model_name="classifier")
+            return info.value.response.status_code, info.value.response.json()
+        finally:
+            await client.close()
+
+    broken = InferInput("image", [1], "BYTES")
+    broken.set_data_from_numpy(np.array([shared_image("dog.jpg").read_bytes()[:3000]], dtype=np.object_))
+    status, body = asyncio.run(status_of(broken))
+    assert status == 400 and set(body) == {"error"} and body["error"].startswith("undecodable_image: image[0]: ")
+    floats = InferInput("image", [2], "FP32")
+    floats.set_data_from_numpy(np.zeros(2, dtype=np.float32))
+    status, body = asyncio.run(status_of(floats))
+    assert status == 400 and body["error"].startswith("bad_request: input 'image' is BYTES")
+
+
+def test_size_limits_apply_to_the_decoded_photos(srv, reference):
+    """base64 adds a third: a 3.2 MB photo is a 4.3 MB body, over the 4 MB upload limit, and is answered;
+    two of them are 6.4 MB of photos, over it, and are 413, however they are encoded."""
+    phone = shared_image("phone-12mp.jpg").read_bytes()
+    assert len(phone) < MAX_UPLOAD < len(base64.b64encode(phone))
+    resp = post_infer(srv, b64_request(phone))
+    assert resp.status_code == 200, resp.text[:300]
+    assert resp.json()["outputs"][0]["data"] == [p["label"] for p in reference["phone-12mp.jpg"]]
+    over = phone + b"\0" * (MAX_UPLOAD + 1000 - len(phone))  # its base64 fits the body limit, it does not
+    msg = assert_v2_error(post_infer(srv, b64_request(over, content_type=None)), 413, "too_large")
+    assert msg == f"the photos are about {len(base64.b64encode(over)) // 4 * 3:,} bytes decoded; the limit is " \
+                  f"{MAX_UPLOAD:,} (CLASSIFIER_MAX_UPLOAD_BYTES)"
+    msg = assert_v2_error(post_infer(srv, b64_request(phone, phone)), 413, "too_large")
+    assert msg.endswith(f"the limit is {body_limit(MAX_UPLOAD):,} (CLASSIFIER_MAX_UPLOAD_BYTES, plus a "
+                        f"third for base64)"), msg
+    # Sent chunked (no Content-Length), the same limit holds once it is passed.
+    chunked = post_infer(srv, (b" " * 1_000_000 for _ in range(body_limit(MAX_UPLOAD) // 1_000_000 + 1)))
+    assert assert_v2_error(chunked, 413, "too_large").startswith(f"the request is larger than "
+                                                                 f"{body_limit(MAX_UPLOAD):,} bytes")
+    # A body past what any allowed request needs is refused before it is read.
+    assert_v2_error(post_infer(srv, b"{" + b" " * body_limit(MAX_UPLOAD) + b"}"), 413, "too_large")
+
+
+def test_bad_requests_over_http(srv):
+    dog = shared_image("dog.jpg").read_bytes()
+    req = b64_request(dog)
+    assert_v2_error(post_infer(srv, b"not json"), 400, "bad_request")
+    assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "shape": [2]}]}), 400, "bad_request")
+    assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "data": ["%%%"]}]}), 400, "bad_request")
+    assert_v2_error(post_infer(srv, {**req, "parameters": {"topk": 11}}), 400, "bad_request")
+    assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "shape": [0], "data": []}]}), 400,
+                    "no_file")
+    assert_v2_error(post_infer(srv, dog, **{"Content-Type": "image/jpeg"}), 415, "unsupported_media_type")
+    head = b'{"inputs":[{"name":"image","datatype":"BYTES","shape":[1],"parameters":{"binary_data_size":9}}]}'
+    assert_v2_error(post_infer(srv, head + b"\x05\0\0\0abc", **{"Inference-Header-Content-Length": str(len(head))}),
+                    400, "bad_request")
+    assert_v2_error(requests.get(srv.url + "/v2/models/classifier/infer", timeout=10), 405, "method_not_allowed")
+    assert_v2_error(requests.get(srv.url + "/v2/nothing", timeout=10), 404, "not_found")
+
+
+def test_metrics_count_the_v2_routes(srv, triton):
+    triton.infer("classifier", [triton_input(np.array([small_png()], dtype=np.object_))])
+    triton.is_model_ready("classifier")
+    text = requests.get(srv.url + "/metrics", timeout=10).text
+    counts = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith("classifier_http_requests_total{")}
+    assert counts['endpoint="/v2/models/<name>/infer",method="POST",status="200"'] >= 1
+    assert counts['endpoint="/v2/models/<name>/ready",method="GET",status="200"'] >= 1

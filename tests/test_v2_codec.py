@@ -1,0 +1,314 @@
+"""The Open Inference Protocol in-process: the codec on bytes alone (webapp/v2_codec.py), and the routes
+(webapp/v2.py) through Flask's test client for what real clients rarely provoke: a full queue, not
+ready, timeouts, the token, the rate limit, compressed bodies, and the OpenAPI document of it all.
+Real clients against a real gunicorn are in test_v2.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import struct
+import zlib
+
+import pytest
+import schemathesis
+
+from conftest import small_png
+from webapp import v2_codec as codec
+from webapp.errors import BadRequest, NoFile, Overloaded, TooLarge
+
+LIMITS = dict(default_topk=3, max_files=4, max_bytes=10_000, categories=1000)
+PNG = small_png()
+
+
+def binary_request(photos: list[bytes], header: dict | None = None, *, extra: bytes = b"") -> tuple[bytes, str]:
+    """A body as tritonclient sends it: the JSON header, then each element as <u32 LE length><bytes>."""
+    data = b"".join(struct.pack("<I", len(p)) + p for p in photos) + extra
+    doc = header or {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(photos)],
+                                 "parameters": {"binary_data_size": len(data)}}]}
+    head = json.dumps(doc).encode()
+    return head + data, str(len(head))
+
+
+def json_request(photos: list[bytes], **extra) -> bytes:
+    doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [len(photos)],
+                       "data": [base64.b64encode(p).decode() for p in photos]}], **extra}
+    return json.dumps(doc).encode()
+
+
+def refused(exc_type, body: bytes, header: str | None = None, **limits) -> str:
+    with pytest.raises(exc_type) as info:
+        codec.parse_request(body, header, **{**LIMITS, **limits})
+    assert type(info.value) is exc_type
+    return info.value.message
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+def test_binary_request_gives_the_photos_in_order():
+    photos = [PNG, b"x" * 300, b""]
+    req = codec.parse_request(*binary_request(photos), **LIMITS)
+    assert req.photos == photos and req.id is None and req.topk == 3
+    assert [(w.name, w.binary, w.classification) for w in req.outputs] == [
+        ("labels", False, 0), ("probabilities", False, 0), ("indices", False, 0)]
+
+
+@pytest.mark.parametrize("text, content_type, expected", [
+    (base64.b64encode(PNG).decode(), "base64", PNG),
+    (base64.b64encode(PNG).decode(), None, PNG),
+    ("data:image/png;base64," + base64.b64encode(PNG).decode(), None, PNG),
+    ("\n".join([base64.b64encode(PNG).decode()[:40], base64.b64encode(PNG).decode()[40:]]), "base64", PNG),
+    ("P1\n2 1\n0 1\n", None, b"P1\n2 1\n0 1\n"),  # not base64: its UTF-8 bytes (an ASCII PBM image)
+    ("aGk=", "str", b"aGk="),
+])
+def test_json_elements(text, content_type, expected):
+    assert codec.json_element(text, 0, content_type) == expected
+
+
+def test_declared_base64_that_is_not_is_400():
+    with pytest.raises(BadRequest, match=r"element 2 of input 'image' is not valid base64"):
+        codec.json_element("not base64!", 2, "base64")
+
+
+def test_json_request_with_parameters_and_outputs():
+    body = json_request([PNG, PNG], id="r1", parameters={"topk": 5, "binary_data_output": True},
+                        outputs=[{"name": "indices", "parameters": {"binary_data": False}},
+                                 {"name": "probabilities", "parameters": {"classification": 20}}])
+    req = codec.parse_request(body, None, **LIMITS)
+    assert req.photos == [PNG, PNG] and req.id == "r1" and req.topk == 5 and req.ranks == 20
+    assert [(w.name, w.binary, w.classification) for w in req.outputs] == [("indices", False, 0),
+                                                                          ("probabilities", True, 20)]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("inputs"), "this model takes one input, 'image' (BYTES, shape [N]: N encoded photos); got no "
+                                "'inputs' list"),
+    (lambda d: d["inputs"].append(d["inputs"][0]), "this model takes one input, 'image' (BYTES, shape [N]: N encoded "
+                                                   "photos); got 2 inputs"),
+    (lambda d: d["inputs"][0].update(name="INPUT__0"), 'unknown input "INPUT__0": this model takes one input'),
+    (lambda d: d["inputs"][0].update(datatype="UINT8"), "input 'image' is BYTES (encoded photos), not \"UINT8\""),
+    (lambda d: d["inputs"][0].update(shape=[1, 1]), "input 'image' has shape [1, 1]; it takes [N], N photos"),
+    (lambda d: d["inputs"][0].update(shape=[True]), "input 'image' has shape [true]; it takes [N], N photos"),
+    (lambda d: d["inputs"][0].update(shape=[2]), "input 'image' has shape [2] but 1 data element(s)"),
+    (lambda d: d["inputs"][0].update(data=[7]), "element 0 of input 'image' is int: send each photo as a base64 "
+                                                "string"),
+    (lambda d: d["inputs"][0].pop("data"), "input 'image' has no data: send 'data'"),
+    (lambda d: d.update(id=5), "'id' must be a string, got 5"),
+    (lambda d: d.update(parameters={"topk": 0}), "topk must be an integer from 1 to 10, got 0"),
+    (lambda d: d.update(parameters={"topk": 2.0}), "topk must be an integer from 1 to 10, got 2.0"),
+    (lambda d: d.update(parameters={"binary_data_output": "yes"}), 'binary_data_output must be true or false'),
+    (lambda d: d.update(outputs=[{"name": ["labels"]}]), 'unknown output ["labels"]: this model answers labels, '
+                                                         'probabilities, indices'),
+    (lambda d: d.update(outputs=[{"name": "labels"}, {"name": "labels"}]), "output 'labels' is asked for twice"),
+    (lambda d: d.update(outputs=[{"name": "labels", "parameters": {"classification": 3}}]),
+     "classification applies to the 'probabilities' output, not 'labels'"),
+    (lambda d: d.update(outputs=[{"name": "probabilities", "parameters": {"classification": 1001}}]),
+     "output 'probabilities' classification must be an integer from 1 to 1000, got 1001"),
+    (lambda d: d.update(outputs="labels"), "'outputs' must be a list, got str"),
+    (lambda d: d.update(parameters=[1]), "the request's parameters must be a JSON object, got list"),
+])
+def test_malformed_requests_are_400_saying_what(mutate, message):
+    doc = json.loads(json_request([PNG]))
+    mutate(doc)
+    assert refused(BadRequest, json.dumps(doc).encode()).startswith(message)
+
+
+def test_deep_nesting_is_400_not_a_crash():
+    deep = b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert refused(BadRequest, deep).startswith("the inference request is not valid JSON")
+    doc = json.loads(json_request([PNG]))
+    doc["inputs"][0]["data"] = [[[[doc["inputs"][0]["data"][0]]]]]  # nested: flattened, row-major
+    assert codec.parse_request(json.dumps(doc).encode(), None, **LIMITS).photos == [PNG]
+
+
+@pytest.mark.parametrize("header", ["abc", "0", "-1", "99999999", " 1e3"])
+def test_bad_header_length_is_400(header):
+    body, _ = binary_request([PNG])
+    assert refused(BadRequest, body, header).startswith(f"{codec.HEADER} must be the JSON header's length")
+
+
+def test_binary_data_that_does_not_match_its_shape_is_400():
+    data = struct.pack("<I", len(PNG)) + PNG + b"\1\0"  # then a cut length
+    doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [2],
+                       "parameters": {"binary_data_size": len(data)}}]}
+    assert refused(BadRequest, *binary_request([], doc, extra=data)) == "input 'image': element 1 has a cut 4-byte " \
+                                                                        "length"
+    doc["inputs"][0]["shape"] = [1]
+    assert refused(BadRequest, *binary_request([], doc, extra=data)) == "input 'image' has binary data past its 1 " \
+                                                                        "element(s) (shape [1])"
+    data = struct.pack("<I", 999) + b"abc"
+    doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1],
+                       "parameters": {"binary_data_size": len(data)}}]}
+    body, head = binary_request([], doc, extra=data)
+    assert refused(BadRequest, body, head) == "input 'image': element 0 says 999 bytes, 3 are left"
+    doc["inputs"][0]["parameters"]["binary_data_size"] = 5
+    body, head = binary_request([], doc, extra=data)
+    assert refused(BadRequest, body, head).startswith("input 'image' binary_data_size is 5 bytes; 7 follow")
+    doc["inputs"][0].update(shape=[2], parameters={"binary_data_size": 7})
+    body, head = binary_request([], doc, extra=struct.pack("<I", 3) + b"abc")
+    assert refused(BadRequest, body, head) == "input 'image' has shape [2] but its binary data holds 1 element(s)"
+    body, _ = binary_request([PNG])
+    assert refused(BadRequest, body + b"", None).startswith("the inference request is not valid JSON")
+
+
+def test_limits_are_the_apis():
+    assert refused(NoFile, json.dumps({"inputs": [{"name": "image", "datatype": "BYTES", "shape": [0],
+                                                   "data": []}]}).encode()) == "no image: input 'image' has shape [0]"
+    assert refused(TooLarge, json_request([PNG] * 5)) == \
+        "5 photos in one request; the limit is 4 (CLASSIFIER_MAX_FILES)"
+    body, head = binary_request([b"x" * 6000, b"y" * 4001])
+    assert refused(TooLarge, body, head) == "the photos are 10,001 bytes; the limit is 10,000 " \
+                                            "(CLASSIFIER_MAX_UPLOAD_BYTES)"
+    # base64 that must decode past the limit is refused before it is decoded
+    assert refused(TooLarge, json_request([b"z" * 20_000])).startswith("the photos are about 20,001 bytes decoded")
+    assert codec.body_limit(3) == 4 + codec.JSON_SLACK and codec.body_limit(30_000_000) == 40_000_000 + 65536
+
+
+# -- answering ----------------------------------------------------------------------------------------------
+PREDICTIONS = [[{"label": "kite", "index": 21, "probability": 0.5},
+                {"label": "bald eagle", "index": 22, "probability": 0.25},
+                {"label": "vulture", "index": 23, "probability": 0.125}],
+               [{"label": "zebra", "index": 340, "probability": 0.75},
+                {"label": "ostrich", "index": 9, "probability": 0.0625},
+                {"label": "impala", "index": 352, "probability": 0.03125}]]
+
+
+def test_json_answer():
+    req = codec.InferRequest("r7", [PNG, PNG], 2, [codec.Wanted("labels", False), codec.Wanted("indices", False),
+                                                   codec.Wanted("probabilities", False, 3)])
+    body, headers = codec.encode_answer(req, PREDICTIONS, model_name="m", request_id="rid")
+    assert headers == {"Content-Type": "application/json"}
+    assert json.loads(body) == {"id": "r7", "model_name": "m", "model_version": "1", "outputs": [
+        {"name": "labels", "datatype": "BYTES", "shape": [2, 2], "data": ["kite", "bald eagle", "zebra", "ostrich"]},
+        {"name": "indices", "datatype": "INT64", "shape": [2, 2], "data": [21, 22, 340, 9]},
+        {"name": "probabilities", "datatype": "BYTES", "shape": [2, 3],
+         "data": ["0.500000:21:kite", "0.250000:22:bald eagle", "0.125000:23:vulture", "0.750000:340:zebra",
+                  "0.062500:9:ostrich", "0.031250:352:impala"]}]}
+
+
+def test_binary_answer_layout():
+    req = codec.InferRequest(None, [PNG, PNG], 3, [codec.Wanted("labels", True), codec.Wanted("probabilities", True),
+                                                   codec.Wanted("indices", False)])
+    body, headers = codec.encode_answer(req, PREDICTIONS, model_name="m", request_id="rid")
+    assert headers["Content-Type"] == "application/octet-stream"
+    n = int(headers[codec.HEADER])
+    doc, rest = json.loads(body[:n]), body[n:]
+    assert doc["id"] == "rid"  # no id sent: the X-Request-ID
+    labels, probs, indices = doc["outputs"]
+    assert indices["data"] == [21, 22, 23, 340, 9, 352] and "parameters" not in indices
+    size = labels["parameters"]["binary_data_size"]
+    assert codec.bytes_elements(rest[:size], 6) == [b"kite", b"bald eagle", b"vulture", b"zebra", b"ostrich",
+                                                    b"impala"]
+    assert probs["parameters"]["binary_data_size"] == 24 == len(rest) - size
+    assert struct.unpack("<6f", rest[size:]) == (0.5, 0.25, 0.125, 0.75, 0.0625, 0.03125)
+
+
+# -- the routes, in-process ------------------------------------------------------------------------------------
+INFER = "/v2/models/classifier/infer"
+
+
+def v2_error(resp, status: int, code: str) -> str:
+    assert resp.status_code == status, resp.get_data(as_text=True)[:300]
+    body = resp.get_json()
+    assert set(body) == {"error"} and body["error"].startswith(f"{code}: "), body
+    return body["error"]
+
+
+def test_busy_not_ready_and_failing_answer_in_the_protocols_shape(app, client, monkeypatch):
+    clf = app.extensions["classifier"]
+    ok = client.post(INFER, data=json_request([PNG]))
+    assert ok.status_code == 200 and ok.headers["X-Request-ID"] == ok.get_json()["id"]
+
+    def full(tensors):
+        raise Overloaded("server busy", headers={"Retry-After": "3"})
+
+    with monkeypatch.context() as m:
+        m.setattr(clf.batcher, "submit", full)
+        resp = client.post(INFER, data=json_request([PNG]))
+        assert v2_error(resp, 429, "overloaded") == "overloaded: server busy" and resp.headers["Retry-After"] == "3"
+    with monkeypatch.context() as m:
+        m.setattr(clf.batcher, "request_timeout", 0.0)
+        v2_error(client.post(INFER, data=json_request([PNG])), 504, "timeout")
+    with monkeypatch.context() as m:
+        m.setattr(clf.batcher, "predict", lambda batch: 1 / 0)
+        v2_error(client.post(INFER, data=json_request([PNG])), 500, "inference_failed")
+    with monkeypatch.context() as m:
+        m.setattr(clf, "_ready", False)
+        resp = client.post(INFER, data=json_request([PNG]))
+        v2_error(resp, 503, "not_ready")
+        assert resp.headers["Retry-After"] == "5"
+        assert client.get("/v2/health/ready").status_code == 503
+        assert client.get("/v2/health/ready").get_json() == {"ready": False}
+        assert client.get("/v2/models/classifier/ready").get_json() == {"name": "resnet18_seeded", "ready": False}
+        assert client.get("/v2/health/live").get_json() == {"live": True}
+
+
+def test_compressed_bodies(client):
+    assert client.post(INFER, data=gzip.compress(json_request([PNG])),
+                       headers={"Content-Encoding": "gzip"}).status_code == 200
+    assert client.post(INFER, data=zlib.compress(json_request([PNG])),
+                       headers={"Content-Encoding": "deflate"}).status_code == 200
+    v2_error(client.post(INFER, data=b"\x1f\x8bnot gzip", headers={"Content-Encoding": "gzip"}), 400, "bad_request")
+    v2_error(client.post(INFER, data=gzip.compress(json_request([PNG]))[:-20], headers={"Content-Encoding": "gzip"}),
+             400, "bad_request")
+    v2_error(client.post(INFER, data=b"{}", headers={"Content-Encoding": "br"}), 415, "unsupported_media_type")
+    # A small body that inflates past the limit (a zip bomb) stops at the limit.
+    limit = codec.body_limit(client.application.extensions["settings"].MAX_UPLOAD_BYTES)
+    bomb = gzip.compress(b" " * (limit + 10))
+    assert len(bomb) < 100_000
+    assert "decompresses to more than" in v2_error(client.post(INFER, data=bomb, headers={"Content-Encoding": "gzip"}),
+                                                   413, "too_large")
+
+
+def test_token_covers_infer_not_health(make_app):
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, PRECISION="fp32", API_TOKEN="s3cret")
+    c = app.test_client()
+    resp = c.post(INFER, data=json_request([PNG]))
+    v2_error(resp, 401, "unauthorized")
+    assert resp.headers["WWW-Authenticate"] == 'Bearer realm="classifier"'
+    assert c.post(INFER, data=json_request([PNG]), headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert c.get("/v2/health/ready").status_code == 200 and c.get("/v2/models/classifier").status_code == 200
+
+
+def test_rate_limit_covers_infer(make_app):
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, PRECISION="fp32", RATE_LIMIT="2/minute")
+    c = app.test_client()
+    assert [c.post(INFER, data=json_request([PNG])).status_code for _ in range(2)] == [200, 200]
+    resp = c.post(INFER, data=json_request([PNG]))
+    v2_error(resp, 429, "rate_limited")
+    assert int(resp.headers["Retry-After"]) >= 1
+
+
+# -- the OpenAPI document ------------------------------------------------------------------------------------
+def test_document_covers_the_v2_routes(app, client):
+    from webapp.openapi import build_spec
+
+    spec = build_spec(app.extensions["settings"])
+    assert {p for p in spec["paths"] if p.startswith("/v2")} == {
+        "/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/{name}", "/v2/models/{name}/versions/{version}",
+        "/v2/models/{name}/ready", "/v2/models/{name}/versions/{version}/ready", "/v2/models/{name}/infer",
+        "/v2/models/{name}/versions/{version}/infer"}
+    routes = {r.rule.replace("<", "{").replace(">", "}") for r in app.url_map.iter_rules() if r.rule.startswith("/v2")}
+    assert routes == {p for p in spec["paths"] if p.startswith("/v2")}
+    schema = schemathesis.openapi.from_dict(client.get("/openapi.json").get_json())
+    checks = [
+        ("/v2/models/{name}/infer", "POST", client.post(INFER, data=json_request([PNG])), 200),
+        ("/v2/models/{name}/infer", "POST", client.post(INFER, data=binary_request([PNG])[0],
+                                                        headers={codec.HEADER: binary_request([PNG])[1]}), 200),
+        ("/v2/models/{name}/infer", "POST", client.post(INFER, data=b"[]"), 400),
+        ("/v2/models/{name}/infer", "POST", client.post(INFER, data=json_request([PNG] * 17)), 413),
+        ("/v2/models/{name}/versions/{version}/infer", "POST",
+         client.post("/v2/models/classifier/versions/2/infer", data=b"{}"), 404),
+        ("/v2/models/{name}", "GET", client.get("/v2/models/classifier"), 200),
+        ("/v2/models/{name}/versions/{version}/ready", "GET", client.get("/v2/models/x/versions/1/ready"), 404),
+        ("/v2", "GET", client.get("/v2"), 200),
+        ("/v2/health/live", "GET", client.get("/v2/health/live"), 200),
+    ]
+    for path, method, resp, status in checks:
+        assert resp.status_code == status, (path, resp.get_data(as_text=True)[:300])
+        schema[path][method].validate_response(resp)
+    binary = json.loads(json_request([PNG], outputs=[{"name": "labels", "parameters": {"binary_data": True}}]))
+    resp = client.post(INFER, json=binary)
+    assert resp.mimetype == "application/octet-stream"
+    schema["/v2/models/{name}/infer"]["POST"].validate_response(resp)

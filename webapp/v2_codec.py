@@ -1,0 +1,352 @@
+"""The Open Inference Protocol ("KServe v2") over HTTP: its inference requests and answers as bytes.
+
+The routes are in ``webapp/v2.py``; this module only turns a request body into the photos to
+classify and the outputs asked for, and an answer into the protocol's body. Flask-free and
+torch-free (``struct`` packs the binary tensors), so it is tested on bytes alone.
+
+The model, as ``GET /v2/models/{name}`` describes it:
+
+- input ``image``: ``BYTES``, shape ``[N]``: N encoded photos (any format ``/api/v1/predict``
+  takes), 1 <= N <= ``MAX_FILES``. Sent either with the **binary tensor data extension** (the
+  ``Inference-Header-Content-Length`` header gives the JSON header's length in bytes; the input's
+  ``binary_data_size`` parameter its share of the bytes after it, each element a 4-byte
+  little-endian length then its bytes), as Triton's and KServe's clients do; or as JSON ``data``:
+  one string per photo, base64 (``"content_type": "base64"`` in the input's or the request's
+  ``parameters``, as MLServer sends it; without ``content_type`` a string that is valid base64 is
+  decoded, any other is taken as its UTF-8 bytes, which then must be an image).
+- outputs ``labels`` ``BYTES [N, k]``, ``probabilities`` ``FP32 [N, k]``, ``indices`` ``INT64
+  [N, k]``: the top-k (request parameter ``topk``, 1..10, default ``TOP_K``) highest first. The
+  **classification extension** (``"classification": c`` in an output's parameters, on
+  ``probabilities``) ranks the full softmax vector (all 1000 classes) and answers ``BYTES [N, c]``
+  strings ``"<probability>:<index>:<label>"``, as Triton does; 1 <= c <= the model's classes.
+- each output is JSON ``data`` or binary (its ``binary_data`` parameter, else the request's
+  ``binary_data_output``, else JSON); a binary answer carries ``Inference-Header-Content-Length``
+  and ``Content-Type: application/octet-stream``.
+
+Every refusal is a ``ServiceError`` with the API's status: 400 ``bad_request`` (malformed
+request: wrong input name, datatype, shape, data), 400 ``no_file`` (N = 0), 413 ``too_large``
+(N > ``MAX_FILES``, or decoded photos over ``MAX_UPLOAD_BYTES`` in all).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import struct
+from dataclasses import dataclass, field
+
+from .errors import BadRequest, NoFile, TooLarge
+from .uploads import parse_topk
+
+INPUT = "image"
+OUTPUTS = {"labels": "BYTES", "probabilities": "FP32", "indices": "INT64"}  # name -> datatype, in answer order
+CLASSIFIABLE = "probabilities"  # the output the classification extension ranks
+HEADER = "Inference-Header-Content-Length"
+EXTENSIONS = ("binary_tensor_data", "classification")
+VERSION = "1"  # the model's one version: the weights are fixed for the life of the server
+ALIAS = "classifier"  # a model name that always means the serving model
+PLATFORM = "pytorch"
+# Room for the JSON around the photos (ids, parameters, outputs, quotes and commas), bytes.
+JSON_SLACK = 64 * 1024
+_PACK = {"FP32": "f", "INT64": "q"}
+
+
+def body_limit(max_upload_bytes: int) -> int:
+    """Largest request body (bytes) for ``max_upload_bytes`` of photos: base64 adds a third, plus ``JSON_SLACK``."""
+    return -(-max_upload_bytes // 3) * 4 + JSON_SLACK
+
+
+def model_metadata(name: str) -> dict:
+    """``GET /v2/models/{name}``: the model's versions, platform, and its tensors (``-1``: a variable dim)."""
+    return {"name": name, "versions": [VERSION], "platform": PLATFORM,
+            "inputs": [{"name": INPUT, "datatype": "BYTES", "shape": [-1]}],
+            "outputs": [{"name": n, "datatype": d, "shape": [-1, -1]} for n, d in OUTPUTS.items()]}
+
+
+@dataclass
+class Wanted:
+    """One output to answer: its ``name``, ``binary`` (bytes after the JSON) and ``classification``
+    (the classification extension's class count; 0 for the plain top-k tensor)."""
+
+    name: str
+    binary: bool
+    classification: int = 0
+
+
+@dataclass
+class InferRequest:
+    """A parsed inference request: its ``id`` (None if not sent), the ``photos`` (bytes each, the
+    input's elements in order), ``topk`` (1..10) and the ``outputs`` to answer, in order."""
+
+    id: str | None
+    photos: list[bytes]
+    topk: int
+    outputs: list[Wanted] = field(default_factory=list)
+
+    @property
+    def ranks(self) -> int:
+        """Labels per photo the classifier must return: the most any output needs."""
+        return max([self.topk, *(w.classification for w in self.outputs)])
+
+
+# -- reading -------------------------------------------------------------------------------------------------
+def _dict(value, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadRequest(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _count(value, what: str, lo: int, hi: int) -> int:
+    """``value`` as an int in ``lo..hi`` (JSON true/false and 3.0 are not integers)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise BadRequest(f"{what} must be an integer from {lo} to {hi}, got {json.dumps(value)[:40]}")
+    return value
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{what} must be true or false, got {json.dumps(value)[:40]}")
+    return value
+
+
+def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
+    """The JSON header of ``body`` and the bytes after it (``header_length``: the binary extension's
+    ``Inference-Header-Content-Length`` value, or None for an all-JSON body).
+
+    :raises BadRequest: a header length that is not an integer in 1..len(body), or a header that is
+        not a JSON object (400).
+    """
+    if header_length is None:
+        head, rest = body, b""
+    else:
+        text = header_length.strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= 12 and 1 <= int(text) <= len(body)):
+            raise BadRequest(f"{HEADER} must be the JSON header's length in bytes, 1 to {len(body):,} for this "
+                             f"body, got {header_length[:40]!r}")
+        head, rest = body[:int(text)], body[int(text):]
+    if not head.strip():
+        raise BadRequest("empty body: send an inference request, {\"inputs\": [{\"name\": \"image\", ...}]}")
+    try:
+        doc = json.loads(head)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]})") from None
+    return _dict(doc, "the inference request"), rest
+
+
+def bytes_elements(data: bytes, count: int) -> list[bytes]:
+    """The binary extension's BYTES tensor: ``count`` elements, each a 4-byte little-endian length then its bytes.
+
+    :raises BadRequest: a length running past the data, or elements other than ``count`` (400).
+    """
+    out, pos = [], 0
+    while pos < len(data):
+        if len(out) == count:
+            raise BadRequest(f"input '{INPUT}' has binary data past its {count} element(s) (shape [{count}])")
+        if pos + 4 > len(data):
+            raise BadRequest(f"input '{INPUT}': element {len(out)} has a cut 4-byte length")
+        (size,) = struct.unpack_from("<I", data, pos)
+        if pos + 4 + size > len(data):
+            raise BadRequest(f"input '{INPUT}': element {len(out)} says {size:,} bytes, {len(data) - pos - 4:,} "
+                             f"are left")
+        out.append(data[pos + 4:pos + 4 + size])
+        pos += 4 + size
+    if len(out) != count:
+        raise BadRequest(f"input '{INPUT}' has shape [{count}] but its binary data holds {len(out)} element(s)")
+    return out
+
+
+def _flatten(data) -> list:
+    out: list = []
+    stack = [iter(data)]
+    while stack:  # no recursion: a deeply nested list is a 400, not a RecursionError
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def json_element(text: str, index: int, content_type: str | None) -> bytes:
+    """One JSON ``data`` element -> the photo's bytes: base64 where ``content_type`` is ``base64`` (a
+    ``data:...;base64,`` prefix and whitespace allowed); its UTF-8 bytes where it is ``str``; without
+    one, base64 if the text is valid base64, else its UTF-8 bytes.
+
+    :raises BadRequest: declared base64 that is not (400).
+    """
+    if content_type in ("str", "string", "utf8", "utf-8"):
+        return text.encode("utf-8", "surrogatepass")
+    cleaned = "".join(text.split())
+    if cleaned.startswith("data:") and ";base64," in cleaned[:200]:
+        cleaned = cleaned.split(";base64,", 1)[1]
+    try:
+        return base64.b64decode(cleaned, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        if content_type == "base64":
+            raise BadRequest(f"element {index} of input '{INPUT}' is not valid base64 ({exc})") from None
+        return text.encode("utf-8", "surrogatepass")
+
+
+def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_type: str | None) -> list[bytes]:
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1:
+        got = f"{len(inputs)} inputs" if isinstance(inputs, list) else "no 'inputs' list"
+        raise BadRequest(f"this model takes one input, '{INPUT}' (BYTES, shape [N]: N encoded photos); got {got}")
+    tensor = _dict(inputs[0], "an input")
+    name = tensor.get("name")
+    if name != INPUT:
+        raise BadRequest(f"unknown input {json.dumps(name)[:60]}: this model takes one input, '{INPUT}' (BYTES, "
+                         f"shape [N]: N encoded photos)")
+    if tensor.get("datatype") != "BYTES":
+        raise BadRequest(f"input '{INPUT}' is BYTES (encoded photos), not {json.dumps(tensor.get('datatype'))[:40]}; "
+                         f"send the photo files' bytes, not decoded pixels")
+    shape = tensor.get("shape")
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+            and not isinstance(shape[0], bool) and shape[0] >= 0):
+        raise BadRequest(f"input '{INPUT}' has shape {json.dumps(shape)[:60]}; it takes [N], N photos")
+    n = shape[0]
+    if n == 0:
+        raise NoFile(f"no image: input '{INPUT}' has shape [0]")
+    if n > max_files:
+        raise TooLarge(f"{n} photos in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
+    params = _dict(tensor.get("parameters"), f"input '{INPUT}' parameters")
+    content_type = params.get("content_type", content_type)
+    if "binary_data_size" in params:
+        size = _count(params["binary_data_size"], f"input '{INPUT}' binary_data_size", 0, 2**62)
+        if "data" in tensor:
+            raise BadRequest(f"input '{INPUT}' has both 'data' and binary_data_size: send one")
+        if size != len(rest):
+            raise BadRequest(f"input '{INPUT}' binary_data_size is {size:,} bytes; {len(rest):,} follow the JSON "
+                             f"header ({HEADER})")
+        photos = bytes_elements(rest, n)
+    else:
+        if rest:
+            raise BadRequest(f"{len(rest):,} bytes follow the JSON header, but input '{INPUT}' has no "
+                             f"binary_data_size")
+        data = tensor.get("data")
+        if not isinstance(data, list):
+            raise BadRequest(f"input '{INPUT}' has no data: send 'data' (one base64 string per photo) or the binary "
+                             f"tensor data extension (binary_data_size)")
+        items = _flatten(data)
+        if len(items) != n:
+            raise BadRequest(f"input '{INPUT}' has shape [{n}] but {len(items)} data element(s)")
+        for i, item in enumerate(items):
+            if not isinstance(item, str):
+                raise BadRequest(f"element {i} of input '{INPUT}' is {type(item).__name__}: send each photo as a "
+                                 f"base64 string")
+        encoded = sum(len(s) for s in items)
+        if encoded // 4 * 3 > max_bytes + 3 * len(items):  # over the limit however it decodes: do not decode
+            raise TooLarge(f"the photos are about {encoded // 4 * 3:,} bytes decoded; the limit is {max_bytes:,} "
+                           f"(CLASSIFIER_MAX_UPLOAD_BYTES)")
+        photos = [json_element(s, i, content_type) for i, s in enumerate(items)]
+    total = sum(len(p) for p in photos)
+    if total > max_bytes:
+        raise TooLarge(f"the photos are {total:,} bytes; the limit is {max_bytes:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")
+    return photos
+
+
+def _outputs(doc: dict, *, binary_default: bool, categories: int) -> list[Wanted]:
+    asked = doc.get("outputs")
+    if asked is None or asked == []:
+        return [Wanted(name, binary_default) for name in OUTPUTS]
+    if not isinstance(asked, list):
+        raise BadRequest(f"'outputs' must be a list, got {type(asked).__name__}")
+    wanted: list[Wanted] = []
+    for item in asked:
+        out = _dict(item, "an output")
+        name = out.get("name")
+        if not isinstance(name, str) or name not in OUTPUTS:
+            raise BadRequest(f"unknown output {json.dumps(name)[:60]}: this model answers {', '.join(OUTPUTS)}")
+        if any(w.name == name for w in wanted):
+            raise BadRequest(f"output '{name}' is asked for twice")
+        params = _dict(out.get("parameters"), f"output '{name}' parameters")
+        binary = _flag(params["binary_data"], f"output '{name}' binary_data") if "binary_data" in params \
+            else binary_default
+        classes = 0
+        if "classification" in params:
+            if name != CLASSIFIABLE:
+                raise BadRequest(f"classification applies to the '{CLASSIFIABLE}' output, not '{name}'")
+            classes = _count(params["classification"], f"output '{name}' classification", 1, categories)
+        wanted.append(Wanted(name, binary, classes))
+    return wanted
+
+
+def parse_request(body: bytes, header_length: str | None, *, default_topk: int, max_files: int, max_bytes: int,
+                  categories: int) -> InferRequest:
+    """An inference request body -> ``InferRequest`` (see the module docstring for the format).
+
+    ``header_length``: the ``Inference-Header-Content-Length`` header (None if absent);
+    ``max_files`` and ``max_bytes`` (decoded photos, in all) are ``MAX_FILES`` and ``MAX_UPLOAD_BYTES``;
+    ``categories`` bounds the classification extension's class count.
+
+    :raises BadRequest: a malformed request (400; the message says what and where).
+    :raises NoFile: shape [0] (400).
+    :raises TooLarge: more than ``max_files`` photos, or more than ``max_bytes`` of them (413).
+    """
+    doc, rest = split_header(body, header_length)
+    req_id = doc.get("id")
+    if req_id is not None and not isinstance(req_id, str):
+        raise BadRequest(f"'id' must be a string, got {json.dumps(req_id)[:40]}")
+    params = _dict(doc.get("parameters"), "the request's parameters")
+    topk = default_topk
+    if "topk" in params:
+        raw = params["topk"]
+        if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+            raise BadRequest(f"topk must be an integer from 1 to 10, got {json.dumps(raw)[:40]}")
+        topk = parse_topk(str(raw), default_topk)
+    binary_default = _flag(params.get("binary_data_output", False), "binary_data_output")
+    content_type = params.get("content_type")
+    photos = _input(doc, rest, max_files=max_files, max_bytes=max_bytes,
+                    content_type=content_type if isinstance(content_type, str) else None)
+    return InferRequest(req_id, photos, topk, _outputs(doc, binary_default=binary_default, categories=categories))
+
+
+# -- answering -----------------------------------------------------------------------------------------------
+def _tensor(wanted: Wanted, predictions: list[list[dict]], topk: int) -> tuple[str, list]:
+    """(datatype, row-major values) of one output for every photo's predictions (highest first)."""
+    if wanted.classification:
+        return "BYTES", [f"{p['probability']:f}:{p['index']}:{p['label']}"
+                         for preds in predictions for p in preds[:wanted.classification]]
+    key = {"labels": "label", "probabilities": "probability", "indices": "index"}[wanted.name]
+    return OUTPUTS[wanted.name], [p[key] for preds in predictions for p in preds[:topk]]
+
+
+def _pack(datatype: str, values: list) -> bytes:
+    if datatype == "BYTES":
+        raw = [v.encode("utf-8") for v in values]
+        return b"".join(struct.pack("<I", len(b)) + b for b in raw)
+    return struct.pack(f"<{len(values)}{_PACK[datatype]}", *values)
+
+
+def encode_answer(req: InferRequest, predictions: list[list[dict]], *, model_name: str,
+                  request_id: str | None) -> tuple[bytes, dict[str, str]]:
+    """The answer to ``req``: (body, headers). ``predictions``: per photo, ``[{"label", "index",
+    "probability"}]`` highest first, at least ``req.ranks`` of them where the model has that many classes.
+
+    ``id`` echoes the request's, else ``request_id`` (the ``X-Request-ID``). A binary answer is the
+    JSON header then each binary output's bytes, in order, with ``Inference-Header-Content-Length``
+    and ``Content-Type: application/octet-stream``; else JSON.
+    """
+    outputs, chunks = [], []
+    n = len(predictions)
+    for wanted in req.outputs:
+        datatype, values = _tensor(wanted, predictions, req.topk)
+        tensor = {"name": wanted.name, "datatype": datatype, "shape": [n, len(values) // n if n else 0]}
+        if wanted.binary:
+            chunk = _pack(datatype, values)
+            tensor["parameters"] = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        else:
+            tensor["data"] = values
+        outputs.append(tensor)
+    doc = {"id": req.id if req.id is not None else (request_id or ""), "model_name": model_name,
+           "model_version": VERSION, "outputs": outputs}
+    head = json.dumps(doc, separators=(",", ":")).encode("ascii")
+    if not chunks:
+        return head, {"Content-Type": "application/json"}
+    return head + b"".join(chunks), {HEADER: str(len(head)), "Content-Type": "application/octet-stream"}

@@ -1,0 +1,180 @@
+"""The Open Inference Protocol's routes (webapp/v2.py) in the OpenAPI document (``webapp/openapi.py`` merges them).
+
+Their errors are the protocol's ``{"error": "<code>: <message>"}``, with the statuses and the
+``when`` words of the error table (``errors_by_status``: ``openapi.ERRORS``, passed in so this
+module does not import the one that imports it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import v2_codec as codec
+
+TAG = "open inference protocol"
+_ID = {"$ref": "#/components/parameters/RequestId"}
+_ID_HEADER = {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}}
+# Every path parameter is one URL segment; its values are the serving model's name or the alias.
+_NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+         "description": f"The serving model's name (see `GET /api/v1/models`), or `{codec.ALIAS}`; any other is 404."}
+_VERSION = {"name": "version", "in": "path", "required": True, "schema": {"type": "string", "minLength": 1},
+            "description": f"`{codec.VERSION}`, the model's one version; any other is 404."}
+_PARAMS = {"type": "object", "description": "Parameters: string, number or boolean values.",
+           "additionalProperties": {"oneOf": [{"type": "string"}, {"type": "number"}, {"type": "boolean"}]}}
+_TENSOR_OUT = {
+    "type": "object", "required": ["name", "datatype", "shape"],
+    "properties": {"name": {"type": "string", "enum": list(codec.OUTPUTS)},
+                   "datatype": {"type": "string", "enum": ["BYTES", "FP32", "INT64"]},
+                   "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                   "parameters": _PARAMS,
+                   "data": {"type": "array", "items": {"oneOf": [{"type": "string"}, {"type": "number"}]},
+                            "description": "Row-major values (absent when the output is binary)."}},
+}
+_TENSOR_META = {"type": "object", "required": ["name", "datatype", "shape"],
+                "properties": {"name": {"type": "string"}, "datatype": {"type": "string"},
+                               "shape": {"type": "array", "items": {"type": "integer", "minimum": -1}}}}
+
+SCHEMAS: dict[str, Any] = {
+    "V2Error": {"type": "object", "required": ["error"], "additionalProperties": False,
+                "properties": {"error": {"type": "string", "minLength": 1,
+                                         "description": "`<code>: <message>`: the code of the README's table, then "
+                                                        "what was wrong and what to do."}}},
+    "V2ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"],
+                         "properties": {"name": {"type": "string"}, "version": {"type": "string"},
+                                        "extensions": {"type": "array", "items": {"type": "string",
+                                                                                  "enum": list(codec.EXTENSIONS)}}}},
+    "V2Live": {"type": "object", "required": ["live"], "properties": {"live": {"type": "boolean"}}},
+    "V2Ready": {"type": "object", "required": ["ready"],
+                "properties": {"ready": {"type": "boolean"}, "name": {"type": "string"}}},
+    "V2ModelMetadata": {"type": "object", "required": ["name", "versions", "platform", "inputs", "outputs"],
+                        "properties": {"name": {"type": "string"},
+                                       "versions": {"type": "array", "items": {"type": "string"}},
+                                       "platform": {"type": "string"},
+                                       "inputs": {"type": "array", "items": _TENSOR_META},
+                                       "outputs": {"type": "array", "items": _TENSOR_META}}},
+    "V2InferResponse": {"type": "object", "required": ["id", "model_name", "model_version", "outputs"],
+                        "properties": {"id": {"type": "string", "description": "The request's `id`, else its "
+                                                                               "`X-Request-ID`."},
+                                       "model_name": {"type": "string"}, "model_version": {"type": "string"},
+                                       "parameters": _PARAMS,
+                                       "outputs": {"type": "array", "items": _TENSOR_OUT}}},
+}
+
+
+def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]]) -> dict[str, Any]:
+    """``V2E<status>``: each error status of the table in the protocol's shape, with its headers."""
+    out = {}
+    for status, (_codes, when) in errors_by_status.items():
+        headers: dict[str, Any] = dict(_ID_HEADER)
+        if status in (429, 503):
+            headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
+        if status == 401:
+            headers["WWW-Authenticate"] = {"description": "`Bearer realm=\"classifier\"`", "schema": {"type": "string"}}
+        out[f"V2E{status}"] = {"description": when[0].upper() + when[1:] + ".", "headers": headers,
+                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}}}
+    return out
+
+
+def _json(schema: str, description: str) -> dict:
+    return {"description": description, "headers": _ID_HEADER,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}}
+
+
+def _errors(*statuses: int) -> dict:
+    return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in statuses}
+
+
+def _infer_request(settings) -> dict:
+    photos = {"type": "array", "minItems": 1, "maxItems": settings.MAX_FILES,
+              "items": {"type": "string", "format": "byte"},
+              "description": "One base64 string per photo (any format `/api/v1/predict` takes)."}
+    content_type = {"type": "string", "enum": ["base64", "str"],
+                    "description": "How `data` strings hold the photos: `base64`, or `str` (their UTF-8 bytes). "
+                                   "Absent: base64 where the string is valid base64, else its UTF-8 bytes."}
+    image = {"type": "object", "required": ["name", "datatype", "shape"],
+             "properties": {"name": {"type": "string", "enum": [codec.INPUT]},
+                            "datatype": {"type": "string", "enum": ["BYTES"]},
+                            "shape": {"type": "array", "minItems": 1, "maxItems": 1,
+                                      "items": {"type": "integer", "minimum": 1, "maximum": settings.MAX_FILES},
+                                      "description": "`[N]`: N photos; N must equal the number of elements."},
+                            "parameters": {"type": "object", "properties": {
+                                "content_type": content_type,
+                                "binary_data_size": {"type": "integer", "minimum": 0,
+                                                     "description": "Binary tensor data extension: the input's "
+                                                                    "bytes after the JSON header."}}},
+                            "data": photos}}
+    output = {"type": "object", "required": ["name"],
+              "properties": {"name": {"type": "string", "enum": list(codec.OUTPUTS)},
+                             "parameters": {"type": "object", "properties": {
+                                 "binary_data": {"type": "boolean"},
+                                 "classification": {"type": "integer", "minimum": 1, "maximum": 1000,
+                                                    "description": "Classification extension, on `probabilities` "
+                                                                   "only: the top classes of the whole softmax as "
+                                                                   "`<probability>:<index>:<label>` strings."}}}}}
+    return {"type": "object", "required": ["inputs"],
+            "properties": {"id": {"type": "string"},
+                           "parameters": {"type": "object", "properties": {
+                               "topk": {"type": "integer", "minimum": 1, "maximum": 10,
+                                        "description": f"Labels per photo (default {settings.TOP_K})."},
+                               "binary_data_output": {"type": "boolean"},
+                               "content_type": content_type}},
+                           "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": image},
+                           "outputs": {"type": "array", "items": output}}}
+
+
+def paths(settings, *, token: bool) -> dict[str, Any]:
+    """The ``/v2`` paths for a server running with ``settings`` (``token``: ``API_TOKEN`` is set)."""
+    binary = {"type": "string", "format": "binary"}
+    header = {"name": codec.HEADER, "in": "header", "required": False, "schema": {"type": "integer", "minimum": 1},
+              "description": "Binary tensor data extension: the length in bytes of the JSON header that starts "
+                             "the body; the input's bytes follow it."}
+    answer = {"description": "The outputs asked for (all three when none is named): JSON, or, where any is "
+                             f"binary, the JSON header then their bytes with `{codec.HEADER}`.",
+              "headers": {**_ID_HEADER, codec.HEADER: {"schema": {"type": "integer", "minimum": 1}}},
+              "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2InferResponse"}},
+                          "application/octet-stream": {"schema": binary}}}
+    limits = (f"At most {settings.MAX_FILES} photos and {settings.MAX_UPLOAD_BYTES:,} bytes of them (decoded) per "
+              f"request, {settings.MAX_PIXELS:,} pixels per photo; the body may be up to "
+              f"{codec.body_limit(settings.MAX_UPLOAD_BYTES):,} bytes (base64 adds a third).")
+    infer = {
+        "operationId": "v2Infer", "tags": [TAG], "summary": "Classify photos (Open Inference Protocol)",
+        "description": "Input `image`: BYTES `[N]`, encoded photos, as JSON base64 strings or with the binary tensor "
+                       "data extension (Triton's and KServe's clients). Outputs `labels` (BYTES), `probabilities` "
+                       "(FP32), `indices` (INT64), each `[N, topk]`. Same decode, limits, batching and errors as "
+                       "`/api/v1/predict`. " + limits,
+        "parameters": [header, _ID],
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _infer_request(settings)},
+                                                      "application/octet-stream": {"schema": binary}}},
+        "responses": {"200": answer, **_errors(400, *((401,) if token else ()), 404, 405, 413, 415, 429, 500, 503,
+                                                504)},
+        "security": [{"bearerAuth": []}] if token else [{}, {"bearerAuth": []}],
+    }
+    model = [_NAME]
+    versioned = [_NAME, _VERSION]
+
+    def get(op: str, summary: str, params: list, ok: dict, *errs: int) -> dict:
+        return {"get": {"operationId": op, "tags": [TAG], "summary": summary, "parameters": [*params, _ID],
+                        "responses": {"200": ok, **_errors(*errs)}}}
+
+    ready = _json("V2Ready", "Ready: warmed up and self-tested (the `/readyz` rule).")
+    not_ready = {"503": _json("V2Ready", "Not ready (`ready: false`).")}
+    meta = _json("V2ModelMetadata", "The model's versions, platform and tensors (`-1`: a variable dimension).")
+    out = {
+        "/v2": get("v2ServerMetadata", "Server metadata and the extensions supported", [],
+                   _json("V2ServerMetadata", "Name, version, extensions.")),
+        "/v2/health/live": get("v2Live", "Liveness", [], _json("V2Live", "`{\"live\": true}`.")),
+        "/v2/health/ready": get("v2Ready", "Readiness (as `/readyz`)", [], ready),
+        "/v2/models/{name}": get("v2ModelMetadata", "Model metadata", model, meta, 404, 405),
+        "/v2/models/{name}/versions/{version}": get("v2ModelVersionMetadata", "Model metadata", versioned, meta,
+                                                    404, 405),
+        "/v2/models/{name}/ready": get("v2ModelReady", "Model readiness", model, ready, 404, 405),
+        "/v2/models/{name}/versions/{version}/ready": get("v2ModelVersionReady", "Model readiness", versioned,
+                                                          ready, 404, 405),
+        "/v2/models/{name}/infer": {"post": infer},
+        "/v2/models/{name}/versions/{version}/infer": {"post": {**infer, "operationId": "v2InferVersion",
+                                                                "parameters": [_NAME, _VERSION, header, _ID]}},
+    }
+    for path in ("/v2/health/ready", "/v2/models/{name}/ready", "/v2/models/{name}/versions/{version}/ready"):
+        out[path]["get"]["responses"].update(not_ready)
+    out["/v2/models/{name}/infer"]["post"]["parameters"] = [_NAME, header, _ID]
+    return out
