@@ -273,6 +273,17 @@ def _missing_resnet18_advice() -> str:
             f"CLASSIFIER_WEIGHTS to its path")
 
 
+def fallback_note() -> str:
+    """The one sentence said wherever the offline model serves in place of ResNet-18: the log (once per
+    worker), every answer's ``model.note``, the page, ``classify``'s warning. Says what to do either way:
+    bring the weights, or name the offline model for hosts that will never have them (which also
+    skips the download attempt)."""
+    target = hub_checkpoint_path(RESNET18_URL)
+    return (f"ResNet-18 weights not found, so the offline EfficientNet-Lite0 serves. To serve ResNet-18, put "
+            f"{target.name} in {target.parent} or set CLASSIFIER_WEIGHTS; on a host that will never have it, "
+            f"set CLASSIFIER_MODEL=efficientnet_lite0 (no download attempt, no fallback notice).")
+
+
 def build_resnet18(settings) -> LoadedModel:
     """torchvision ResNet-18 with IMAGENET1K_V1 weights found by ``resolve_resnet18_weights``; where none
     can be had and ``FALLBACK`` is on, the offline model with a note saying so.
@@ -285,9 +296,9 @@ def build_resnet18(settings) -> LoadedModel:
         how = _missing_resnet18_advice()
         if not settings.FALLBACK:
             raise StartupError(f"ResNet-18 weights not found ({'; '.join(tried)}). To serve ResNet-18, {how}.")
-        reason = f"ResNet-18 weights not found, serving the offline EfficientNet-Lite0 instead; to serve ResNet-18, {how}"
-        log.warning("%s (%s)", reason, "; ".join(tried))
-        return build_efficientnet_lite0(settings, reason)
+        # The warning itself is said once, when the worker is ready (startup.load_engine): here, what was tried.
+        log.info("ResNet-18 weights: %s", "; ".join(tried))
+        return build_efficientnet_lite0(settings, fallback_note())
     module = torchvision.models.resnet18(weights=None)
     try:
         module.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))

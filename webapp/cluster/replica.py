@@ -43,8 +43,6 @@ class ModelReplica:
         self.self_test = startup.self_test(s, started, self._predict_now)
         self.model = started.describe()
         self.startup_s = time.perf_counter() - t0
-        if started.model.note():
-            log.warning("serving %s: %s", started.model.name, started.model.note())
         log.info("ready in %.1f s (warm-up %.1f s)", self.startup_s, started.warm_s)
 
     def _predict_now(self, batch):
