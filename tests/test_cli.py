@@ -168,11 +168,96 @@ def test_settings_shows_values_and_flags_bad_ones(no_classifier_env, monkeypatch
     assert "CLASSIFIER_THREADS = many  (INVALID" in out and "CLASSIFIER_THREAD: UNKNOWN" in out
 
 
-def test_classify_with_no_image_files_fails_before_loading_a_model(no_classifier_env, tmp_path, capsys):
+def test_classify_with_no_image_files_is_a_usage_error_before_loading_a_model(no_classifier_env, tmp_path, capsys):
     (tmp_path / "readme.txt").write_text("x")
-    assert cli.main(["classify", str(tmp_path), str(tmp_path / "missing.jpg")]) == 1
+    (tmp_path / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic")
+    assert cli.main(["classify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"{tmp_path / 'IMG_0001.HEIC'}: skipped: HEIC is not a format read here (JPEG, PNG, WebP, GIF, BMP, TIFF, "
+        "AVIF); convert it to JPEG first",
+        f"error: no image files in {tmp_path} (skipped in folders: 1 photo in a format not read here (named above), "
+        "1 other file (--all-files tries them))"]
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+def test_a_path_that_does_not_exist_is_a_usage_error_in_both_modes(no_classifier_env, tmp_path, capsys, cluster):
+    (tmp_path / "a.png").write_bytes(b"")
+    extra = ["--cluster", "--out", str(tmp_path / "out.parquet")] if cluster else []
+    assert cli.main(["classify", *extra, str(tmp_path / "a.png"), str(tmp_path / "missing.jpg")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'missing.jpg'}: no such file or directory\n"
+
+
+def test_raw_and_heic_photos_in_folders_are_named_with_why(tmp_path):
+    for name in ("a.jpg", "b.HEIC", "c.heif", "d.CR2", "e.dng", "notes.txt", ".hidden.heic"):
+        (tmp_path / name).write_bytes(b"x")
+    items, skipped = files.collect_files([str(tmp_path)])
+    assert [shown for shown, _, _ in items] == [str(tmp_path / "a.jpg")]
+    why = dict(skipped)
+    assert set(why) == {str(tmp_path / n) for n in ("b.HEIC", "c.heif", "d.CR2", "e.dng", "notes.txt", ".hidden.heic")}
+    assert why[str(tmp_path / "b.HEIC")].startswith("skipped: HEIC is not a format read here")
+    assert why[str(tmp_path / "d.CR2")].startswith("skipped: RAW (Canon) is not a format read here")
+    assert why[str(tmp_path / "e.dng")].startswith("skipped: RAW (DNG)")
+    assert why[str(tmp_path / "notes.txt")] is None and why[str(tmp_path / ".hidden.heic")] is None
+
+
+def test_paths_are_shown_as_given_never_resolved(tmp_path):
+    """One rule for the table, JSON, CSV and --cluster's rows: the path as given (a symlink stays itself)."""
+    real = tmp_path / "real"
+    (real / "sub").mkdir(parents=True)
+    (real / "sub" / "x.png").write_bytes(b"x")
+    (tmp_path / "link").symlink_to(real)
+    (tmp_path / "one.png").symlink_to(real / "sub" / "x.png")
+    items, _ = files.collect_files([str(tmp_path / "one.png")])
+    assert items == [(str(tmp_path / "one.png"), tmp_path / "one.png", None)]
+    items, _ = files.collect_files([f"{tmp_path}/link/"])
+    assert [shown for shown, _, _ in items] == [str(tmp_path / "link" / "sub" / "x.png")]
+
+
+def test_cluster_rows_name_paths_as_local_classify_does(no_classifier_env, tmp_path, monkeypatch, capsys):
+    """--cluster hands Ray absolute paths (symlinks kept) and maps each row back to the path as given."""
+    pytest.importorskip("ray", reason="the Ray path needs requirements-cluster.txt")
+    pytest.importorskip("a2wsgi", reason="the Ray path needs requirements-cluster.txt")
+    from webapp import cluster
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "x.png").write_bytes(b"x")
+    (tmp_path / "link.png").symlink_to(real / "x.png")
+    seen = {}
+
+    def fake_job(values, sources, out, *, shown, console, **kwargs):
+        seen.update(sources=sources, shown=shown)
+        return {"files": 1, "failed": 0, "seconds": 1.0, "models": ["efficientnet_lite0"]}
+
+    monkeypatch.setattr(cluster, "classify_to_parquet", fake_job)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["classify", "--cluster", "--model", "efficientnet_lite0", "--out", "o.parquet", "link.png"]) == 0
+    assert seen["sources"] == [str(tmp_path / "link.png")]  # absolute, not resolved to real/x.png
+    assert seen["shown"] == {str(tmp_path / "link.png"): "link.png"}
     err = capsys.readouterr().err
-    assert "no such file" in err and "no image files" in err and "1 other file skipped" in err
+    assert "1 file: 1 classified by efficientnet_lite0, 0 failed" in err and "warning" not in err
+
+
+def test_classify_reads_paths_from_stdin(photos, tmp_path, no_classifier_env, monkeypatch, capsys):
+    """``find ... | python -m webapp classify -``: one path per line, blank lines ignored, beside other paths."""
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
+    dog = SHARED_IMAGES / "dog.jpg"
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{dog}\n\n{photos / 'sub' / 'red.png'}\n"))
+    assert cli.main(["classify", *QUICK, "-q", "-f", "json", "-", str(SHARED_IMAGES / "eagle.jpg")]) == 0
+    paths = [r["path"] for r in json.loads(capsys.readouterr().out)]
+    assert paths == [str(dog), str(photos / "sub" / "red.png"), str(SHARED_IMAGES / "eagle.jpg")]
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert cli.main(["classify", "-"]) == 2
+    assert capsys.readouterr().err == "error: no paths (stdin was empty)\n"
+
+
+def test_classify_from_stdin_in_a_shell(photos, tmp_path):
+    out = subprocess.run(f"ls {SHARED_IMAGES / 'dog.jpg'} | {sys.executable} -m webapp classify {' '.join(QUICK)} -q -",
+                         shell=True, cwd=ROOT, env=clean_env(CLASSIFIER_CACHE_DIR=tmp_path), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[1].startswith(str(SHARED_IMAGES / "dog.jpg"))
 
 
 # -- classify: the real engine ----------------------------------------------------------------------------
@@ -196,18 +281,16 @@ def test_classify_table_reports_every_file_and_goes_on_past_a_broken_one(photos,
 def test_classify_json_in_process(photos, tmp_path, no_classifier_env, monkeypatch, capsys):
     monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
     dog = SHARED_IMAGES / "dog.jpg"
-    code = cli.main(["classify", *QUICK, "--format", "json", "--topk", "5", str(dog), str(photos / "broken.jpg"),
-                     str(photos / "missing.jpg")])
+    code = cli.main(["classify", *QUICK, "--format", "json", "--topk", "5", str(dog), str(photos / "broken.jpg")])
     out = capsys.readouterr()
     assert code == 1, out.err
     results = json.loads(out.out)
-    assert [r["path"] for r in results] == [str(dog), str(photos / "broken.jpg"), str(photos / "missing.jpg")]
-    good, broken, missing = results
+    assert [r["path"] for r in results] == [str(dog), str(photos / "broken.jpg")]
+    good, broken = results
     assert good["error"] is None and len(good["predictions"]) == 5 and good["model"] == "efficientnet_lite0"
     assert any(p["index"] in DOG_BREEDS for p in good["predictions"][:3])
     assert (good["width"], good["height"], good["format"]) == (768, 576, "JPEG")
     assert broken["error"]["code"] == "undecodable_image" and broken["predictions"] == []
-    assert missing["error"]["code"] == "not_found"
 
 
 def test_classify_csv_in_process(photos, tmp_path, no_classifier_env, monkeypatch, capsys):
@@ -334,3 +417,73 @@ def test_info_shows_the_kernel_cache_the_service_uses(no_classifier_env, monkeyp
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == shown["inductor"]
     assert cli.main(["info"]) == 0
     assert f"inductor kernels in {expected}" in capsys.readouterr().out
+
+
+# -- classify's exit status: each row of common.CLASSIFY_EXIT_STATUS (the README's table) happens ----------------
+def _damaged_weights(tmp_path: Path) -> Path:
+    path = tmp_path / "resnet18-f37072fd.pth"
+    path.write_bytes(b"not the weights")
+    return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("all classified", 0),
+    ("one broken photo", 1),
+    ("a bad option value", 2),
+    ("a path that does not exist", 2),
+    ("no image file in the paths", 2),
+    ("--weights names a missing file", 2),
+    ("--weights names a damaged file", 2),
+])
+def test_classify_exit_status_table(case, expected, photos, tmp_path, no_classifier_env, monkeypatch, capsys):
+    from webapp.cli.common import CLASSIFY_EXIT_STATUS
+
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "empty").mkdir()
+    dog = str(SHARED_IMAGES / "dog.jpg")
+    resnet = ("--model", "resnet18", "--no-compile", "--precision", "fp32", "--no-fallback")
+    argv = {
+        "all classified": [*QUICK, dog],
+        "one broken photo": [*QUICK, dog, str(photos / "broken.jpg")],
+        "a bad option value": ["--topk", "abc", dog],
+        "a path that does not exist": [*QUICK, str(tmp_path / "missing.jpg")],
+        "no image file in the paths": [*QUICK, str(tmp_path / "empty")],
+        "--weights names a missing file": [*resnet, "--weights", str(tmp_path / "nope.pth"), dog],
+        "--weights names a damaged file": [*resnet, "--weights", str(_damaged_weights(tmp_path)), dog],
+    }[case]
+    try:
+        code = cli.main(["classify", "-q", *argv])
+    except SystemExit as exc:  # argparse's own usage errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == expected, err
+    assert code in CLASSIFY_EXIT_STATUS
+    if case.startswith("--weights"):
+        assert err.startswith("error: cannot start the model: ") and err.count("\n") == 1, err
+
+
+def test_classify_interrupted_exits_130(no_classifier_env, monkeypatch, capsys):
+    from webapp.cli import classify
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(classify, "cmd_classify", interrupted)
+    assert cli.main(["classify", "x.jpg"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_classify_names_the_model_that_serves_and_warns_once(no_classifier_env, tmp_path, monkeypatch, capsys, quiet):
+    """No ResNet-18 weights: the fallback warning once (a warning: -q keeps it), with the way to silence it;
+    every line names the model that answers, never 'starting resnet18'."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # an empty hub cache
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["classify", "--no-compile", "--precision", "fp32", "--no-download", str(SHARED_IMAGES / "dog.jpg")]
+    assert cli.main(argv + (["-q"] if quiet else [])) == 0
+    err = capsys.readouterr().err
+    assert err.count("ResNet-18 weights not found") == 1, err
+    assert "CLASSIFIER_MODEL=efficientnet_lite0" in err and "resnet18" not in err.replace("resnet18-f37072fd", "")
+    if not quiet:
+        assert "starting the model (eager) ..." in err
+        assert "model EfficientNet-Lite0 (offline), weights efficientnet-lite0-" in err and ") (" not in err

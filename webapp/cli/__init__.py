@@ -28,7 +28,7 @@ import sys
 
 from ..settings import SettingsError
 from . import classify, info, serve, settings_cmd, weights
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from .options import HelpFormatter, settings_epilog
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `... | head`: the reader left; say nothing more
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

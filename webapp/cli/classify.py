@@ -3,7 +3,8 @@
 Locally: decode, dynamic batcher and engine as in the server, fed from a small thread pool so
 batches form; one bad file is one error line, never the end of the run. ``--cluster --out
 DEST.parquet``: the same with Ray Data over a cluster, one Parquet file out.
-Exit 0: all classified, 1: some failed, 2: usage error.
+Exit status: ``common.CLASSIFY_EXIT_STATUS`` (0 all classified, 1 some failed, 2 usage or configuration
+error). ``-`` among the paths reads more paths from stdin, one per line.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from pathlib import Path
 
 from .. import settings as settings_mod
 from ..settings import PREFIX
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
+from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
 from .files import IMAGE_SUFFIXES, collect_files
 from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
 from .output import write_results
+from .remote import add_arguments as add_remote_arguments
+from .remote import classify_remote
 
 
 def add_parser(sub) -> None:
@@ -29,11 +32,13 @@ def add_parser(sub) -> None:
         "classify", formatter_class=HelpFormatter, help="classify image files and folders",
         description="Classify image files and folders (searched recursively for image files) with the same engine "
                     "the server runs. Results go to stdout, progress and a summary to stderr. A file that cannot "
-                    "be read or decoded is reported as an error and the run goes on.\n"
-                    "Exit status: 0 all classified, 1 some failed, 2 usage or configuration error.",
+                    "be read or decoded is reported as an error and the run goes on. PATH - reads paths from stdin, "
+                    "one per line (find ... | python -m webapp classify -).\nExit status: "
+                    + "; ".join(f"{k} {v}" for k, v in CLASSIFY_EXIT_STATUS.items()) + ".",
         epilog="With --compile (the default), the model compiles first: about a minute on 2 cores, less once the "
                "cache (CLASSIFIER_CACHE_DIR) is warm; --no-compile starts in seconds. " + settings_epilog())
-    classify.add_argument("paths", nargs="+", metavar="PATH", help="image files and folders")
+    classify.add_argument("paths", nargs="+", metavar="PATH", help="image files and folders; - reads paths from "
+                          "stdin, one per line")
     classify.add_argument("-f", "--format", choices=("table", "json", "csv"), default=None,
                           help="table (default): path and top-k labels; json: a list, one object per file; "
                                "csv: path,rank,label,index,probability,error")
@@ -54,6 +59,7 @@ def add_parser(sub) -> None:
                           help="with --cluster: the Parquet file to write (a path or a URI such as s3://...)")
     classify.add_argument("--address", default=None, metavar="ADDR",
                           help="with --cluster: the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
+    add_remote_arguments(classify)  # --server URL, --no-scale: the same command against a running server
     add_setting_options(classify, commands=(settings_mod.CLASSIFY, settings_mod.CLASSIFY_CLUSTER),
                         aliases={"TOP_K": ("--topk", "-k")})
     classify.set_defaults(func=cmd_classify)
@@ -61,20 +67,24 @@ def add_parser(sub) -> None:
 
 # -- log lines around the progress bar ---------------------------------------------------------------------
 class _StderrHandler(logging.Handler):
-    """Log lines on stderr, above the progress bar rather than through it."""
+    """Log lines on stderr (or ``stream``), above the progress bar rather than through it."""
+
+    def __init__(self, stream=None):
+        super().__init__()
+        self.stream = stream
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=sys.stderr)
+            tqdm.write(self.format(record), file=self.stream or sys.stderr)
         except Exception:
             self.handleError(record)
 
 
-def _setup_logging(level: str):
-    """Route the ``webapp`` logger to stderr at ``level``; return a function that restores it."""
-    handler = _StderrHandler()
+def _setup_logging(level: str, stream=None):
+    """Route the ``webapp`` logger to stderr (or ``stream``) at ``level``; return a function that restores it."""
+    handler = _StderrHandler(stream)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     log = logging.getLogger("webapp")
     saved = log.handlers, log.propagate, log.level
@@ -88,13 +98,39 @@ def _setup_logging(level: str):
     return restore
 
 
-def _no_image_files(args: argparse.Namespace, skipped: int) -> None:
-    err(f"error: no image files in {' '.join(args.paths)}"
-        + (f" ({plural(skipped, 'other file')} skipped; --all-files tries them)" if skipped else ""))
+def read_paths(paths: list[str], stdin) -> list[str]:
+    """``paths`` with ``-`` replaced by the lines of ``stdin`` (one path per line, blank lines ignored), in place."""
+    out: list[str] = []
+    for p in paths:
+        if p == "-":
+            out.extend(line.rstrip("\r\n") for line in stdin if line.strip())
+        else:
+            out.append(p)
+    return out
 
 
-def _skipped_note(skipped: int) -> str:
-    return f"; {plural(skipped, 'other file')} in folders skipped (--all-files tries them)" if skipped else ""
+def missing_paths(paths: list[str]) -> list[str]:
+    """The local paths (not URIs) that do not exist: a usage error, said before anything starts."""
+    return [p for p in paths if "://" not in p and not Path(p).exists()]
+
+
+def _report_skipped(skipped: list) -> None:
+    """Name each skipped photo (HEIC, RAW) and why: an operator looking for it must not have to guess."""
+    for shown, why in skipped:
+        if why:
+            err(f"{shown}: {why}")
+
+
+def _no_image_files(paths: list[str], skipped: list) -> None:
+    err(f"error: no image files in {' '.join(paths)}" + _skipped_note(skipped, lead=" (") + (")" if skipped else ""))
+
+
+def _skipped_note(skipped: list, lead: str = "; ") -> str:
+    photos = sum(1 for _, why in skipped if why)
+    other = len(skipped) - photos
+    parts = ([f"{plural(photos, 'photo')} in a format not read here (named above)"] if photos else []) + (
+        [f"{plural(other, 'other file')} (--all-files tries them)"] if other else [])
+    return f"{lead}skipped in folders: {', '.join(parts)}" if parts else ""
 
 
 # -- local ---------------------------------------------------------------------------------------------------
@@ -103,24 +139,35 @@ def _error(code: str, message: str) -> dict:
 
 
 def cmd_classify(args: argparse.Namespace) -> int:
-    """``classify``: print one result per file on stdout; EXIT_OK all classified, EXIT_FAILED some failed
-    (or nothing to classify, or the model cannot start), EXIT_USAGE misused options.
+    """``classify``: print one result per file on stdout; the exit status is ``CLASSIFY_EXIT_STATUS``'s.
 
     A bad setting raises ``SettingsError`` (``main`` makes it exit 2); ``--cluster`` goes to
-    ``classify_cluster``.
+    ``classify_cluster``. Paths (``-``: from stdin) are checked first: one that does not exist, or
+    none holding an image file, is a usage error before any model starts.
     """
     s = settings_mod.load(os.environ, given_settings(args))
+    args.paths = read_paths(args.paths, sys.stdin)
+    if not args.paths:
+        err("error: no paths (stdin was empty)")
+        return EXIT_USAGE
+    for missing in missing_paths(args.paths):
+        err(f"error: {missing}: no such file or directory" + (" (a broken link)" if Path(missing).is_symlink() else ""))
+    if missing_paths(args.paths):
+        return EXIT_USAGE
+    if args.server:
+        return classify_remote(args)
     if args.cluster:
         return classify_cluster(args)
     if args.out or args.address:
         err("error: --out and --address go with --cluster")
         return EXIT_USAGE
     items, skipped = collect_files(args.paths, all_files=args.all_files)
+    _report_skipped(skipped)
     if not any(path for _, path, _ in items):
         for shown, _, why in items:
             err(f"{shown}: {why}")
-        _no_image_files(args, skipped)
-        return EXIT_FAILED
+        _no_image_files(args.paths, skipped)
+        return EXIT_USAGE
     # The service's info lines are for server logs; here the CLI's own lines say it shorter. An
     # explicitly set log level (--log-level, CLASSIFIER_LOG_LEVEL) is honoured.
     explicit = "LOG_LEVEL" in given_settings(args) or f"{PREFIX}LOG_LEVEL" in os.environ
@@ -140,21 +187,21 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     from ..errors import ServiceError, StartupError, check_file_size
     from ..service import Classifier
 
-    if not args.quiet:
-        err(f"starting {s.MODEL} ({'compiling, about a minute on a cold cache' if s.COMPILE else 'eager'}) ...")
+    if not args.quiet:  # which model serves is known once it is loaded (the offline one may stand in)
+        err(f"starting the model ({'compiling, about a minute on a cold cache' if s.COMPILE else 'eager'}) ...")
     t0 = time.perf_counter()
     classifier = Classifier(s)
     try:
         classifier.start()
-    except StartupError as exc:
+    except StartupError as exc:  # weights missing or damaged, a failed self-test: configuration
         err(f"error: cannot start the model: {exc}")
-        return EXIT_FAILED
+        return EXIT_USAGE
     model = classifier.describe()
     if model.get("note") and logging.getLogger("webapp").level > logging.WARNING:  # else the service said it
         err(f"warning: {model['note']}")
     if not args.quiet:
-        err(f"model {model['title']} ({model['weights']}), {model['precision']}, "
-            f"{'compiled' if model['compiled'] else 'eager'}, {classifier.threads} threads, "
+        err(f"model {model['title']}, weights {model['weights']}, {model['precision']}, "
+            f"{'compiled' if model['compiled'] else 'eager'}, {plural(classifier.threads, 'thread')}, "
             f"ready in {time.perf_counter() - t0:.1f} s")
     batches_before, images_before = classifier.batcher.batches, classifier.batcher.images
     # Each job has at most one image queued, so the batcher's queue never overflows.
@@ -230,8 +277,9 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 def classify_cluster(args: argparse.Namespace) -> int:
     """``classify --cluster``: Ray Data over the paths, one Parquet file out (``--out``).
 
-    Returns EXIT_OK all classified, EXIT_FAILED some failed (or none found, Ray missing, no
-    cluster, the model cannot start), EXIT_USAGE for misused options or a bad ``--out``.
+    The exit status is ``CLASSIFY_EXIT_STATUS``'s. Ray's own output (driver log lines, its C++ core's,
+    the actors' forwarded lines) goes to a log file named at the end; the terminal shows only our
+    progress bar and lines. Paths in the rows follow ``files.shown_path``'s rule, as locally.
     """
     if not args.out:
         err("error: classify --cluster writes a Parquet file: give --out DEST.parquet")
@@ -251,50 +299,61 @@ def classify_cluster(args: argparse.Namespace) -> int:
             err(f"error: --out: {exc}")
             return EXIT_USAGE
     # Local files and folders are listed here, by classify's own rules (image names, no hidden files,
-    # unless --all-files), as absolute paths: Ray's workers run elsewhere, and Ray Data's own folder
-    # listing would also drop names starting with "_" (cameras' _MG_1234.JPG). URIs go to Ray Data.
+    # unless --all-files), as absolute paths (symlinks kept: a row names the file as it was given): Ray's
+    # workers run elsewhere, and Ray Data's own folder listing would also drop names starting with "_"
+    # (cameras' _MG_1234.JPG). URIs go to Ray Data.
     uris = [p for p in args.paths if "://" in p]
-    local = [p for p in args.paths if "://" not in p]
-    for arg in local:
-        if not Path(arg).exists():
-            err(f"error: {arg}: no such file or directory")
-            return EXIT_USAGE
-    items, skipped = collect_files(local, all_files=args.all_files)
+    items, skipped = collect_files([p for p in args.paths if "://" not in p], all_files=args.all_files)
+    _report_skipped(skipped)
     unreadable = [(shown, why) for shown, path, why in items if path is None]
     for shown, why in unreadable:
         err(f"{shown}: {why}")
-    sources = [str(path.resolve()) for _, path, _ in items if path is not None] + uris
+    shown = {os.path.abspath(path): name for name, path, _ in items if path is not None}
+    sources = list(shown) + uris
     if not sources:
-        _no_image_files(args, skipped)
-        return EXIT_FAILED
+        _no_image_files(args.paths, skipped)
+        return EXIT_USAGE
     if ray_missing():
-        return EXIT_FAILED
+        return EXIT_USAGE
+    import tempfile
+
     from .. import cluster
+    from ..catalog import OFFLINE
     from ..errors import StartupError
+    from ..models import fallback_note
 
     values = cluster.replica_settings(given_settings(args))
     extensions = None if args.all_files or not uris else sorted(x.lstrip(".") for x in IMAGE_SUFFIXES)
-    if not args.quiet:
-        err(f"classifying {' '.join(args.paths)} with Ray Data: {values['CLUSTER_ACTORS']} x {values['MODEL']} "
-            f"({values['THREADS']} CPU each) -> {args.out}")
-    restore_logging = _setup_logging(values["LOG_LEVEL"] if "LOG_LEVEL" in given_settings(args) else "warning")
-    try:
-        done = cluster.classify_to_parquet(values, sources, args.out, address=args.address,
-                                           extensions=extensions, progress=not args.quiet)
-    except FileNotFoundError as exc:
-        err(f"error: {exc}")
-        return EXIT_FAILED
-    except StartupError as exc:
-        err(f"error: cannot start the model: {exc}")
-        return EXIT_FAILED
-    except OSError as exc:  # no cluster at --address; --out s3://... that cannot be written
-        err(f"error: {exc}")
-        return EXIT_FAILED
-    finally:
-        restore_logging()
+    if not args.quiet:  # which model serves is known from the rows (the offline one may stand in)
+        err(f"classifying {' '.join(args.paths)} with Ray Data: {plural(values['CLUSTER_ACTORS'], 'model actor')}, "
+            f"{values['THREADS']} CPU each -> {args.out}")
+    ray_log = Path(tempfile.gettempdir()) / f"classify-cluster-{os.getpid()}.log"
+    failure, status = None, EXIT_FAILED
+    with cluster.ray_output_in(ray_log) as console:
+        restore_logging = _setup_logging(values["LOG_LEVEL"] if "LOG_LEVEL" in given_settings(args) else "warning",
+                                         console)
+        try:
+            done = cluster.classify_to_parquet(values, sources, args.out, address=args.address, extensions=extensions,
+                                               progress=not args.quiet, shown=shown, console=console)
+        except StartupError as exc:
+            failure, status = f"cannot start the model: {exc}", EXIT_USAGE
+        except (FileNotFoundError, ConnectionError) as exc:  # nothing at the URIs; no cluster at --address
+            failure, status = str(exc), EXIT_USAGE
+        except OSError as exc:  # --out s3://... that cannot be written
+            failure, status = str(exc), EXIT_FAILED
+        finally:
+            restore_logging()
+    if failure:
+        err(f"error: {failure} (Ray's own messages: {ray_log})")
+        return status
     done["failed"] += len(unreadable)
+    if values["MODEL"] not in done["models"] and OFFLINE in done["models"]:  # the actors' warning is in Ray's logs
+        err(f"warning: {fallback_note()}")
     if not args.quiet:
         rate = f", {done['files'] / done['seconds']:.1f} files/s" if done["seconds"] > 0 else ""
-        err(f"{plural(done['files'], 'file')}: {done['files'] - done['failed']} classified, {done['failed']} failed; "
-            f"{done['seconds']:.1f} s{rate} -> {args.out}" + _skipped_note(skipped))
+        err(f"{plural(done['files'], 'file')}: {done['files'] - done['failed']} classified by "
+            f"{', '.join(done['models']) or 'no model'}, {done['failed']} failed; {done['seconds']:.1f} s{rate} "
+            f"-> {args.out}" + _skipped_note(skipped))
+        err(f"Ray's own messages: {ray_log}; its workers' logs: Ray's session folder (/tmp/ray/session_latest/logs "
+            f"on a local Ray)")
     return EXIT_OK if done["failed"] == 0 else EXIT_FAILED

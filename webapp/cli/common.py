@@ -10,7 +10,24 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # holds gunicorn.conf.py, wsgi.py and the requirements files
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+# What ``classify``'s exit status means (locally and with --cluster): its --help and the README's table
+# come from here (tests/test_docs.py checks the README, tests/test_cli.py runs each row).
+CLASSIFY_EXIT_STATUS = {
+    EXIT_OK: "every file classified",
+    EXIT_FAILED: "the run went, and some files failed: each has its error line (or Parquet row); with --cluster "
+                 "also a job that stopped part way",
+    EXIT_USAGE: "usage or configuration error, found before any file is classified: a bad option or setting, "
+                "a path that does not exist, no image file in the paths, a model that cannot start (e.g. "
+                "--weights missing or damaged), Ray missing or no cluster at --address",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+def exit_status_table(meanings: dict[int, str]) -> str:
+    """``{status: meaning}`` as the README's markdown table."""
+    return "\n".join(["| exit status | meaning |", "|---|---|", *(f"| {k} | {v} |" for k, v in meanings.items())])
 
 
 def err(message: str) -> None:

@@ -9,20 +9,43 @@ from pathlib import Path
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".webp", ".bmp", ".dib", ".tif",
                             ".tiff", ".avif", ".ppm", ".pgm", ".pbm", ".pnm"})
 
+# Photos by their file names that the service cannot decode: a folder's are skipped and named, with why.
+UNREADABLE_PHOTOS = {".heic": "HEIC", ".heif": "HEIF", ".hif": "HEIF", ".dng": "RAW (DNG)", ".cr2": "RAW (Canon)",
+                     ".cr3": "RAW (Canon)", ".nef": "RAW (Nikon)", ".nrw": "RAW (Nikon)", ".arw": "RAW (Sony)",
+                     ".orf": "RAW (Olympus)", ".rw2": "RAW (Panasonic)", ".raf": "RAW (Fujifilm)",
+                     ".pef": "RAW (Pentax)", ".srw": "RAW (Samsung)"}
+READS = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF"
+
 Item = tuple[str, "Path | None", "str | None"]  # (path as shown, path to read or None, why it cannot be read)
+Skipped = tuple[str, "str | None"]  # (path as shown, why: set for a photo in a format not read here, else None)
 
 
-def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[Item], int]:
-    """Expand files and folders into ``[(shown path, path, error)]`` in a stable order, and a count of skipped files.
+def shown_path(arg: str, inside: Path | None = None) -> str:
+    """How a file is named in every output (the table, JSON, CSV, and ``--cluster``'s Parquet rows): the
+    path as given on the command line (or stdin), joined with the file's place inside a given folder.
+    Never resolved: a symlink is named as itself."""
+    return str(Path(arg) / inside) if inside is not None else arg
+
+
+def why_skipped(path: Path) -> str | None:
+    """Why a photo file in a folder is not read (HEIC, RAW: formats the decoder does not take), else None."""
+    kind = UNREADABLE_PHOTOS.get(path.suffix.lower())
+    return f"skipped: {kind} is not a format read here ({READS}); convert it to JPEG first" if kind else None
+
+
+def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[Item], list[Skipped]]:
+    """Expand files and folders into ``[(shown path, path, error)]`` in a stable order, and the files skipped.
 
     Folders are walked recursively (symlinked folders are not followed, so no loops), sorted, and
     yield image file names only, no hidden files, unless ``all_files``. A path named on the command
     line is always tried. What cannot be had becomes an error entry: a missing path, something that
-    is not a regular file, an unreadable folder. Raises nothing for a bad path.
+    is not a regular file, an unreadable folder. Each skipped file is ``(shown path, why)``: ``why`` is
+    set for photos in a format the service cannot read (HEIC, RAW), None for other names. Paths are
+    shown by ``shown_path``'s rule. Raises nothing for a bad path.
     """
     items: list[Item] = []
     seen: set[Path] = set()
-    skipped = 0
+    skipped: list[Skipped] = []
 
     def add(shown: str, path: Path) -> None:
         key = path.resolve()
@@ -38,12 +61,13 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
                 dirs[:] = sorted(d for d in dirs if all_files or not d.startswith("."))
                 for name in sorted(names):
                     file = Path(folder) / name
+                    shown = shown_path(arg, file.relative_to(path))
                     if not all_files and (name.startswith(".") or file.suffix.lower() not in IMAGE_SUFFIXES):
-                        skipped += 1
+                        skipped.append((shown, None if name.startswith(".") else why_skipped(file)))
                     elif not file.is_file():  # broken link, fifo, socket, device
-                        skipped += 1
+                        skipped.append((shown, None))
                     else:
-                        add(str(file), file)
+                        add(shown, file)
             for exc in walk_errors:
                 items.append((str(exc.filename or path), None, f"cannot read the folder: {exc.strerror or exc}"))
         elif path.is_file():

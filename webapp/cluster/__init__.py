@@ -25,12 +25,12 @@ Ray Data (``bulk.classify_to_parquet``; ``python -m webapp classify --cluster SR
 Modules: ``config`` (the replicas' settings), ``replica``, ``ingress``, ``deploy``, ``bulk``.
 """
 
-from .bulk import BulkClassifier, classify_to_parquet, parquet_schema
+from .bulk import BulkClassifier, classify_to_parquet, parquet_schema, ray_output_in
 from .config import replica_settings, startup_failure
 from .deploy import APP_NAME, application, build_app, connect, serve_forever
 from .ingress import Ingress, RemoteClassifier, behind_ray_proxy
 from .replica import ModelReplica
 
 __all__ = ["APP_NAME", "BulkClassifier", "Ingress", "ModelReplica", "RemoteClassifier", "application",
-           "behind_ray_proxy", "build_app", "classify_to_parquet", "connect", "parquet_schema", "replica_settings",
-           "serve_forever", "startup_failure"]
+           "behind_ray_proxy", "build_app", "classify_to_parquet", "connect", "parquet_schema", "ray_output_in",
+           "replica_settings", "serve_forever", "startup_failure"]

@@ -7,9 +7,13 @@ code and message the API would answer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import sys
 import time
 from pathlib import Path
+from typing import Iterator, TextIO
 
 import ray
 
@@ -96,27 +100,53 @@ class BulkClassifier:
         return pa.Table.from_pylist(rows, schema=parquet_schema())
 
 
+@contextlib.contextmanager
+def ray_output_in(path: Path) -> Iterator[TextIO]:
+    """While inside, everything written to this process's stdout and stderr (file descriptors 1 and 2)
+    goes to ``path``: Ray's driver log lines, its C++ core's, colour codes and all. Yields a stream to
+    the real stderr, for our own progress bar and lines. Ray's workers keep their logs in Ray's own
+    files (``connect(log_to_driver=False)``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    console = os.fdopen(os.dup(saved[2]), "w", buffering=1)
+    with open(path, "ab") as sink:
+        for fd in (1, 2):
+            os.dup2(sink.fileno(), fd)
+    try:
+        yield console
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        console.close()
+
+
 def classify_to_parquet(values: dict, sources: list[str], out: str, *, address: str | None = None,
-                        extensions: list[str] | None = None, progress: bool = True) -> dict:
+                        extensions: list[str] | None = None, progress: bool = True,
+                        shown: dict[str, str] | None = None, console: TextIO | None = None) -> dict:
     """Classify every file under ``sources`` with Ray Data and write one Parquet file at ``out``.
 
     ``sources``: files, folders (recursive; Ray Data skips names starting with ``.`` or ``_``
     directly under them) or anything ``ray.data.read_binary_files`` reads (``s3://``, ``gs://``,
     ``abfs://`` with pyarrow's credentials). ``extensions`` (no dot) keeps only those file names;
-    None reads every file. ``out`` may be a local path or such a URI.
-    Returns ``{"files", "failed", "seconds"}``.
+    None reads every file. ``out`` may be a local path or such a URI. ``shown`` maps a source as
+    passed to the path its row names (the CLI's rule: as given, never resolved); ``console`` is where
+    the progress bar goes (default stderr). Returns ``{"files", "failed", "seconds", "models"}``:
+    ``models`` the names of the models that answered (the offline one where it stood in).
 
     :raises FileNotFoundError: a source does not exist, or holds no file to read.
     :raises StartupError: the actors cannot start the model (their message).
     """
+    import pyarrow as pa
     import pyarrow.fs
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    connect(address, log_to_driver=True)
+    connect(address, log_to_driver=False)  # the actors' log lines stay in Ray's log files
     s = load_values(values)
-    if not log.isEnabledFor(logging.INFO):  # Ray Data's own chatter (plans, "progress bars disabled")
-        logging.getLogger("ray.data").setLevel(logging.ERROR)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # ours below counts files written
     ctx.execution_options.preserve_order = True  # rows in the order of the files: reruns diff cleanly
@@ -134,12 +164,18 @@ def classify_to_parquet(values: dict, sources: list[str], out: str, *, address: 
     fs, where = pyarrow.fs.FileSystem.from_uri(out) if "://" in out else (None, str(Path(out).resolve()))
     if fs is None:
         Path(where).parent.mkdir(parents=True, exist_ok=True)
-    start, files, failed = time.perf_counter(), 0, 0
-    bar = tqdm(total=total, unit="file", disable=not progress, desc="classify", mininterval=0.5, dynamic_ncols=True)
+    start, files, failed, models = time.perf_counter(), 0, 0, set()
+    bar = tqdm(total=total, unit="file", disable=not progress, desc="classify", mininterval=0.5, dynamic_ncols=True,
+               file=console or sys.stderr)
     try:
         with pq.ParquetWriter(where, parquet_schema(), filesystem=fs) as writer:
             for table in ds.iter_batches(batch_format="pyarrow", batch_size=None):
-                writer.write_table(table.cast(parquet_schema()))
+                table = table.cast(parquet_schema())
+                if shown:
+                    names = [shown.get(p, p) for p in table.column("path").to_pylist()]
+                    table = table.set_column(0, "path", pa.array(names, pa.string()))
+                models.update(table.column("model").to_pylist())
+                writer.write_table(table)
                 files += table.num_rows
                 failed += table.num_rows - table.column("error_code").null_count
                 bar.set_postfix(failed=failed, refresh=False)
@@ -148,4 +184,4 @@ def classify_to_parquet(values: dict, sources: list[str], out: str, *, address: 
         raise startup_failure(str(exc)) or exc from None
     finally:
         bar.close()
-    return {"files": files, "failed": failed, "seconds": time.perf_counter() - start}
+    return {"files": files, "failed": failed, "seconds": time.perf_counter() - start, "models": sorted(models)}
