@@ -187,7 +187,8 @@ def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, inpu
     log.info("int8: quantized with %d calibration images in %.1f s", len(calibration), time.perf_counter() - t0)
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        # Ends in .pt2 like the real name: torch.export.save warns about any other suffix.
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
         torch.export.save(program, tmp)
         os.replace(tmp, path)  # atomic: workers starting together never read half a file
     return program.module()

@@ -26,6 +26,7 @@ from .assets import GOLDEN, calibration_files
 from .engine import Engine, bf16_pays_off, choose_precision, choose_reduce_range, configure_threads
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
+from .quiet import quiet_third_party
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose)
     return precision, reason
 
 
+@quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)
 def load_engine(settings, *, status: Callable[[str], None] = lambda _: None) -> Started:
     """Load the model, choose the precision, build the engine and warm up batch 1..``MAX_BATCH_SIZE``.
 
