@@ -142,6 +142,14 @@ def post_worker_init(worker):
         metrics.sample(classifier)
 
 
+def pre_request(worker, req):
+    """Leave ``100 Continue`` to the app (webapp/bodies.py sends it on the first read of the body), so a
+    request that its headers already refuse (413 by Content-Length, 415, 401, 429, 503) never gets it.
+    ``_expected_100_continue`` is gunicorn's own flag for this (gunicorn 27, http/message.py)."""
+    worker.log.debug("%s %s", req.method, req.path)
+    req._expected_100_continue = False
+
+
 def worker_exit(server, worker):
     """Serve what is still queued, then stop the inference thread."""
     wsgi = getattr(worker, "wsgi", None)

@@ -211,6 +211,10 @@ function labelOf(p) {
   return state.i18n?.labels?.[p.index] ?? p.label;
 }
 
+function modelTitle(m) {
+  return state.i18n?.modelTitles?.[m.name] ?? m.title ?? m.name;
+}
+
 function render(item) {
   const { answer, error } = item;
   const thumb = item.thumb === undefined ? h("div", { className: "thumb none", "aria-hidden": "true" })
@@ -226,7 +230,7 @@ function render(item) {
           h("span", { className: "pct" }, `${(p.probability * 100).toFixed(1)}%`),
           h("progress", { className: "bar", max: 1, value: p.probability, "aria-hidden": "true" })))),
       h("p", { className: "meta" },
-        tr("meta", { model: m.title || m.name, precision: m.precision ?? "" }),
+        tr("meta", { model: modelTitle(m), precision: m.precision ?? "" }),
         m.untrained ? " · " + tr("untrained") : null,
         " · ", tr("size", { width: res.width, height: res.height, format: res.format })),
       h("p", { className: "timing" },
@@ -260,6 +264,7 @@ function applyStrings() {
   document.title = tr("title");   // (pages with an error in the title reload instead)
   for (const el of document.querySelectorAll("[data-t]")) el.textContent = tr(el.dataset.t);
   for (const el of document.querySelectorAll("[data-t-aria-label]")) el.setAttribute("aria-label", tr(el.dataset.tAriaLabel));
+  for (const el of document.querySelectorAll("[data-model]")) el.textContent = modelTitle({ name: el.dataset.model, title: el.textContent });
   for (const a of document.querySelectorAll(".langs a")) {
     if (a.dataset.lang === state.lang) a.setAttribute("aria-current", "true"); else a.removeAttribute("aria-current");
   }

@@ -249,3 +249,24 @@ def test_topk_also_as_a_multipart_form_field(client):
     assert resp.status_code == 200 and len(resp.get_json()["results"][0]["predictions"]) == 5
     resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(small_png()), "x.png"), "topk": "abc"})
     assert_error(resp, 400, "bad_request")
+
+
+@pytest.mark.parametrize("path", ["/api/v1/predict", "/"])
+def test_not_ready_and_overloaded_are_answered_before_the_body_is_read(app, client, monkeypatch, path):
+    from webapp import api, errors, ui
+
+    def never(*args, **kwargs):
+        raise AssertionError("the body was read before the refusal")
+
+    monkeypatch.setattr(api, "read_uploads", never)
+    monkeypatch.setattr(ui, "read_uploads", never)
+    clf = app.extensions["classifier"]
+    for refusal, status in ((errors.Overloaded("full", headers={"Retry-After": "2"}), 429),
+                            (errors.NotReady("warming", headers={"Retry-After": "5"}), 503)):
+        def admit(n=1, refusal=refusal):
+            raise refusal
+
+        monkeypatch.setattr(clf, "admit", admit)
+        resp = client.post(path, data={"file": (io.BytesIO(small_png()), "x.png"), "topk": "3"},
+                           headers={"Accept": "application/json"})
+        assert resp.status_code == status and resp.headers["Retry-After"] in ("2", "5")

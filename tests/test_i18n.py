@@ -107,6 +107,21 @@ def test_both_languages_have_the_same_strings_and_placeholders():
         assert zh[key] and (CJK.search(zh[key]) or key in ("meta", "size")), key
 
 
+def test_every_catalog_model_has_a_title_in_every_language():
+    """Titles live in the catalog (English) and in i18n.MODEL_TITLES (the others), keyed by model name."""
+    from webapp import catalog
+
+    for lang in i18n.LANGS:
+        titles = i18n.model_titles(lang)
+        assert set(titles) == set(catalog.NAMES)
+        if lang != "en":
+            assert set(i18n.MODEL_TITLES[lang]) == set(catalog.NAMES), f"{lang}: a model without its title"
+    assert i18n.model_titles("en") == {m.name: m.title for m in catalog.MODELS}
+    assert i18n.model_title({"name": "efficientnet_lite0", "title": "EfficientNet-Lite0 (offline)"}, "zh") == \
+        "EfficientNet-Lite0（离线模型）"
+    assert i18n.model_title({"name": "not_in_catalog", "title": "Custom"}, "zh") == "Custom"
+
+
 def test_every_string_the_page_and_script_use_exists():
     template = (ROOT / "templates" / "index.html").read_text(encoding="utf-8")
     script = (ROOT / "static" / "app.js").read_text(encoding="utf-8")

@@ -45,7 +45,8 @@ def test_upload_shows_top3_with_percentages(offline_client):
     assert "German shepherd" in labels
     assert 'src="data:image/jpeg;base64,' in html and 'alt="Uploaded photo dog.jpg"' in html
     assert "EfficientNet-Lite0" in html and re.search(r"· (fp32|bf16|int8)", html)  # model and precision
-    assert re.search(r"decode [\d.]+ ms · queue [\d.]+ ms · inference [\d.]+ ms", html)
+    assert re.search(r"decode [\d.]+ ms · wait for batch [\d.]+ ms · inference [\d.]+ ms", html)
+    assert "queue" not in html.lower()  # an idle request's batch window is not a queue (it reads like congestion)
 
 
 def test_upload_in_chinese_shows_chinese_labels(offline_client):
@@ -56,7 +57,29 @@ def test_upload_in_chinese_shows_chinese_labels(offline_client):
     assert resp.status_code == 200 and '<html lang="zh-Hans"' in html
     labels = re.findall(r'<span class="label">([^<]+)</span>', html)
     assert "德国牧羊犬" in labels and "German shepherd" not in labels
-    assert 'alt="上传的照片 dog.jpg"' in html and "解码" in html and "推理" in html
+    assert 'alt="上传的照片 dog.jpg"' in html and "解码" in html and "推理" in html and "等待组批" in html
+    # The model's title in the page's language too (i18n.MODEL_TITLES), in the header and on the card.
+    assert html.count("EfficientNet-Lite0（离线模型）") == 2 and "(offline)" not in html
+
+
+def test_without_javascript_the_request_timing_is_shown_once(offline_client):
+    """Several photos in one form post are one request: one timing line, not the same line on every card."""
+    data = shared_image("dog.jpg").read_bytes()
+    resp = offline_client.post("/", data={"file": [(io.BytesIO(data), "a.jpg"), (io.BytesIO(data), "b.jpg"),
+                                                   (io.BytesIO(png_bytes(Image.new("RGB", (40, 30)))), "c.png")]},
+                               headers={"Accept-Language": "en"})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and html.count('<article class="result">') == 3
+    assert html.count('class="timing"') == 1 and len(re.findall(r"decode [\d.]+ ms", html)) == 1
+    cards = html.split('<article class="result">')[1:]
+    assert not any("decode" in card.split("</article>")[0] for card in cards)
+
+
+def test_the_model_title_follows_the_language(offline_client):
+    en = offline_client.get("/?lang=en").get_data(as_text=True)
+    zh = offline_client.get("/?lang=zh").get_data(as_text=True)
+    assert '<strong data-model="efficientnet_lite0">EfficientNet-Lite0 (offline)</strong>' in en
+    assert '<strong data-model="efficientnet_lite0">EfficientNet-Lite0（离线模型）</strong>' in zh
 
 
 def test_empty_camera_input_is_not_a_photo(client):
@@ -140,6 +163,7 @@ def test_i18n_bundle_for_the_script(client):
     body = resp.get_json()
     assert resp.status_code == 200 and body["lang"] == "zh" and body["htmlLang"] == "zh-Hans"
     assert len(body["labels"]) == 1000 and body["labels"][235] == "德国牧羊犬"
+    assert body["modelTitles"]["efficientnet_lite0"] == "EfficientNet-Lite0（离线模型）"
     assert body["strings"]["title"] == "照片识别"
     en = client.get("/i18n/en.json").get_json()
     assert en["labels"] is None and set(en["strings"]) == set(body["strings"])

@@ -40,6 +40,7 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     :raises StartupError: the model cannot be served (no weights with fallback off, bad file,
         failed self-test).
     """
+    from .bodies import guard_bodies
     from .errors import init_errors
     from .service import Classifier
 
@@ -74,6 +75,8 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     init_logs(app, settings)  # request ids (X-Request-ID) and the JSON access log
     init_metrics(app, settings)  # GET /metrics, if METRICS is on
     init_errors(app, settings)  # one handler: JSON for the API, the page for the UI
+    # Under gunicorn: refusals answered before the body, an idle timeout on bodies, drains after answers.
+    app.wsgi_app = guard_bodies(app.wsgi_app, idle_s=settings.BODY_TIMEOUT_S)
     if os.environ.get(GUNICORN_ENV):
         app.debug = False  # never the interactive debugger in a served app, whatever FLASK_DEBUG says
 

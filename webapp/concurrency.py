@@ -35,6 +35,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -124,6 +125,23 @@ class Primitives:
                        make_future=_GeventFuture)
         return cls(start_thread=_thread.start_new_thread, make_queue=_queue_mod.SimpleQueue,
                    make_lock=threading.Lock, make_future=_ThreadFuture)
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise ``TimeoutError`` in this greenlet if the block runs longer than ``seconds`` (s).
+
+    Under gevent a ``gevent.Timeout``: it interrupts a greenlet blocked on a socket read (the body
+    of an upload that stalls). Elsewhere there is no such blocking read to interrupt (the test
+    client and Ray's a2wsgi hand the app bodies already in memory), so no limit is applied.
+    """
+    if not gevent_active():
+        yield
+        return
+    import gevent
+
+    with gevent.Timeout(seconds, TimeoutError):
+        yield
 
 
 def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:

@@ -49,6 +49,7 @@ class Upload:
 class ClassifierLike(Protocol):
     """The classifier the app serves (``app.extensions["classifier"]``).
 
+    - ``admit(n)``: raises ``NotReady`` (503) / ``Overloaded`` (429) before the request body is read.
     - ``classify(uploads, topk=, keep_images=)`` -> the JSON answer ``{"model", "results",
       "timing_ms"}`` (ms); with ``keep_images`` each result also carries ``thumbnail``, a JPEG of
       the photo (bytes, <= 320 px) for the page. Raises ``errors.ServiceError`` subclasses only.
@@ -61,6 +62,8 @@ class ClassifierLike(Protocol):
 
     settings: Any
     on_outcomes: Callable[[list], None] | None
+
+    def admit(self, n: int = 1) -> None: ...
 
     def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False) -> dict: ...
 

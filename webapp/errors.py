@@ -112,6 +112,19 @@ class NotReady(ServiceError):
     when = "warming up, self-test failed, or shutting down; `Retry-After` says when to try again"
 
 
+class BodyTimeout(ServiceError):
+    status, code = 408, "body_timeout"
+    when = ("the client stopped sending its body for longer than the body timeout; the connection is closed "
+            "(a stalled upload cannot hold a worker's connection)")
+    settings = ("BODY_TIMEOUT_S",)
+
+    @classmethod
+    def after(cls, seconds: float) -> "BodyTimeout":
+        """No byte of the body arrived for ``seconds`` (``BODY_TIMEOUT_S``)."""
+        return cls(f"no byte of the request body arrived for {seconds:g} s (CLASSIFIER_BODY_TIMEOUT_S); "
+                   f"send the whole body without pausing")
+
+
 class InferenceTimeout(ServiceError):
     status, code = 504, "timeout"
     when = "no result within the request timeout; the image is dropped from its batch if not yet run"
@@ -146,8 +159,8 @@ class InternalError(ServiceError):
 
 # The table, in the README's order.
 ERRORS: tuple[type[ServiceError], ...] = (
-    NoFile, UndecodableImage, BadRequest, Unauthorized, TooLarge, NotAnImage, Overloaded, RateLimited, NotReady,
-    InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
+    NoFile, UndecodableImage, BadRequest, Unauthorized, BodyTimeout, TooLarge, NotAnImage, Overloaded, RateLimited,
+    NotReady, InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
 )
 for _cls in ERRORS:  # each row's docstring is its own words, not a second copy of them
     _cls.__doc__ = f"{_cls.status} ``{_cls.code}``: {_cls.when}."
@@ -248,11 +261,8 @@ def init_errors(app, settings) -> None:
         message = exc.description or exc.name
         if row is RateLimited:
             message = f"too many requests from this address (limit {exc.description}); try again later"
-        if row is TooLarge:
+        if row is TooLarge:  # answered before the body is read; webapp/bodies.py closes and drains after
             message = TooLarge.body(settings.MAX_UPLOAD_BYTES).message
-            # The client is still sending: read the rest so it gets this answer, not a reset.
-            if not drain_body(request.environ):
-                return render(413, code, message, {"Connection": "close"})
         return render(exc.code or 500, code, message)
 
     @app.errorhandler(Exception)

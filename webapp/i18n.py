@@ -17,6 +17,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 
+from . import catalog
 from .errors import RETRYABLE
 
 LANGS = ("en", "zh")
@@ -62,7 +63,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "failed_one": "The photo could not be classified.",
         "meta": "{model} · {precision}",
         "size": "{width}×{height} {format}",
-        "timing": "decode {decode} ms · queue {queue} ms · inference {inference} ms · total {total} ms",
+        "timing": "decode {decode} ms · wait for batch {queue} ms · inference {inference} ms · total {total} ms",
         "timing_label": "Time taken",
         "error_title": "Could not classify that",
         "err_no_file": "No photo was received: choose a photo first.",
@@ -116,7 +117,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "failed_one": "这张照片无法识别。",
         "meta": "{model} · {precision}",
         "size": "{width}×{height} {format}",
-        "timing": "解码 {decode} 毫秒 · 排队 {queue} 毫秒 · 推理 {inference} 毫秒 · 总计 {total} 毫秒",
+        "timing": "解码 {decode} 毫秒 · 等待组批 {queue} 毫秒 · 推理 {inference} 毫秒 · 总计 {total} 毫秒",
         "timing_label": "耗时",
         "error_title": "无法识别",
         "err_no_file": "没有收到照片：请先选择一张照片。",
@@ -138,6 +139,28 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_other": "服务器出错（已记录）：请重试。",
     },
 }
+
+# Model titles in the page's languages, by the catalog's model name (webapp/catalog.py holds the English
+# ones; a test checks that every catalog model has one here in every other language).
+MODEL_TITLES: dict[str, dict[str, str]] = {
+    "zh": {
+        "resnet18": "ResNet-18",
+        "efficientnet_lite0": "EfficientNet-Lite0（离线模型）",
+        "resnet18_seeded": "ResNet-18（未训练，随机权重）",
+    },
+}
+
+
+def model_titles(lang: str) -> dict[str, str]:
+    """Every catalog model's title in ``lang`` (the catalog's English title where there is no translation)."""
+    own = MODEL_TITLES.get(lang, {})
+    return {m.name: own.get(m.name, m.title) for m in catalog.MODELS}
+
+
+def model_title(model: dict, lang: str) -> str:
+    """An answer's ``model`` object's title in ``lang`` (its own title, then its name, for a model not in the catalog)."""
+    return model_titles(lang).get(model.get("name"), model.get("title") or model.get("name") or "")
+
 
 # Error codes whose words say "try again in N s" when the answer carries Retry-After (webapp/errors.py).
 RETRY_CODES = RETRYABLE
@@ -230,9 +253,10 @@ def error_text(code: str, lang: str, retry_after: str | int | None = None) -> st
 
 @lru_cache(maxsize=None)
 def bundle(lang: str) -> tuple[bytes, str]:
-    """What ``static/app.js`` loads for ``lang``: ``{"lang", "htmlLang", "strings", "labels", "retryable"}`` as JSON
-    bytes, and its short hash. ``retryable``: the error codes whose words say "try again in N s"."""
+    """What ``static/app.js`` loads for ``lang``: ``{"lang", "htmlLang", "strings", "labels", "modelTitles",
+    "retryable"}`` as JSON bytes, and its short hash. ``modelTitles``: model name -> title in ``lang``;
+    ``retryable``: the error codes whose words say "try again in N s"."""
     body = json.dumps({"lang": lang, "htmlLang": HTML_LANG[lang], "strings": strings(lang), "labels": labels(lang),
-                       "retryable": list(RETRY_CODES)},
+                       "modelTitles": model_titles(lang), "retryable": list(RETRY_CODES)},
                       ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return body, hashlib.sha256(body).hexdigest()[:12]

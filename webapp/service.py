@@ -181,6 +181,18 @@ class Classifier:
         return self._described
 
     # -- serving ---------------------------------------------------------------------------------
+    def admit(self, n: int = 1) -> None:
+        """Refuse now what would be refused later: not ready (503), or no room for ``n`` images (429).
+
+        The views call it before reading the request body, so a refusal costs no upload.
+
+        :raises NotReady: starting, failed or stopping (``Retry-After``).
+        :raises Overloaded: the queue has no room (``Retry-After`` from the measured drain time).
+        """
+        if not self.ready:
+            raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
+        self.batcher.check_capacity(n)
+
     def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False) -> dict:
         """Decode, preprocess, batch-predict and encode several uploads; all succeed or the request fails.
 
@@ -191,10 +203,8 @@ class Classifier:
         :raises ServiceError: the first upload that cannot be decoded (400/413/415), a full queue
             (429), not ready (503), timeout (504), a failed batch (500).
         """
-        if not self.ready:
-            raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
         start = time.perf_counter()
-        self.batcher.check_capacity(len(uploads))  # a full queue answers 429 before any decoding
+        self.admit(len(uploads))  # a full queue answers 429 before any decoding
         s, started = self.settings, self.started
         prepared = [self.offloader.run(imaging.prepare, up.data, name=up.name, transform=started.transform,
                                        max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),

@@ -224,6 +224,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024, commands=SERVERS),
     Setting("MAX_PIXELS", _int, 80_000_000, "Largest image in pixels (width x height, read from the header before "
             "decoding); larger gets 413. 80 MP admits 64 MP phone photos.", low=1, high=2**40),
+    Setting("BODY_TIMEOUT_S", _float, 30.0, "Longest pause (s) between bytes of a request body; a client that "
+            "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on an upload).",
+            low=0.1, high=3600, commands=SERVERS),
     # -- access --
     Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* needs 'Authorization: Bearer <token>' (compared in "
             "constant time); else 401. The page and /healthz, /readyz stay open.", commands=SERVERS, secret=True),

@@ -45,6 +45,7 @@ def i18n_context() -> dict:
         "i18n_url": i18n_url,
         "error_text": lambda code, retry_after=None: i18n.error_text(code, lang, retry_after),
         "timing_text": lambda timing: i18n.strings(lang)["timing"].format(**{k: _ms(v) for k, v in timing.items()}),
+        "model_title": lambda model: i18n.model_title(model, lang),
     }
 
 

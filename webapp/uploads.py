@@ -14,7 +14,7 @@ import re
 from flask import Request
 from werkzeug.exceptions import HTTPException
 
-from .errors import BadRequest, NoFile, NotAnImage, TooLarge, drain_body
+from .errors import BadRequest, NoFile, NotAnImage, TooLarge
 from .contract import ORIGINAL_FORMATS, Original, Upload
 
 RAW_TYPES = ("application/octet-stream",)
@@ -140,7 +140,6 @@ def _over_limit(request: Request) -> bool:
 
 
 def _too_large(request: Request) -> TooLarge:
-    drain_body(request.environ)
     return TooLarge.body(request.max_content_length)
 
 

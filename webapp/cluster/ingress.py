@@ -86,6 +86,16 @@ class RemoteClassifier:
         self._health = (now, health, why)
         return health, why
 
+    def admit(self, n: int = 1) -> None:
+        """Refuse before the body is read when no model replica answers (503); queue room is Ray's to
+        judge (``Overloaded`` from ``classify``).
+
+        :raises NotReady: no model replica answered its last health probe.
+        """
+        if not self.ready:
+            raise NotReady("no model replica could take the request (starting, failed or restarting); "
+                           "try again shortly", headers={"Retry-After": "5"})
+
     @property
     def ready(self) -> bool:
         """True while at least one model replica answers."""

@@ -1,0 +1,201 @@
+"""What the headers decide is answered before the body; stalled uploads are bounded (webapp/bodies.py).
+
+Raw sockets against a real gunicorn: an HTTP client library would hide exactly what is tested here
+(when the answer arrives relative to the body, whether ``100 Continue`` is sent, when the
+connection closes).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from conftest import small_png
+from serving import Server
+from webapp.bodies import DRAIN_SECONDS
+
+LIMIT = 1024 * 1024  # MAX_UPLOAD_BYTES of the server under test
+BODY_TIMEOUT = 2.0
+TOKEN = "body-test-token"
+AUTH = f"Authorization: Bearer {TOKEN}\r\n"
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    server = Server(tmp_path_factory.mktemp("bodies") / "server.log", args=("--no-control-socket",),
+                    MODEL="resnet18_seeded", COMPILE=0, WORKERS=1, THREADS=1, MAX_BATCH_SIZE=2,
+                    MAX_UPLOAD_BYTES=LIMIT, BODY_TIMEOUT_S=BODY_TIMEOUT, API_TOKEN=TOKEN)
+    try:
+        server.wait_ready(workers=1)
+        yield server
+    finally:
+        server.stop()
+
+
+def connect(srv) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def head(path: str = "/api/v1/predict", *, length: int | None = None, ctype: str = "image/png", extra: str = AUTH,
+         chunked: bool = False, expect: bool = False) -> bytes:
+    lines = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n{extra}"
+    lines += "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {length}\r\n"
+    lines += "Expect: 100-continue\r\n" if expect else ""
+    return (lines + "\r\n").encode()
+
+
+def read_status(sock: socket.socket, timeout: float = 5.0) -> tuple[int, bytes]:
+    """The status of the first response line that arrives within ``timeout`` s, and all bytes read."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return int(data.split(b" ", 2)[1]), data
+
+
+def closed_within(sock: socket.socket, seconds: float) -> bool:
+    """True if the server closes the connection within ``seconds`` (reading and dropping what it sends)."""
+    sock.settimeout(seconds)
+    end = time.monotonic() + seconds
+    try:
+        while time.monotonic() < end:
+            if not sock.recv(65536):
+                return True
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def test_over_limit_content_length_is_answered_before_the_body(srv):
+    with connect(srv) as sock:
+        sock.sendall(head(length=64 * 1024 * 1024))
+        sent = time.monotonic()
+        sock.sendall(b"\0" * 65536)  # some of the body, then nothing more
+        status, data = read_status(sock)
+        took = time.monotonic() - sent
+        assert status == 413 and b'"too_large"' in data + sock.recv(65536)
+        assert took < 0.5, f"413 after {took:.3f} s"
+        assert closed_within(sock, 5.0), "the connection stays open after a refusal"
+
+
+@pytest.mark.parametrize("case, status", [
+    ("over-limit", 413), ("wrong-type", 415), ("no-token", 401),
+])
+def test_expect_100_continue_gets_the_refusal_instead_of_100(srv, case, status):
+    length = 64 * 1024 * 1024 if case == "over-limit" else 1000
+    ctype = "text/plain" if case == "wrong-type" else "image/png"
+    extra = "" if case == "no-token" else AUTH
+    with connect(srv) as sock:
+        started = time.monotonic()
+        sock.sendall(head(length=length, ctype=ctype, extra=extra, expect=True))
+        got, data = read_status(sock)
+        assert got == status, data[:200]
+        assert b"100 Continue" not in data
+        assert time.monotonic() - started < 0.5
+
+
+def test_expect_100_continue_gets_100_when_the_body_is_wanted(srv):
+    body = small_png()
+    with connect(srv) as sock:
+        sock.sendall(head(length=len(body), expect=True))
+        status, data = read_status(sock)
+        assert status == 100 and data.startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+        sock.sendall(body)
+        rest = data[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+        if not rest:
+            status, rest = read_status(sock)
+        assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
+
+
+def test_chunked_body_over_the_limit_gets_a_413_the_client_receives(srv):
+    with connect(srv) as sock:
+        sock.sendall(head(chunked=True))
+        chunk = b"\0" * 65536
+        sent = 0
+        try:
+            while sent <= LIMIT + 2 * len(chunk):
+                sock.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                sent += len(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server stopped reading: the answer is already on its way
+        status, data = read_status(sock)
+        assert status == 413 and b"too_large" in data + (sock.recv(65536) or b"")
+
+
+def test_a_stalled_upload_gets_408_within_the_timeout(srv):
+    with connect(srv) as sock:
+        sock.sendall(head(length=100_000) + b"\x89PNG" + b"\0" * 996)
+        started = time.monotonic()
+        status, data = read_status(sock, timeout=BODY_TIMEOUT + 5)
+        took = time.monotonic() - started
+        assert status == 408 and b'"body_timeout"' in data + sock.recv(65536)
+        assert BODY_TIMEOUT - 0.2 <= took <= BODY_TIMEOUT + 2.0, took
+        assert closed_within(sock, 5.0)
+
+
+def _normal_request(srv) -> float:
+    t0 = time.perf_counter()
+    resp = requests.post(srv.url + "/api/v1/predict", data=small_png(), timeout=30,
+                         headers={"Content-Type": "image/png", "Authorization": f"Bearer {TOKEN}"})
+    assert resp.status_code == 200, resp.text[:200]
+    return time.perf_counter() - t0
+
+
+def test_fifty_stalled_uploads_do_not_slow_the_others(srv):
+    before = sorted(_normal_request(srv) for _ in range(8))[4]
+    stalled = [connect(srv) for _ in range(50)]
+    try:
+        for sock in stalled:
+            sock.sendall(head(length=500_000) + b"\0" * 1000)
+        started = time.monotonic()
+        during = sorted(_normal_request(srv) for _ in range(8))[4]
+        # Generous: the point is "not held up by 50 stalled uploads", not a speed figure.
+        assert during < max(1.0, 5 * before), (before, during)
+        with ThreadPoolExecutor(16) as pool:
+            statuses = list(pool.map(lambda s: read_status(s, timeout=BODY_TIMEOUT + 10)[0], stalled))
+        assert statuses == [408] * 50
+        assert time.monotonic() - started < BODY_TIMEOUT + 5
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+@pytest.mark.server
+def test_sigterm_does_not_wait_on_stalled_uploads_past_the_body_timeout(tmp_path):
+    server = Server(tmp_path / "server.log", args=("--no-control-socket",), MODEL="resnet18_seeded", COMPILE=0,
+                    WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1, BODY_TIMEOUT_S=BODY_TIMEOUT)
+    stalled = []
+    try:
+        server.wait_ready(workers=1)
+        for _ in range(10):
+            sock = connect(server)
+            sock.sendall(head(length=500_000, extra="") + b"\0" * 1000)
+            stalled.append(sock)
+        time.sleep(0.3)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        # The worker's graceful drain ends with gunicorn's "Worker exiting": what stalled uploads could stretch.
+        while "Worker exiting" not in server.output() and time.monotonic() - started < BODY_TIMEOUT + 30:
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        assert server.proc.wait(timeout=60) == 0, server.output()[-2000:]
+        assert took < BODY_TIMEOUT + DRAIN_SECONDS + 2, f"the worker took {took:.1f} s to stop with stalled uploads"
+    finally:
+        for sock in stalled:
+            sock.close()
+        server.stop()
+
+
+pytestmark = pytest.mark.server

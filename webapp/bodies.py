@@ -1,0 +1,150 @@
+"""Request bodies under gunicorn: refusals answered before the body, stalls bounded, drains after.
+
+A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn serves (it reads
+``gunicorn.socket`` from the environ; elsewhere it only wraps nothing):
+
+- ``Expect: 100-continue``: gunicorn would send ``100 Continue`` before the app sees the request
+  (``gunicorn.conf.py``'s ``pre_request`` hook turns that off), so a client that waits for it
+  would upload a body the app then refuses. Here ``100 Continue`` goes out on the first read of the
+  body instead: everything the request line and headers decide (413 by Content-Length, 415,
+  401, 429, 503) is answered with no ``100`` at all.
+- An idle timeout between received bytes (``BODY_TIMEOUT_S``): a client that sends part of a body
+  and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
+  connection forever nor stretch a graceful shutdown past that timeout.
+- A refused request whose body was not read to its end is answered at once, with the connection
+  closed after the answer. Only then is what is left of the body read and discarded, bounded in
+  bytes and seconds (``DRAIN_BYTES``, ``DRAIN_SECONDS``), so a client still sending reads the
+  answer instead of a connection reset, and one that stalls cannot hold the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .concurrency import time_limit
+from .errors import BodyTimeout
+
+log = logging.getLogger(__name__)
+
+# After the answer to a refused request: read at most this much more of its body, for at most this long.
+DRAIN_BYTES = 16 * 1024 * 1024
+DRAIN_SECONDS = 2.0
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class GuardedInput:
+    """``wsgi.input`` with ``100 Continue`` sent on the first read and an idle timeout on every read.
+
+    ``raw`` is gunicorn's body reader (already limited to Content-Length, or de-chunked);
+    ``idle_s`` is the longest wait for the next bytes (s).
+
+    :raises BodyTimeout: (from any read) no byte arrived for ``idle_s`` seconds (408).
+    """
+
+    def __init__(self, raw, *, sock, expect_continue: bool, content_length: int | None, idle_s: float):
+        self.raw = raw
+        self.sock = sock
+        self.pending_continue = expect_continue
+        self.left = content_length  # None: chunked, unknown until the reader says it ended
+        self.idle_s = idle_s
+        self.ended = content_length == 0
+
+    def _read(self, fn, *args) -> bytes:
+        if self.ended:
+            return b""
+        if self.pending_continue:
+            self.pending_continue = False
+            self.sock.sendall(_CONTINUE)
+        try:
+            with time_limit(self.idle_s):
+                data = fn(*args)
+        except TimeoutError:
+            raise BodyTimeout.after(self.idle_s) from None
+        if not data:
+            self.ended = True
+        elif self.left is not None:
+            self.left -= len(data)
+            self.ended = self.left <= 0
+        return data
+
+    def read(self, size: int | None = -1) -> bytes:
+        """Up to ``size`` bytes (all that is left for -1/None), ``b""`` at the end."""
+        return self._read(self.raw.read, size if size is not None else -1)
+
+    def readline(self, size: int | None = -1) -> bytes:
+        """One line (``b"\\n"``-terminated) of at most ``size`` bytes."""
+        return self._read(self.raw.readline, size if size is not None else -1)
+
+    def readlines(self, hint: int | None = None) -> list[bytes]:
+        """The remaining lines."""
+        return list(iter(self.readline, b""))
+
+    def __iter__(self):
+        return iter(self.readline, b"")
+
+    def drain(self, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_SECONDS) -> bool:
+        """Read and discard what is left, bounded; True if the body was read to its end."""
+        self.pending_continue = False  # a refused request never gets "100 Continue"
+        read = 0
+        try:
+            with time_limit(max_seconds):
+                while not self.ended and read < max_bytes:
+                    chunk = self.raw.read(min(65536, max_bytes - read))
+                    if not chunk:
+                        self.ended = True
+                    read += len(chunk)
+                    if self.left is not None:
+                        self.left -= len(chunk)
+                        self.ended = self.ended or self.left <= 0
+        except (TimeoutError, OSError, ValueError):  # stalled, gone, or a malformed chunked body
+            return False
+        return self.ended
+
+
+class _Answered:
+    """The app's response iterable; its ``close()`` (called by gunicorn after the answer is written)
+    drains the refused request's body, bounded, before the connection closes."""
+
+    def __init__(self, body, guarded: GuardedInput):
+        self.body = body
+        self.guarded = guarded
+
+    def __iter__(self):
+        return iter(self.body)
+
+    def close(self) -> None:
+        try:
+            if not self.guarded.drain():
+                log.debug("closing a connection with its request body unread (stalled, or over the drain bound)")
+        finally:
+            if hasattr(self.body, "close"):
+                self.body.close()
+
+
+def guard_bodies(wsgi_app, *, idle_s: float):
+    """Wrap ``wsgi_app`` (a WSGI callable) as the module docstring says; returns the new WSGI callable."""
+
+    def app(environ, start_response):
+        sock = environ.get("gunicorn.socket")
+        if sock is None:  # not under gunicorn (tests' client, Ray's a2wsgi): bodies are already bounded there
+            return wsgi_app(environ, start_response)
+        length = environ.get("CONTENT_LENGTH")
+        chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+        guarded = GuardedInput(environ["wsgi.input"], sock=sock,
+                               expect_continue=environ.get("HTTP_EXPECT", "").lower() == "100-continue",
+                               content_length=None if chunked else int(length or 0), idle_s=idle_s)
+        environ["wsgi.input"] = guarded
+
+        def start(status: str, headers: list, exc_info=None):
+            if int(status[:3]) >= 400 and not guarded.ended:
+                # Refused before its body was read: answer now, close after (gunicorn's Response:
+                # the response must close, or keep-alive would read the rest of the body unbounded).
+                resp = getattr(start_response, "__self__", None)
+                if hasattr(resp, "force_close"):
+                    resp.force_close()
+                headers = [(k, v) for k, v in headers if k.lower() != "connection"] + [("Connection", "close")]
+            return start_response(status, headers, exc_info) if exc_info else start_response(status, headers)
+
+        return _Answered(wsgi_app(environ, start), guarded)
+
+    return app
