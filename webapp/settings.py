@@ -228,8 +228,9 @@ SETTINGS: tuple[Setting, ...] = (
             "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on an upload).",
             low=0.1, high=3600, commands=SERVERS),
     # -- access --
-    Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* needs 'Authorization: Bearer <token>' (compared in "
-            "constant time); else 401. The page and /healthz, /readyz stay open.", commands=SERVERS, secret=True),
+    Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
+            "Bearer <token>' (compared in constant time); else 401. The page and /healthz, /readyz, /v2 health and "
+            "metadata stay open.", commands=SERVERS, secret=True),
     Setting("RATE_LIMIT", _str, "", "Per-client-address limit on classify requests (API and page), in "
             "Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: 429. Empty: off.",
             commands=SERVERS),

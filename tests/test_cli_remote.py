@@ -1,0 +1,248 @@
+"""``python -m webapp classify --server URL``: the remote bulk client (webapp/cli/remote.py).
+
+Against a real gunicorn with a small queue (QUEUE_SIZE=2, 8 connections: 429s happen): every file is
+answered, the shared photos get the same labels as local ``classify``, bad files the same error codes;
+a dead server is one error line and exit 1. The retry timing (Retry-After, jitter, the bound) is shown
+against a stub server that refuses on purpose; the local scaling on the shared photos.
+"""
+
+from __future__ import annotations
+
+import http.server
+import io
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from conftest import ROOT, SHARED_IMAGES, shared_image
+from serving import Server, free_port
+from webapp.cli import remote
+from webapp.settings import PREFIX
+
+QUICK = ("--model", "efficientnet_lite0", "--no-compile", "--precision", "fp32", "--max-batch-size", "4")
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX) and "proxy" not in k.lower()}
+    return subprocess.run([sys.executable, "-m", "webapp", "classify", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """The shared photos, six more copies of dog.jpg (more files than connections), a truncated JPEG and
+    a text file named .jpg."""
+    if not SHARED_IMAGES.is_dir():
+        pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
+    out = tmp_path_factory.mktemp("remote")
+    for p in sorted(SHARED_IMAGES.glob("*.jpg")):
+        (out / p.name).write_bytes(p.read_bytes())
+    for i in range(6):
+        (out / f"copy-{i}.jpg").write_bytes((SHARED_IMAGES / "dog.jpg").read_bytes())
+    (out / "broken.jpg").write_bytes((SHARED_IMAGES / "dog.jpg").read_bytes()[:3000])
+    (out / "notes.jpg").write_text("not a photo")
+    return out
+
+
+@pytest.fixture(scope="module")
+def busy(tmp_path_factory):
+    """A real server whose queue holds 2 images: 8 connections at once overflow it."""
+    srv = Server(tmp_path_factory.mktemp("busy") / "server.log", args=("--no-control-socket",),
+                 MODEL="efficientnet_lite0", COMPILE=0, PRECISION="fp32", WORKERS=1, MAX_BATCH_SIZE=2, QUEUE_SIZE=2)
+    try:
+        srv.wait_ready(workers=1)
+    except BaseException:
+        srv.stop()
+        raise
+    yield srv
+    srv.stop_cleanly()
+
+
+@pytest.fixture(scope="module")
+def local(folder) -> dict[str, dict]:
+    """Local classify's JSON results, by path."""
+    out = run_cli(str(folder), "--format", "json", "-q", *QUICK)
+    assert out.returncode == 1, out.stderr  # the two bad files
+    return {r["path"]: r for r in json.loads(out.stdout)}
+
+
+def remote_run(srv, folder, *extra: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
+    out = run_cli(str(folder), "--server", srv.url, "--format", "json", "--jobs", "8", *extra)
+    return out, {r["path"]: r for r in json.loads(out.stdout)}
+
+
+def assert_same_answers(local: dict, got: dict, *, probability_tol: float) -> None:
+    assert set(got) == set(local)
+    for path, mine in local.items():
+        theirs = got[path]
+        assert theirs["model"] == mine["model"] == "efficientnet_lite0"
+        if mine["error"]:
+            assert theirs["error"]["code"] == mine["error"]["code"], (path, theirs["error"], mine["error"])
+            assert theirs["predictions"] == []
+            continue
+        assert theirs["error"] is None, (path, theirs["error"])
+        assert (theirs["width"], theirs["height"], theirs["format"]) == (mine["width"], mine["height"], mine["format"])
+        assert [p["label"] for p in theirs["predictions"]] == [p["label"] for p in mine["predictions"]], path
+        assert [p["probability"] for p in theirs["predictions"]] == pytest.approx(
+            [p["probability"] for p in mine["predictions"]], abs=probability_tol), path
+
+
+@pytest.mark.server
+def test_every_file_answered_through_429s_like_local_classify(busy, folder, local):
+    out, got = remote_run(busy, folder)
+    assert out.returncode == 1, out.stderr  # the two bad files, as locally
+    assert len(got) == len(local) == 17
+    # Big photos go scaled as the server's own decode would: the same labels and probabilities
+    # (up to the batch each image ran in, in another process).
+    assert_same_answers(local, got, probability_tol=1e-4)
+    assert got[str(folder / "broken.jpg")]["error"]["code"] == "undecodable_image"
+    assert got[str(folder / "notes.jpg")]["error"]["code"] == "unsupported_media_type"
+    summary = out.stderr.strip().splitlines()[-1]
+    assert summary.startswith("17 files: 15 classified, 2 failed; ")
+    repeated = int(summary.split("; ")[-1].split(" tries repeated")[0])
+    assert repeated > 0, f"the small queue never said 429: {out.stderr[-2000:]}"
+    log = busy.output()
+    assert '" 429 ' in log or " 429 " in log, "the server's access log shows no 429"
+
+
+@pytest.mark.server
+def test_no_scale_sends_the_originals(busy, folder, local):
+    out, got = remote_run(busy, folder, "--no-scale", "--topk", "3")
+    assert out.returncode == 1, out.stderr
+    # The very same bytes through the same decode and model: the same probabilities (batching aside).
+    assert_same_answers(local, got, probability_tol=1e-4)
+
+
+@pytest.mark.server
+def test_table_and_csv_outputs_match_local(busy, folder):
+    for fmt in ("table", "csv"):
+        mine = run_cli(str(folder / "dog.jpg"), str(folder / "broken.jpg"), "--format", fmt, "-q", "--no-scale",
+                       *QUICK)
+        theirs = run_cli(str(folder / "dog.jpg"), str(folder / "broken.jpg"), "--format", fmt, "-q", "--no-scale",
+                         "--server", busy.url)
+        assert (mine.returncode, theirs.returncode) == (1, 1)
+        # The same lines, up to the last digits of the probabilities (another process's batch).
+        strip = lambda text: [line.rsplit(",", 2)[0] if fmt == "csv" else line.split()[0] for line in text.splitlines()]  # noqa: E731
+        assert strip(theirs.stdout) == strip(mine.stdout)
+        assert theirs.stdout.count("error") == mine.stdout.count("error") == 1
+
+
+def test_dead_server_is_one_error_line_and_exit_1(folder):
+    url = f"http://127.0.0.1:{free_port()}"
+    out = run_cli(str(folder / "dog.jpg"), "--server", url, timeout=60)
+    assert out.returncode == 1
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the server at {url}: "), out.stderr
+    assert "refused" in lines[0].lower()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--model", "resnet18"), "error: --model do(es) not go with --server"),
+    (("--cluster", "--out", "x.parquet"), "error: --cluster, --out do(es) not go with --server"),
+])
+def test_server_settings_are_refused(folder, extra, message):
+    out = run_cli(str(folder / "dog.jpg"), "--server", "http://127.0.0.1:9", *extra, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith(message), out.stderr
+
+
+def test_server_must_be_a_url(folder):
+    out = run_cli(str(folder / "dog.jpg"), "--server", "localhost:8000", timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: --server must be an http:// or https:// URL")
+
+
+# -- retries against a stub that refuses on purpose -----------------------------------------------------------
+class Stub(http.server.ThreadingHTTPServer):
+    """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200; records arrival times."""
+
+    def __init__(self, plan: list[tuple[int, str | None]]):
+        self.plan, self.arrivals = list(plan), []
+        stub = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                stub.arrivals.append(time.monotonic())
+                if stub.plan:
+                    status, after = stub.plan.pop(0)
+                    body = {"error": {"code": "overloaded", "message": "server busy", "status": status}}
+                else:
+                    status, after = 200, None
+                    body = {"results": [{"width": 1, "height": 1, "format": "PNG", "batch_size": 1,
+                                         "predictions": [{"label": "kite", "index": 21, "probability": 0.5}]}]}
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                if after is not None:
+                    self.send_header("Retry-After", after)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def tiny_file(tmp_path) -> Path:
+    path = tmp_path / "x.png"
+    Image.new("RGB", (4, 4)).save(path)
+    return path
+
+
+def test_429_is_retried_after_retry_after_with_jitter(tmp_path):
+    stub = Stub([(429, "1"), (503, "2")])
+    try:
+        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None)
+    finally:
+        stub.shutdown()
+    assert "error" not in result
+    assert result["predictions"][0]["label"] == "kite" and result["retries"] == 2
+    first, second = (b - a for a, b in zip(stub.arrivals, stub.arrivals[1:]))
+    assert 1.0 <= first <= 1.0 * (1 + remote.JITTER) + 0.5, first
+    assert 2.0 <= second <= 2.0 * (1 + remote.JITTER) + 0.5, second
+
+
+def test_retries_are_bounded_and_end_in_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "MAX_TRIES", 3)
+    stub = Stub([(429, "0")] * 5)
+    try:
+        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None)
+    finally:
+        stub.shutdown()
+    assert len(stub.arrivals) == 3 and result["retries"] == 2
+    assert result["error"] == {"code": "overloaded", "message": "server busy (gave up after 3 tries, 0 s of waiting)"}
+
+
+# -- local scaling ----------------------------------------------------------------------------------------
+def test_big_photos_are_scaled_upright_and_described_as_the_original():
+    data = shared_image("phone-12mp-exif-rotated.jpg").read_bytes()
+    body, info = remote.scaled(data, 512)
+    assert info == {"width": 4032, "height": 3024, "format": "JPEG"}  # upright, as the server reports it
+    assert len(body) < len(data) / 8
+    with Image.open(io.BytesIO(body)) as im:  # the server's own 1/8 DCT scale, upright, lossless
+        assert im.format == "PNG" and im.size == (504, 378) and "exif" not in im.info
+    kite = shared_image("kite.jpg").read_bytes()  # 1352x900: 1/2 scale
+    with Image.open(io.BytesIO(remote.scaled(kite, 512)[0])) as im:
+        assert im.size == (676, 450)
+
+
+def test_small_or_unreadable_files_are_sent_as_they_are():
+    dog = shared_image("dog.jpg").read_bytes()  # 768x576: its 1/2 scale as PNG would be larger than the JPEG
+    assert remote.scaled(dog, 512) == (dog, {"width": 768, "height": 576, "format": "JPEG"})
+    scream = shared_image("scream.jpg").read_bytes()  # 352x448: under 512
+    assert remote.scaled(scream, 512) == (scream, {"width": 352, "height": 448, "format": "JPEG"})
+    assert remote.scaled(b"not a photo", 512) == (b"not a photo", None)
