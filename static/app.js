@@ -1,13 +1,16 @@
 // Progressive enhancement of the upload form (the page works without this file).
-// Photos come from the file picker, the camera input, drag and drop or paste; each is sent on its
-// own to POST /api/v1/predict (the server batches concurrent requests), previewed locally, and
-// rendered with its top labels, model, precision and timing. The language switch applies in place.
+// Photos come from the file picker, the camera input, drag and drop or paste; each is scaled in the
+// browser to the size the model needs (static/scale.js: one decode gives the upload and the preview;
+// the original goes up where that cannot be done), sent on its own to POST /api/v1/predict (the
+// server batches concurrent requests) and rendered with its top labels, model, precision, what was
+// sent and the timing. The language switch applies in place.
 // Strings and Chinese labels come from /i18n/<lang>.json (labels by ImageNet class index).
+
+import { prepare, scalingOn, sendShortSide } from "./scale.js";
 
 const MAX_PARALLEL = 4;     // photos in flight at once
 const MAX_RETRIES = 2;      // automatic retries of a 429/503 that asks to wait at most RETRY_MAX_S
 const RETRY_MAX_S = 10;
-const THUMB_PX = 320;       // preview size (long side), drawn to a canvas: the CSP allows data: images only
 
 const doc = document.documentElement;
 const body = document.body;
@@ -21,6 +24,8 @@ const topk = document.getElementById("topk");
 const pickers = [document.getElementById("file"), document.getElementById("camera")];
 
 doc.classList.replace("no-js", "js");
+if (scalingOn) sendShortSide(body.dataset.models);   // fetched once, before the first photo needs it
+else document.getElementById("privacy").hidden = true;   // ?scale=0 (a diagnostic): originals go up
 
 const state = { lang: body.dataset.lang, i18n: null, items: [], queue: [], running: 0, batch: null };
 let loading = loadI18n(body.dataset.i18n);
@@ -51,7 +56,7 @@ function add(files) {
   results.hidden = false;
   clearButton.hidden = false;
   const fresh = files.map((file, i) => ({
-    file, name: file.name || `photo-${state.items.length + i + 1}.png`, thumb: undefined,
+    file, name: file.name || `photo-${state.items.length + i + 1}.png`, thumb: undefined, sent: null,
     answer: null, error: null, waiting: null, card: null,
   }));
   state.items.push(...fresh);
@@ -61,7 +66,6 @@ function add(files) {
     item.card = h("article", { className: "result" });
     frag.append(item.card);
     render(item);
-    preview(item);
     state.queue.push(item);
   }
   cards.prepend(frag);
@@ -119,25 +123,6 @@ document.addEventListener("paste", (e) => {
   add(files);
 });
 
-// -- previews ----------------------------------------------------------------------------------
-async function preview(item) {
-  try {
-    const bmp = await createImageBitmap(item.file);   // EXIF orientation applied
-    const scale = Math.min(1, THUMB_PX / Math.max(bmp.width, bmp.height));
-    const canvas = h("canvas", { width: Math.max(1, Math.round(bmp.width * scale)), height: Math.max(1, Math.round(bmp.height * scale)) });
-    const ctx = canvas.getContext("2d");
-    ctx.fillStyle = "#fff";
-    ctx.fillRect(0, 0, canvas.width, canvas.height);
-    ctx.imageSmoothingQuality = "high";
-    ctx.drawImage(bmp, 0, 0, canvas.width, canvas.height);
-    bmp.close();
-    item.thumb = canvas.toDataURL("image/jpeg", 0.85);
-  } catch {
-    item.thumb = null;   // a format this browser cannot draw (TIFF, HEIC...): the server may still read it
-  }
-  render(item);
-}
-
 // -- classifying -------------------------------------------------------------------------------
 function pump() {
   while (state.running < MAX_PARALLEL && state.queue.length) {
@@ -149,11 +134,25 @@ function pump() {
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
+// The upload (scaled copy or original) and the preview, from one decode of the photo.
+async function prepareItem(item) {
+  const short = scalingOn ? await sendShortSide(body.dataset.models) : null;
+  item.sent = await prepare(item.file, short);
+  item.thumb = item.sent.thumb;
+  item.card.dataset.sent = item.sent.why;
+  render(item);
+}
+
 async function classify(item) {
   const k = Math.min(10, Math.max(1, parseInt(topk.value, 10) || 3));
+  await prepareItem(item);
   for (let attempt = 0; ; attempt += 1) {
+    const { blob, original } = item.sent;
     const data = new FormData();
-    data.append("file", item.file, item.name);
+    data.append("file", blob, item.name);
+    if (original) {   // the server reports the photo as this original, marked scaled_by_client
+      for (const key of ["width", "height", "format", "bytes"]) data.append(`original_${key}`, original[key]);
+    }
     let resp, json = null;
     try {
       resp = await fetch(`${body.dataset.api}?topk=${k}`, { method: "POST", body: data, headers: { Accept: "application/json" } });
@@ -167,6 +166,12 @@ async function classify(item) {
       break;
     }
     if (resp.status === 401) return submitPlainForm();   // API token set: the page itself stays open
+    if (original && (resp.status === 400 || resp.status === 415)) {
+      // The server refused the scaled copy: send the photo itself, as if it had never been scaled.
+      item.sent = { ...item.sent, blob: item.file, original: null, why: "refused" };
+      item.card.dataset.sent = "refused";
+      continue;
+    }
     const wait = parseInt(resp.headers.get("Retry-After"), 10);
     const code = json?.error?.code ?? (resp.status === 429 ? "overloaded" : resp.status === 413 ? "too_large" : "other");
     if ((resp.status === 429 || resp.status === 503) && wait >= 0 && wait <= RETRY_MAX_S && attempt < MAX_RETRIES) {
@@ -206,6 +211,13 @@ function errorWords(err) {
 }
 
 const ms = (v) => (v < 10 ? v.toFixed(1) : v.toFixed(0));
+// Bytes for people, in decimal units as phones and file managers show them: 3.2 MB, 68 KB, 900 B.
+const size = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : n >= 1e3 ? `${Math.round(n / 1e3)} KB` : `${n} B`);
+
+function sentWords(item) {
+  const { blob, original } = item.sent;
+  return original ? tr("scaled", { from: size(original.bytes), to: size(blob.size) }) : tr("sent_as_is", { size: size(blob.size) });
+}
 
 function labelOf(p) {
   return state.i18n?.labels?.[p.index] ?? p.label;
@@ -235,6 +247,7 @@ function render(item) {
         " · ", tr("size", { width: res.width, height: res.height, format: res.format })),
       h("p", { className: "timing" },
         h("span", { className: "visually-hidden" }, tr("timing_label") + ": "),
+        h("span", { className: "sent" }, sentWords(item)), " · ",
         tr("timing", Object.fromEntries(Object.entries(answer.timing_ms).map(([k, v]) => [k, ms(v)])))));
   } else if (error) {
     parts.push(h("p", { className: "problem" }, errorWords(error)));

@@ -145,7 +145,7 @@ def test_language_from_accept_language_cookie_and_link(client):
     # A plain link switches and remembers (works without JavaScript).
     resp = client.get("/?lang=zh", headers={"Accept-Language": "en"})
     html = resp.get_data(as_text=True)
-    assert '<html lang="zh-Hans"' in html and "<h1" in html and "照片识别" in html
+    assert '<html lang="zh-Hans"' in html and "<h1" in html and "AI万物识别" in html
     cookie = resp.headers["Set-Cookie"]
     assert cookie.startswith("lang=zh;") and "Max-Age=" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie
     assert {"Cookie", "Accept-Language"} <= set(resp.vary)
@@ -164,7 +164,7 @@ def test_i18n_bundle_for_the_script(client):
     assert resp.status_code == 200 and body["lang"] == "zh" and body["htmlLang"] == "zh-Hans"
     assert len(body["labels"]) == 1000 and body["labels"][235] == "德国牧羊犬"
     assert body["modelTitles"]["efficientnet_lite0"] == "EfficientNet-Lite0（离线模型）"
-    assert body["strings"]["title"] == "照片识别"
+    assert body["strings"]["title"] == "AI万物识别"
     en = client.get("/i18n/en.json").get_json()
     assert en["labels"] is None and set(en["strings"]) == set(body["strings"])
     # The page links it with its content hash: cached for long, revalidated by ETag.
