@@ -7,8 +7,10 @@ CRCs are re-fixed half the time so a mutated IHDR really reaches the decoder). T
 
 * to ``decode`` + ``preprocess`` in this process (thousands a second): anything but the documented
   errors (``NoFile``/``UndecodableImage`` 400, ``TooLarge`` 413, ``NotAnImage`` 415) is a failure,
-  and so is a warning escaping, a result that is not RGB or is over the pixel cap, or a tensor
-  that is not ``(3, 224, 224)`` finite float32;
+  and so is a warning that gets past the service's own warning filters (which silence Pillow's: a
+  "Corrupt EXIF data" on a broken TIFF says nothing the answer does not), a result that is not RGB
+  or is over the pixel cap, or a tensor that is not ``(3, 224, 224)`` finite float32. A failure is
+  a failure of the service, never of this harness;
 * to ``POST /api/v1/predict`` of a gunicorn server, as multipart ``file`` (fuzzed filename) or as a
   raw body (``image/jpeg``, ``image/png``, ``application/octet-stream``), with a fuzzed ``topk``
   now and then: a status outside {200, 400, 413, 415}, a body that is not the documented JSON
@@ -243,7 +245,10 @@ TRANSFORM = imaging.build_transform(LITE0_PREPROCESSING)
 def check_decode(data: bytes) -> str:
     """Run decode + preprocess; return the outcome's name, raise Failure on anything undocumented."""
     with warnings.catch_warnings(record=True) as caught:
+        # Everything recorded every time, except what the service's own filters silence in the service
+        # too (set again here: an import inside someone's catch_warnings block would have lost them).
         warnings.simplefilter("always")
+        imaging.silence_pillow_warnings()
         try:
             d = imaging.decode(data, max_pixels=MAX_PIXELS, name="fuzz")
             x = imaging.preprocess(d.image, TRANSFORM)

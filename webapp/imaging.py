@@ -34,12 +34,18 @@ from .models import Preprocessing
 # could not come first (a 16x16 entry can hide a 13000x13000 PNG).
 FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
 
-# Pillow warns about uploads (corrupt EXIF, decompression bombs, palette transparency) where
-# decode either raises a ServiceError or carries on correctly: such warnings would only leak
-# into logs. Set once here, not with catch_warnings per call, which is not thread-safe and
-# decodes run on several threads (batcher.Offloader).
-warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
-warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+def silence_pillow_warnings() -> None:
+    """Pillow warns about uploads (corrupt EXIF, decompression bombs, palette transparency) where
+    decode either raises a ServiceError or carries on correctly: such warnings would only leak into
+    logs. Process-wide filters, set once on import, not with catch_warnings per call, which is not
+    thread-safe (decodes run on several threads, batcher.Offloader). Also called by bench/fuzz.py,
+    which judges decode with exactly the service's filters."""
+    warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+
+
+silence_pillow_warnings()
 
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (
