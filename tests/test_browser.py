@@ -130,7 +130,9 @@ def test_upload_switch_language_drop_and_paste(server, browser, tmp_path):
         meta = card.locator(".meta").inner_text()
         assert "EfficientNet-Lite0" in meta and "fp32" in meta
         timing = card.locator(".timing").inner_text()
-        assert "decode" in timing and "queue" in timing and "inference" in timing
+        assert "decode" in timing and "wait for batch" in timing and "inference" in timing
+        # dog.jpg (768x576) is over the size worth sending (512 px short side): scaled, and said so
+        assert card.locator(".timing .sent").inner_text().startswith("scaled in the browser: 164 KB → ")
         assert page.locator("#status").inner_text() == "Photo classified."
 
         # Switch language in place: the labels turn Chinese, the strings too, the choice is remembered.
