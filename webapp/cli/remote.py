@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", default=None, metavar="URL",
                         help="classify with a running server (http://host:port) instead of a local model: N "
                              "concurrent connections (--jobs, default %d), photos scaled locally first, 429 and "
-                             "Retry-After honoured; same outputs and exit status. A token is read from "
-                             "CLASSIFIER_API_TOKEN" % DEFAULT_JOBS)
+                             "Retry-After honoured; same outputs and exit status. Where the server wants a "
+                             "token, set its API_TOKEN setting's variable here too (read from the environment)"
+                             % DEFAULT_JOBS)
     parser.add_argument("--no-scale", action="store_true",
                         help="with --server: send the files as they are (default: photos larger than the server "
                              "needs are scaled down locally first)")
