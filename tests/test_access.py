@@ -37,6 +37,33 @@ def test_token_is_required_for_the_api_only(guarded):
     assert client.get("/").status_code == 200
 
 
+def test_a_missing_token_and_a_wrong_one_are_told_apart(guarded):
+    client = guarded.test_client()
+    for headers in ({}, {"Authorization": "s3cret-token"}, {"Authorization": "Bearer "}):
+        resp = post(client, **headers)
+        assert resp.get_json()["error"]["message"] == "this API needs a token: send 'Authorization: Bearer <token>'"
+        assert resp.headers["WWW-Authenticate"] == 'Bearer realm="classifier"'
+    resp = post(client, Authorization="Bearer wrong")
+    assert resp.status_code == 401 and resp.get_json()["error"]["message"] == (
+        "this API needs a token, and the bearer token sent is not this server's: send 'Authorization: Bearer <token>' "
+        "with the right one")
+    assert resp.headers["WWW-Authenticate"] == 'Bearer realm="classifier", error="invalid_token"'
+
+
+def test_the_page_and_the_api_share_one_budget_per_client(make_app):
+    """CLASSIFIER_RATE_LIMIT is one budget per client address, whichever way it classifies."""
+    import io
+
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="3/minute")
+    client = app.test_client()
+
+    def page():
+        return client.post("/", data={"file": (io.BytesIO(PNG), "a.png")}).status_code
+
+    statuses = [page(), post(client).status_code, page(), post(client).status_code, page()]
+    assert statuses == [200, 200, 200, 429, 429]
+
+
 def test_rate_limit_answers_429_with_retry_after(guarded):
     client = guarded.test_client()
     statuses = [post(client, Authorization="Bearer s3cret-token").status_code for _ in range(6)]

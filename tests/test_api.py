@@ -69,6 +69,17 @@ def test_empty_file_part_is_400(client):
     assert "empty" in assert_error(resp, 400, "no_file")
 
 
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_post_with_no_body_is_400_no_file(client, content_type):
+    """`curl -X POST .../predict`: nothing was sent, so no photo (400 no_file), not an unsupported type (415)."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    resp = client.post("/api/v1/predict", headers=headers)
+    assert assert_error(resp, 400, "no_file") == ("no image: the request has no body; send the photo as multipart "
+                                                  "field 'file', or as the raw body with Content-Type image/*")
+    resp = client.post("/api/v1/predict", headers=headers, environ_overrides={"CONTENT_LENGTH": ""})
+    assert_error(resp, 400, "no_file")  # no Content-Length and not chunked: no body either
+
+
 def test_not_an_image_is_415(client):
     resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(b"%PDF-1.7\n..."), "doc.jpg")},
                        content_type="multipart/form-data")

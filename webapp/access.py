@@ -1,9 +1,10 @@
 """Who may classify, and how often: the optional API token and the optional per-client rate limit.
 
 Both are off by default (a localhost service needs neither) and switched on by settings.
-The rate limit uses Flask-Limiter; its counters live where ``RATE_LIMIT_STORAGE`` says
+The rate limit uses Flask-Limiter: one budget per client address, shared by every way of
+classifying (the page, the JSON API, /v2); its counters live where ``RATE_LIMIT_STORAGE`` says
 (``memory://`` is per worker process, so N workers admit up to N times the limit; point it
-at Redis or Memcached to share one count).
+at Redis or Memcached to share one count). A refused token says whether it was missing or wrong.
 """
 
 from __future__ import annotations
@@ -27,6 +28,20 @@ def check_token(header: str | None, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
+def token_refusal(header: str | None, token: str, what: str) -> Unauthorized | None:
+    """None if ``header`` carries ``token``; else the 401 for ``what`` ("this API", "/metrics"), saying which
+    problem it is: no bearer token at all, or one that is not this server's (RFC 6750's ``invalid_token``)."""
+    if check_token(header, token):
+        return None
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
+        return Unauthorized(f"{what} needs a token: send 'Authorization: Bearer <token>'",
+                            headers={"WWW-Authenticate": 'Bearer realm="classifier"'})
+    return Unauthorized(f"{what} needs a token, and the bearer token sent is not this server's: send "
+                        f"'Authorization: Bearer <token>' with the right one",
+                        headers={"WWW-Authenticate": 'Bearer realm="classifier", error="invalid_token"'})
+
+
 def init_access(app: Flask, settings) -> None:
     """Install the token check and the rate limit on ``app`` as ``settings`` say.
 
@@ -44,10 +59,10 @@ def init_access(app: Flask, settings) -> None:
         @app.before_request
         def require_token():
             token = tokens.get(request.endpoint)
-            if token and not check_token(request.headers.get("Authorization"), token):
-                what = "/metrics" if request.endpoint == "metrics" else "this API"
-                raise Unauthorized(f"{what} needs a token: send 'Authorization: Bearer <token>'",
-                                   headers={"WWW-Authenticate": 'Bearer realm="classifier"'})
+            what = "/metrics" if request.endpoint == "metrics" else "this API"
+            refusal = token and token_refusal(request.headers.get("Authorization"), token, what)
+            if refusal:
+                raise refusal
 
     if not settings.RATE_LIMIT:
         return
@@ -58,9 +73,9 @@ def init_access(app: Flask, settings) -> None:
 
     try:
         parse_many(settings.RATE_LIMIT)
-    except ValueError as exc:
-        raise SettingsError(f"CLASSIFIER_RATE_LIMIT={settings.RATE_LIMIT!r} is not valid: {exc}; allowed: "
-                            f"Flask-Limiter notation such as '120/minute' or '10/second;500/hour'") from None
+    except ValueError:  # its words repeat the value; the rule is what helps
+        raise SettingsError(f"CLASSIFIER_RATE_LIMIT={settings.RATE_LIMIT!r} is not valid; allowed: Flask-Limiter "
+                            f"notation such as '120/minute' or '10/second;500/hour'") from None
     try:
         storage_from_string(settings.RATE_LIMIT_STORAGE)
     except Exception as exc:
@@ -75,6 +90,9 @@ def init_access(app: Flask, settings) -> None:
 
     limiter = Limiter(get_remote_address, app=app, storage_uri=settings.RATE_LIMIT_STORAGE, headers_enabled=True,
                       strategy="moving-window")
+    # One budget per client address for every way of classifying (page, API, /v2): a shared limit, so
+    # switching from the API to the page does not double what a client may send.
+    budget = limiter.shared_limit(settings.RATE_LIMIT, scope="classify")
     for endpoint in CLASSIFY_ENDPOINTS:
-        app.view_functions[endpoint] = limiter.limit(settings.RATE_LIMIT)(app.view_functions[endpoint])
+        app.view_functions[endpoint] = budget(app.view_functions[endpoint])
 

@@ -43,7 +43,7 @@ class ServiceError(Exception):
 
 class NoFile(ServiceError):
     status, code = 400, "no_file"
-    when = "no multipart `file` part, an empty one, or a 0-byte file"
+    when = "no body at all (e.g. a bare POST), no multipart `file` part, an empty one, or a 0-byte file"
 
 
 class UndecodableImage(ServiceError):
@@ -59,7 +59,8 @@ class BadRequest(ServiceError):
 
 class Unauthorized(ServiceError):
     status, code = 401, "unauthorized"
-    when = "`CLASSIFIER_API_TOKEN` is set and the request lacks `Authorization: Bearer <token>`"
+    when = ("`CLASSIFIER_API_TOKEN` is set and the request lacks `Authorization: Bearer <token>`, or its token "
+            "is wrong (the message says which)")
     settings = ("API_TOKEN",)
 
 

@@ -139,6 +139,13 @@ def _over_limit(request: Request) -> bool:
         return False
 
 
+def _no_body(request: Request) -> bool:
+    """True when the request carries no body: ``Content-Length: 0``, or neither a length nor chunked encoding."""
+    if request.content_length is not None:
+        return request.content_length == 0
+    return "chunked" not in request.headers.get("Transfer-Encoding", "").lower()
+
+
 def _too_large(request: Request) -> TooLarge:
     return TooLarge.body(request.max_content_length)
 
@@ -150,6 +157,7 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises TooLarge: more than ``max_files`` files, or a body over ``MAX_CONTENT_LENGTH`` (413;
         Werkzeug raises its own 413 when Content-Length already says so).
     :raises BadRequest: a malformed multipart body, or bad ``original_*`` fields (400; see ``read_originals``).
+    :raises NoFile: no body at all (400), whatever its Content-Type.
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
     """
     mimetype = request.mimetype
@@ -186,5 +194,8 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         if _over_limit(request):
             raise _too_large(request)
         return [Upload(_clean_name(name), data)]
+    if _no_body(request):  # nothing sent at all: no photo, whatever the Content-Type says
+        raise NoFile("no image: the request has no body; send the photo as multipart field 'file', or as the raw "
+                     "body with Content-Type image/*")
     raise NotAnImage(f"Content-Type {mimetype or '(none)'} is not accepted: send multipart/form-data with an "
                      f"image in field 'file', or the raw image with Content-Type image/*")
