@@ -5,8 +5,8 @@
 metadata), ``GET .../ready``, ``POST .../infer``. ``{name}`` is the serving model's name or the alias
 ``classifier``; ``{v}`` is ``1``; any other is 404. The tensors' format is ``webapp/v2_codec.py``'s.
 
-HTTP only, as ``api.py``: inference goes through the same ``classifier.classify`` as
-``/api/v1/predict``, so decode, limits, batching, precision, errors and metrics are that path's;
+HTTP only, as ``api.py``: inference goes through the same ``classifier.admit`` (before the body is
+read) and ``classifier.classify`` as ``/api/v1/predict``, so decode, limits, batching, precision, errors and metrics are that path's;
 the token and the rate limit cover ``infer`` as they cover ``predict`` (``webapp/access.py``).
 Errors are the protocol's ``{"error": "<code>: <message>"}`` with the API's status and headers
 (``Retry-After``), rendered by the one handler in ``webapp/errors.py`` for every path under ``/v2``.
@@ -21,7 +21,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from . import catalog
 from . import v2_codec as codec
 from .contract import Upload
-from .errors import BadRequest, NotAnImage, NotFound, TooLarge, drain_body
+from .errors import BadRequest, NotAnImage, NotFound, TooLarge
 from .logs import current_request_id
 
 bp = Blueprint("v2", __name__)
@@ -97,8 +97,7 @@ def _body(limit: int) -> bytes:
     if encoding not in ("identity", "", *_ENCODINGS):
         raise NotAnImage(f"Content-Encoding {encoding[:40]} is not supported: send the body as it is, or gzip "
                          f"or deflate it")
-    if request.content_length is not None and request.content_length > limit:
-        drain_body(request.environ)  # the client is still sending: read the rest so it gets the 413
+    if request.content_length is not None and request.content_length > limit:  # answered before the body
         raise TooLarge(f"the request is {request.content_length:,} bytes; the limit is {limit:,} "
                        f"(CLASSIFIER_MAX_UPLOAD_BYTES, plus a third for base64)")
     request.max_content_length = limit
@@ -106,7 +105,6 @@ def _body(limit: int) -> bytes:
     if request.content_length is None and len(data) >= limit:
         # Werkzeug stops reading a chunked body at the limit without saying so; one more byte tells.
         if request.environ["wsgi.input"].read(1):
-            drain_body(request.environ)
             raise TooLarge(f"the request is larger than {limit:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES, plus a "
                            f"third for base64)")
     if encoding in _ENCODINGS:
@@ -130,10 +128,10 @@ def infer(name: str, version: str | None = None):
     serving = _serving(name, version)
     mimetype = request.mimetype
     if mimetype == "multipart/form-data" or mimetype.startswith("image/"):
-        drain_body(request.environ)
         raise NotAnImage(f"Content-Type {mimetype} is not an inference request: send the protocol's JSON (photos "
                          f"as base64 strings) or its binary tensor data; or use /api/v1/predict for uploads")
     clf = _classifier()
+    clf.admit()  # not ready or full: answered before the body is read, as /api/v1/predict
     s = clf.settings
     entry = catalog.BY_NAME.get(serving)
     req = codec.parse_request(_body(codec.body_limit(s.MAX_UPLOAD_BYTES)), request.headers.get(codec.HEADER),
