@@ -29,3 +29,12 @@ def test_readme_error_table_is_generated_from_the_error_table():
     start = README.index("<!-- error table")
     block = README[README.index("\n", start) + 1: README.index("<!-- end of error table -->")].strip()
     assert block == errors.markdown_table(), "regenerate the README table from webapp.errors.markdown_table()"
+
+
+def test_readme_classify_exit_table_is_generated_from_the_cli():
+    from webapp.cli.common import CLASSIFY_EXIT_STATUS, exit_status_table
+
+    start = README.index("<!-- classify exit table")
+    block = README[README.index("\n", start) + 1: README.index("<!-- end of classify exit table -->")].strip()
+    assert block == exit_status_table(CLASSIFY_EXIT_STATUS), \
+        "regenerate the README table from webapp.cli.common.exit_status_table(CLASSIFY_EXIT_STATUS)"
