@@ -255,6 +255,17 @@ def test_replica_answers_a_bad_upload_as_data_and_spares_the_others(replica):
     assert answers[1]["answer"]["results"][0]["filename"] == "other.png"
 
 
+def test_replica_reports_the_original_of_a_client_scaled_upload(replica):
+    from webapp.contract import Original
+
+    up = _png_upload("phone.png", 3)
+    up.original = Original(4032, 3024, "HEIC", 2_500_000)  # what the page says of a photo it scaled
+    (answer,) = _classify_all(replica, [[up]])
+    res = answer["answer"]["results"][0]
+    assert (res["width"], res["height"], res["format"], res["bytes"]) == (4032, 3024, "HEIC", 2_500_000)
+    assert res["scaled_by_client"] == {"width": 40, "height": 30, "format": "PNG", "bytes": len(up.data)}
+
+
 def test_replica_batch_failure_fails_its_requests_then_serves_again(replica, monkeypatch):
     def broken(batch):
         raise RuntimeError("simulated kernel failure")
