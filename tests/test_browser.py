@@ -479,3 +479,52 @@ def test_what_the_browser_cannot_decode_goes_up_as_it_is(server, browser, name, 
         assert card.locator(".thumb.none").inner_text() == "No preview"
     finally:
         tab.close()
+
+
+# A browser without createImageBitmap's resizeQuality (the page then halves on a canvas), and one whose
+# JPEG encoder fails (the page then sends the original): set up before the page's script runs.
+NO_RESIZE_QUALITY = """{
+    const original = window.createImageBitmap;
+    window.resizeCalls = 0;  // calls with options: the page's probe, and a resize if it (wrongly) asked for one
+    // Pass on only the members such a browser knows: the page's probe never sees its getter read.
+    window.createImageBitmap = (src, opts) => {
+        if (!opts) return original(src);
+        window.resizeCalls += 1;
+        return original(src, { resizeWidth: opts.resizeWidth, resizeHeight: opts.resizeHeight });
+    };
+}"""
+BROKEN_ENCODER = """{
+    OffscreenCanvas.prototype.convertToBlob = () => Promise.reject(new Error("encoder broke"));
+    HTMLCanvasElement.prototype.toBlob = function () { throw new Error("encoder broke"); };
+}"""
+
+
+@pytest.mark.parametrize("script, how", [(NO_RESIZE_QUALITY, "scaled"), (BROKEN_ENCODER, "failed")],
+                         ids=["stepwise-canvas", "encoder-fails"])
+def test_scaling_without_resize_quality_or_with_a_failing_encoder(server, browser, script, how):
+    phone = shared_image(PHONE)
+    original = phone.read_bytes()
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    page.add_init_script(script)
+    rec = Recorder(page)
+    try:
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=[{"name": PHONE, "mimeType": "image/jpeg", "buffer": original}])
+        card = page.locator(".result").first
+        wait_for_labels(page, card, DOG_EN)  # the photo is answered either way
+        assert card.get_attribute("data-sent") == how
+        fields, data, _ = rec.sent()[PHONE]
+        if how == "scaled":
+            assert page.evaluate("window.resizeCalls") == 1  # the probe only: the halving steps did the scaling
+            with Image.open(io.BytesIO(data)) as im:
+                assert im.size == (683, 512) and not im.getexif()
+            ref, got = api_top1(server, phone)["predictions"][0], rec.answers[PHONE]["predictions"][0]
+            print(f"\nstepwise canvas downscale: api {ref['label']} {ref['probability']:.3f}, "
+                  f"page {got['label']} {got['probability']:.3f}")
+            assert got["index"] == ref["index"] and abs(got["probability"] - ref["probability"]) <= SCALED_DRIFT_MAX
+        else:
+            assert data == original and fields == {}
+            assert card.locator(".timing .sent").inner_text() == "sent as is: 3.3 MB"
+    finally:
+        tab.close()
