@@ -194,31 +194,6 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
-# After a refusal we read and discard at most this much more of the body, so the client (which is
-# still sending) receives the 413 instead of a connection reset; past it we close regardless.
-DRAIN_LIMIT = 256 * 1024 * 1024
-
-
-def drain_body(environ: dict, limit: int = DRAIN_LIMIT) -> bool:
-    """Read and discard what is left of the request body, up to ``limit`` bytes.
-
-    Returns True if the body was read to its end (the connection can be reused cleanly).
-    """
-    stream = environ.get("wsgi.input")
-    if stream is None:
-        return True
-    left = limit
-    try:
-        while left > 0:
-            chunk = stream.read(min(65536, left))
-            if not chunk:
-                return True
-            left -= len(chunk)
-    except Exception:  # client went away, or a malformed chunked body: nothing more to save
-        return False
-    return False
-
-
 def init_errors(app, settings) -> None:
     """Register the one error handler on ``app``: JSON for the API, the page for the UI, and
     ``{"error": "<code>: <message>"}`` under ``/v2`` (the Open Inference Protocol's shape).
