@@ -37,3 +37,24 @@ def test_an_undocumented_exception_is_a_failure(monkeypatch):
     monkeypatch.setattr(imaging, "decode", broken)
     with pytest.raises(fuzz.Failure, match="ValueError escaped decode/preprocess: a bug"):
         fuzz.check_decode(b"\xff\xd8\xff")
+
+
+def test_workers_answering_in_turn_are_not_a_crash_a_replaced_one_is(monkeypatch):
+    """fuzz.py --url against a 2-worker server: two pids take turns; only a worker started after the fuzzing
+    began (gunicorn replaced one that died) is a crash."""
+    answers = iter([101, 202, 101, 202, 303])
+    monkeypatch.setattr(fuzz.Http, "health", lambda self: {"pid": next(answers), "ready": True})
+    http = fuzz.Http("http://127.0.0.1:8000")
+    started = {101: http.since - 100, 202: http.since - 50, 303: http.since + 10}
+    monkeypatch.setattr(fuzz, "_started_ticks", lambda pid: started[pid])
+    for _ in range(3):
+        http.check_alive()  # 202, 101, 202: both were there before the fuzzing began
+    with pytest.raises(fuzz.Failure, match="worker 303 started after the fuzzing began"):
+        http.check_alive()
+
+
+def test_a_real_process_start_time_is_read_from_proc():
+    import os
+
+    assert fuzz._started_ticks(os.getpid()) <= fuzz._now_ticks()
+    assert fuzz._started_ticks(2**22 + 7) is None  # above pid_max: no such process
