@@ -150,23 +150,38 @@ def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) 
     Used while a gunicorn worker builds and compiles its model: the compile blocks the worker's
     main thread (and so its heartbeat greenlet), and the arbiter would kill a worker that is
     merely busy compiling. Past ``limit`` the beats stop, so a start-up that hangs is still killed.
+
+    The stop function returns only once the thread has made its last call: a worker whose start-up
+    failed closes its heartbeat file right after, and a beat after that raised ``ValueError: I/O
+    operation on closed file`` from the thread. A ``notify`` that raises (``ValueError``,
+    ``OSError``: the worker is exiting) ends the beats quietly for the same reason.
     """
     p = Primitives.for_this_process()
-    done = p.make_lock()
+    done, finished = p.make_lock(), p.make_lock()
     done.acquire()
+    finished.acquire()
 
     def beat() -> None:
-        end = time.monotonic() + limit
-        while time.monotonic() < end:
-            notify()
-            if done.acquire(True, every):
-                return
+        try:
+            end = time.monotonic() + limit
+            while time.monotonic() < end:
+                try:
+                    notify()
+                except (ValueError, OSError):  # the heartbeat file is closed: the worker is on its way out
+                    return
+                if done.acquire(True, every):
+                    return
+        finally:
+            finished.release()
+
+    stopped: list[bool] = []
 
     def stop() -> None:
-        try:
-            done.release()
-        except RuntimeError:  # already stopped
-            pass
+        if stopped:
+            return
+        stopped.append(True)
+        done.release()
+        finished.acquire(True, every + 5.0)  # the last beat is done (it takes microseconds; never hang on it)
 
     p.start_thread(beat, ())
     return stop
