@@ -48,18 +48,22 @@ def test_encode_top_k():
     assert len(encode(logits, list("abcd"), topk=10)) == 4
 
 
-def test_auto_keeps_bf16_only_if_the_startup_measurement_says_it_pays_off(monkeypatch):
+def test_auto_keeps_bf16_only_if_the_startup_measurement_says_it_pays_off(monkeypatch, tmp_path):
     from webapp import engine
 
     monkeypatch.setattr(engine, "native_bf16", lambda: True)  # oneDNN claims native bf16...
     monkeypatch.setattr(startup, "bf16_pays_off", lambda module, batch: (False, "measured bf16 0.90x fp32"))
+    # Its own cache folder: the decision is recorded there, and this one is scripted, not measured.
     clf = Classifier(settings.load(environ={}, overrides={"MODEL": "resnet18_seeded", "COMPILE": False,
-                                                          "MAX_BATCH_SIZE": 1}))
+                                                          "MAX_BATCH_SIZE": 1, "CACHE_DIR": str(tmp_path)}))
     clf.start()
     try:
         health = clf.health()
         assert health["precision"] == "fp32"  # ...but it did not pay off here: fp32, and it says why
-        assert health["precision_reason"] == "auto: oneDNN claims native bf16 but measured bf16 0.90x fp32, so fp32"
+        record, = tmp_path.glob("precision-*.json")
+        assert health["precision_reason"].startswith(
+            f"auto: oneDNN claims native bf16 but measured bf16 0.90x fp32, so fp32 (decided once for this host "
+            f"and CPU: {record}, measured ")
     finally:
         clf.stop()
 

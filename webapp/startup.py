@@ -12,8 +12,11 @@ minute on 2 cores).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,7 +26,8 @@ from torchvision.transforms import v2
 
 from . import imaging
 from .assets import GOLDEN, calibration_files
-from .engine import Engine, bf16_pays_off, choose_precision, choose_reduce_range, configure_threads
+from .cpu import cpu_info
+from .engine import Engine, bf16_pays_off, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
 from .quiet import quiet_third_party
@@ -113,16 +117,109 @@ def calibration(settings, transform: v2.Compose) -> tuple[list[torch.Tensor], st
     return tensors, "|".join(names)
 
 
-def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose) -> tuple[str, str]:
-    """``PRECISION``, with ``auto`` resolved: bf16 only where oneDNN claims native bf16 *and* a short
-    eager measurement on the golden photos shows it pays off here (``engine.bf16_pays_off``).
-    Returns ``(precision, reason)`` for the log and ``/healthz``."""
-    precision, reason = choose_precision(settings.PRECISION)
-    if settings.PRECISION == "auto" and precision == "bf16":
+def decide_auto_precision(model: LoadedModel, transform: v2.Compose) -> tuple[str, str]:
+    """``auto`` resolved here and now: bf16 only where oneDNN claims native bf16 *and* a short eager
+    measurement on the golden photos shows it pays off (``engine.bf16_pays_off``, about a second).
+    Returns ``(precision, reason)``."""
+    precision, reason = choose_precision("auto")
+    if precision == "bf16":
         ok, measured = bf16_pays_off(model.module, golden_batch(transform))
         precision = "bf16" if ok else "fp32"
         reason = f"{reason}; {measured}" if ok else f"auto: oneDNN claims native bf16 but {measured}, so fp32"
     return precision, reason
+
+
+# A worker waits this long (s) for another one's measurement (about a second) before measuring alone.
+RECORD_LOCK_TIMEOUT_S = 120.0
+
+
+def precision_key(model: LoadedModel, threads: int) -> dict:
+    """What ``auto``'s decision depends on: torch's version, the model and its weights, the intra-op
+    threads it was measured with, and the CPU as this process runs it (its model name, the kernels
+    torch picks and oneDNN's ISA cap, both of which the environment can lower, and whether oneDNN
+    claims native bf16). Any change of these measures again."""
+    return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
+            "cpu": cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16()}
+
+
+def precision_record_path(cache: Path, key: dict) -> Path:
+    """``<cache>/precision-<16 hex of the key>.json``: one file per key, so switching models keeps each one's."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache / f"precision-{digest}.json"
+
+
+def _read_record(path: Path, key: dict) -> dict | None:
+    """The record at ``path`` if it is whole and made for ``key``; else None (a damaged one is logged)."""
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring the precision record %s (%s): measuring again", path, exc)
+        return None
+    ok = (isinstance(record, dict) and record.get("key") == key and record.get("precision") in ("bf16", "fp32")
+          and isinstance(record.get("reason"), str) and isinstance(record.get("measured_at"), str))
+    return record if ok else None
+
+
+def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple[str, str]]) -> tuple[str, str]:
+    """``auto``'s decision made once per host and CPU: read from the record in ``cache``, or made by
+    ``decide()`` and recorded there (JSON, written to a temporary name and renamed) for every later worker.
+
+    Under a file lock, so the workers of one server starting together wait for the first one's
+    measurement instead of each measuring while the others load the CPU (which is how two workers
+    came to serve in different precisions). Every worker, the one that measured included, reports
+    the record's reason, with where it is and when it was measured: the same words in every
+    ``/healthz``. Delete the file to measure again. Where the record cannot be used (an unwritable
+    folder, a lock held past ``RECORD_LOCK_TIMEOUT_S``), this process decides alone and says so.
+    """
+    from filelock import FileLock, Timeout
+
+    path = precision_record_path(cache, key)
+
+    def alone(why: object) -> tuple[str, str]:
+        log.warning("precision record %s unusable (%s): decided for this process only", path, why)
+        return precision, f"{reason} (decided by this process only: the record {path} was unusable)"
+
+    lock = FileLock(f"{path}.lock", timeout=RECORD_LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except (OSError, Timeout) as exc:
+        precision, reason = decide()
+        return alone(exc)
+    try:
+        record = _read_record(path, key)
+        if record is None:
+            precision, reason = decide()  # its errors are the start-up's, not the record's
+            record = {"key": key, "precision": precision, "reason": reason, "measured_by_pid": os.getpid(),
+                      "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+                os.replace(tmp, path)  # atomic: a reader sees the old record or the new one, never half
+            except OSError as exc:
+                return alone(exc)
+            log.info("precision for this host and CPU decided and recorded in %s: %s (%s)", path, precision, reason)
+        else:
+            log.info("precision from the record %s (measured %s by pid %s): %s", path, record["measured_at"],
+                     record["measured_by_pid"], record["precision"])
+    finally:
+        lock.release()
+    where = f"decided once for this host and CPU: {path}, measured {record['measured_at']}"
+    return record["precision"], f"{record['reason']} ({where})"
+
+
+def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose, *, cache: Path | None = None,
+                            threads: int = 0) -> tuple[str, str]:
+    """``PRECISION``, with ``auto`` resolved (``decide_auto_precision``). With a ``cache`` folder the
+    decision is made once per host and CPU and read by every worker (``recorded_precision``;
+    ``threads`` is part of its key). Returns ``(precision, reason)`` for the log and ``/healthz``."""
+    if settings.PRECISION != "auto":
+        return choose_precision(settings.PRECISION)
+    if cache is None:
+        return decide_auto_precision(model, transform)
+    return recorded_precision(cache, precision_key(model, threads), lambda: decide_auto_precision(model, transform))
 
 
 @quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)
@@ -140,8 +237,8 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None) -> 
     if model.note():  # said once per process, here, where every path (worker, CLI, Ray) passes
         log.warning("serving %s: %s", model.name, model.note())
     transform = imaging.build_transform(model.preprocessing)
-    precision, reason = choose_engine_precision(settings, model, transform)
     cache = use_cache_dir(settings)
+    precision, reason = choose_engine_precision(settings, model, transform, cache=cache, threads=threads)
     photos, calib_id = calibration(settings, transform) if precision == "int8" else ([], "none")
     status("compiling" if settings.COMPILE else "warming up")
     engine = Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE,

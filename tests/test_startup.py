@@ -1,0 +1,125 @@
+"""``auto`` precision decided once per host and CPU (webapp/startup.py ``recorded_precision``).
+
+Unit tests drive the record with a scripted decision; the server test checks that the two workers
+of one real gunicorn, and a second start, serve one precision for one reason, from one record.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+from serving import Server
+from webapp import startup
+
+KEY = {"torch": "2.14.1", "model": "m", "weights": "w.pth", "threads": 1, "cpu": "x", "capability": "AVX512",
+       "onednn_max_cpu_isa": "", "native_bf16": True}
+
+
+class Decider:
+    """A scripted ``auto`` decision that counts its calls (each one is a measurement of about a second)."""
+
+    def __init__(self, answer=("bf16", "auto: measured bf16 2.00x fp32"), delay: float = 0.0):
+        self.answer, self.delay, self.calls = answer, delay, 0
+
+    def __call__(self):
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.answer
+
+
+def test_decided_once_then_read_from_the_record(tmp_path):
+    decide = Decider()
+    first = startup.recorded_precision(tmp_path, KEY, decide)
+    second = startup.recorded_precision(tmp_path, KEY, decide)
+    path = startup.precision_record_path(tmp_path, KEY)
+    record = json.loads(path.read_text())
+    assert decide.calls == 1
+    assert first == second == ("bf16", f"auto: measured bf16 2.00x fp32 (decided once for this host and CPU: "
+                                       f"{path}, measured {record['measured_at']})")
+    assert record["key"] == KEY and record["precision"] == "bf16" and record["reason"] == decide.answer[1]
+    assert isinstance(record["measured_by_pid"], int)
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # written whole, then renamed
+
+
+@pytest.mark.parametrize("field, value", [("torch", "2.15.0"), ("model", "other"), ("weights", "v2.pth"),
+                                          ("threads", 2), ("capability", "AVX2"), ("onednn_max_cpu_isa", "AVX2")])
+def test_a_changed_key_measures_again(tmp_path, field, value):
+    decide = Decider()
+    startup.recorded_precision(tmp_path, KEY, decide)
+    changed = {**KEY, field: value}
+    startup.recorded_precision(tmp_path, changed, Decider(("fp32", "auto: measured bf16 0.90x fp32, so fp32")))
+    assert startup.precision_record_path(tmp_path, changed) != startup.precision_record_path(tmp_path, KEY)
+    assert startup.recorded_precision(tmp_path, KEY, decide)[0] == "bf16"  # each key keeps its own record
+    assert startup.recorded_precision(tmp_path, changed, decide)[0] == "fp32"
+    assert decide.calls == 1
+
+
+def test_a_damaged_record_is_measured_again(tmp_path):
+    path = startup.precision_record_path(tmp_path, KEY)
+    path.write_text('{"key": ')
+    decide = Decider()
+    assert startup.recorded_precision(tmp_path, KEY, decide)[0] == "bf16"
+    assert decide.calls == 1 and json.loads(path.read_text())["precision"] == "bf16"
+
+
+def test_workers_starting_together_wait_for_one_measurement(tmp_path):
+    decide = Decider(delay=0.3)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(startup.recorded_precision(tmp_path, KEY, decide)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert decide.calls == 1 and len(results) == 4 and len(set(results)) == 1
+
+
+def test_an_unusable_cache_decides_alone_and_says_so(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    decide = Decider()
+    precision, reason = startup.recorded_precision(not_a_folder, KEY, decide)
+    assert precision == "bf16" and decide.calls == 1
+    assert reason.startswith("auto: measured bf16 2.00x fp32 (decided by this process only: the record ")
+
+
+def test_the_key_names_the_cpu_as_this_process_runs_it(monkeypatch):
+    from webapp.models import load_model
+    from webapp.settings import load
+
+    model = load_model(load(environ={}, overrides={"MODEL": "resnet18_seeded"}))
+    key = startup.precision_key(model, threads=2)
+    assert key["model"] == "resnet18_seeded" and key["weights"] == model.weights and key["threads"] == 2
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert startup.precision_key(model, threads=2) != key
+
+
+@pytest.mark.server
+def test_two_workers_one_precision_and_a_second_start_reuses_it(tmp_path):
+    cache = tmp_path / "cache"
+    settings = {"MODEL": "efficientnet_lite0", "COMPILE": 0, "WORKERS": 2, "THREADS": 1, "MAX_BATCH_SIZE": 2,
+                "CACHE_DIR": cache}  # PRECISION: auto, the default
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    answers, pids = [], []
+    for run in ("first", "second"):
+        srv = Server(tmp_path / f"{run}.log", env=env, **settings)
+        health = srv.wait_ready(workers=2)
+        srv.stop_cleanly()
+        answers.append({(h["precision"], h["precision_reason"]) for h in health.values()})
+        pids.append(set(health))
+        records = sorted(cache.glob("precision-*.json"))
+        assert len(records) == 1, records
+        if run == "first":
+            recorded = records[0].read_text()
+    assert len(answers[0]) == 1, answers[0]  # both workers: one precision, one reason
+    assert answers[1] == answers[0]  # the second start read the same record...
+    assert records[0].read_text() == recorded  # ...and measured nothing
+    (precision, reason), = answers[0]
+    record = json.loads(recorded)
+    assert precision == record["precision"] and reason.startswith(record["reason"])
+    assert f"decided once for this host and CPU: {records[0]}" in reason
+    assert record["measured_by_pid"] in pids[0]  # one worker of the first start measured, for all
