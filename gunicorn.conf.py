@@ -11,12 +11,12 @@ import sys
 import tempfile
 
 from webapp import GUNICORN_ENV
-from webapp import cpu, settings
+from webapp import cpu, lifecycle, settings
 
 try:
     _s = settings.load()
 except settings.SettingsError as exc:
-    sys.exit(f"configuration error: {exc}")
+    lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {exc}")
 
 # Tells create_app to leave the model to post_worker_init (also right with --preload, where
 # the app is imported in the master: the master must never start torch's thread pools).
@@ -33,8 +33,9 @@ control_socket_disable = True
 
 # -- workers ---------------------------------------------------------------------------------------
 # gevent: a request waiting for its batch costs a greenlet, not a thread; the forward pass runs
-# on the batcher's real OS thread (webapp/batcher.py).
-worker_class = "gevent"
+# on the batcher's real OS thread (webapp/batcher.py). webapp/worker.py: gunicorn's gevent worker
+# with quick, quiet stops (Ctrl-C during start-up or while serving).
+worker_class = "webapp.worker.Worker"
 workers = _plan.workers
 worker_connections = 1000
 # Heartbeat timeout (s). During start-up a real thread keeps the heartbeat going for up to
@@ -64,6 +65,8 @@ access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
 _MADE = "WEBAPP_METRICS_DIR_MADE"
 if _s.METRICS and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[_MADE] = tempfile.mkdtemp(prefix="classifier-metrics-")
+    # on_exit below runs only after a normal stop; a failed bind or any early exit must not leave it behind
+    lifecycle.remove_at_exit(os.environ[_MADE])
 
 
 def _clear_metrics_dir() -> str | None:
@@ -80,6 +83,15 @@ def _clear_metrics_dir() -> str | None:
 
 # -- hooks -----------------------------------------------------------------------------------------
 def on_starting(server):
+    """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
+    problem = lifecycle.check_listen(server.cfg.address)
+    if problem:
+        server.log.error("%s", problem)
+        if server.pidfile is not None:
+            server.pidfile.unlink()
+        lifecycle.exit_now(lifecycle.EXIT_LISTEN)
+    lifecycle.master()  # the pipe the workers report on: made before the first fork
+    lifecycle.guard_halt(server)
     metrics_dir = _clear_metrics_dir()
     if metrics_dir:
         server.log.info("/metrics counts all workers: PROMETHEUS_MULTIPROC_DIR=%s", metrics_dir)
@@ -87,6 +99,20 @@ def on_starting(server):
     if server.cfg.workers != _plan.workers:
         server.log.warning("-w %d overrides the plan's %d workers; slots wrap around the cores",
                            server.cfg.workers, _plan.workers)
+
+
+def when_ready(server):
+    """In the master, listening now: answer 503 on the port until a worker is ready (webapp/responder.py)."""
+    from webapp.responder import Responder
+
+    state = lifecycle.master()
+    if state.responder is None and server.LISTENERS:  # with reuse_port each worker listens on its own
+        first = [id(lst) for lst in server.LISTENERS]
+        state.responder = Responder(
+            [lst.sock for lst in server.LISTENERS], wake_fd=state.read_fd, on_wake=state.drain,
+            needed=lambda: not state.any_ready(),
+            stopped=lambda: lifecycle.stopping(server) or [id(lst) for lst in server.LISTENERS] != first)
+        state.responder.start()
 
 
 def pre_fork(server, worker):
@@ -107,6 +133,11 @@ def post_fork(server, worker):
     """In the worker, before the app loads: pin to the slot's cores (threads follow the pinning)."""
     import logging
 
+    from webapp.worker import exit_on_stop_signals
+
+    exit_on_stop_signals(server.log)  # until gunicorn installs the worker's own handlers
+    lifecycle.close_in_worker()
+
     # The service's own log lines go where gunicorn's error log goes.
     app_log = logging.getLogger("webapp")
     app_log.handlers = list(server.log.error_log.handlers)
@@ -122,7 +153,11 @@ def post_fork(server, worker):
 
 
 def post_worker_init(worker):
-    """Build, compile, warm up and self-test this worker's model before it takes requests."""
+    """Build, compile, warm up and self-test this worker's model before it takes requests.
+
+    A failed start-up is reported to the master, which stops the server with that reason as its
+    last line and exit status 3 (webapp/lifecycle.py); this worker exits quietly.
+    """
     from webapp.errors import StartupError
 
     classifier = worker.wsgi.extensions["classifier"]
@@ -134,12 +169,24 @@ def post_worker_init(worker):
     classifier.on_death = died
     try:
         classifier.start(heartbeat=worker.notify)
-    except StartupError as exc:
-        worker.log.error("cannot start: %s", exc)
-        sys.exit(3)  # gunicorn's WORKER_BOOT_ERROR: the master halts instead of respawning forever
+    except Exception as exc:  # noqa: BLE001  every start-up failure ends the same way: one line, exit 3
+        if isinstance(exc, StartupError):
+            reason = str(exc)
+        else:  # a compile error and the like: its first line here, the whole traceback at debug level
+            worker.log.debug("start-up failed", exc_info=True)
+            reason = lifecycle.describe_failure(classifier.status, exc)
+        if lifecycle.report_failure(worker.pid, reason):
+            # Out at once: the master now stops every worker, and one still tearing down torch when
+            # its SIGTERM comes would die of it (a line of noise). Nothing of this worker needs saving.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        worker.log.error("cannot start: %s", reason)  # no master to tell: gunicorn's own way
+        sys.exit(lifecycle.EXIT_STARTUP)
     metrics = worker.wsgi.extensions.get("metrics")
     if metrics is not None:  # this worker's gauges (ready, model) are in every scrape from now on
         metrics.sample(classifier)
+    lifecycle.report_ready(worker.pid)
 
 
 def pre_request(worker, req):
@@ -158,11 +205,13 @@ def worker_exit(server, worker):
 
 
 def child_exit(server, worker):
-    """In the master: a worker is gone; drop its live gauges (its counters stay in the totals)."""
+    """In the master: a worker is gone; drop its live gauges (its counters stay in the totals). If its
+    start-up failed, stop the server with the reason (raises gunicorn's HaltServer, exit 3)."""
     if _s.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
+    lifecycle.halt_on_failure(server, worker)
 
 
 def on_exit(server):

@@ -115,15 +115,17 @@ class Gunicorn:
 
     ``proc`` is the ``subprocess.Popen``; ``log`` the open log file; ``started`` its
     ``time.monotonic()`` at launch; ``ready_at`` maps each worker pid seen ready to the seconds from
-    launch until first seen so; ``health`` maps it to its last ``/healthz`` answer.
+    launch until first seen so; ``health`` maps it to its last ``/healthz`` answer. ``session``:
+    start it in a process group of its own, as a terminal would (``os.killpg`` then reaches all of it: Ctrl-C).
     """
 
-    def __init__(self, name: str, argv: list[str], *, env: dict, port: int, log_path: Path):
+    def __init__(self, name: str, argv: list[str], *, env: dict, port: int, log_path: Path, session: bool = False):
         self.name, self.port, self.log_path = name, port, Path(log_path)
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(self.log_path, "wb")
         self.started = time.monotonic()
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=session)
         self.ready_at: dict[int, float] = {}
         self.health: dict[int, dict] = {}
 

@@ -204,7 +204,7 @@ def healths(srv, pids=None, *, count: int = 2, timeout: float = 60) -> dict[int,
     with ThreadPoolExecutor(4) as pool:
         while time.monotonic() < deadline:
             for h in pool.map(one, range(4)):
-                if h:
+                if h and "pid" in h:  # not the master's 503 while no worker is ready (webapp/responder.py)
                     seen[h["pid"]] = h
             if (set(pids) <= set(seen)) if pids is not None else len(seen) >= count:
                 return seen

@@ -19,12 +19,14 @@ class Server(Gunicorn):
     """A gunicorn process started from the repo's own gunicorn.conf.py with ``CLASSIFIER_*`` settings.
 
     ``args`` go on gunicorn's command line before ``app``; ``env`` adds environment variables;
-    ``settings`` become ``CLASSIFIER_<NAME>`` (this process's own ``CLASSIFIER_*`` are dropped).
+    ``settings`` become ``CLASSIFIER_<NAME>`` (this process's own ``CLASSIFIER_*`` are dropped);
+    ``session``: in a process group of its own (``os.killpg(server.proc.pid, SIGINT)`` is a Ctrl-C).
     """
 
-    def __init__(self, log_path: Path, *, args=(), app: str = "wsgi:app", env: dict | None = None, **settings):
+    def __init__(self, log_path: Path, *, args=(), app: str = "wsgi:app", env: dict | None = None,
+                 session: bool = False, **settings):
         argv, full_env, port = ours_command(settings=settings, env=env, args=args, app=app, control_socket=True)
-        super().__init__("gunicorn", argv, env=full_env, port=port, log_path=log_path)
+        super().__init__("gunicorn", argv, env=full_env, port=port, log_path=log_path, session=session)
 
     def wait_ready(self, workers: int) -> dict[int, dict]:
         """Poll /healthz until ``workers`` distinct worker pids report ready; return their health by pid."""

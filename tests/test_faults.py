@@ -476,7 +476,9 @@ def test_inference_thread_death_replaces_the_worker(faulty_server):
     while new is None:
         assert time.monotonic() < deadline, faulty_server.output()[-3000:]
         h = requests.get(faulty_server.url + "/healthz", timeout=60).json()
-        if h["pid"] == old_pid:
+        if "error" in h:  # its only worker is gone: the master answers 503 until the replacement is ready
+            assert h["error"]["code"] == "not_ready", h
+        elif h["pid"] == old_pid:
             assert not h["ready"], h  # state: "inference thread died: ..."
         elif h["ready"]:
             new = h

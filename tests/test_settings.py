@@ -91,3 +91,24 @@ def test_issue_minimum_settings_exist():
     assert {"MODEL", "WEIGHTS", "MAX_BATCH_SIZE", "BATCH_TIMEOUT_MS", "QUEUE_SIZE", "REQUEST_TIMEOUT_S", "TOP_K",
             "MAX_UPLOAD_BYTES", "COMPILE", "THREADS", "BIND", "WORKERS"} <= names
     assert all(row.help for row in settings.SETTINGS)
+
+
+@pytest.mark.parametrize("given, bound", [
+    ("8010", "127.0.0.1:8010"),  # a bare port: localhost (gunicorn alone would read host "8010", port 8000)
+    (" 9000 ", "127.0.0.1:9000"),
+    ("0.0.0.0:8000", "0.0.0.0:8000"),
+    ("my-host.example.com:8080", "my-host.example.com:8080"),
+    ("[::1]:8000", "[::1]:8000"),
+    ("unix:/run/classifier.sock", "unix:/run/classifier.sock"),
+])
+def test_bind_takes_gunicorn_forms_and_a_bare_port(given, bound):
+    assert settings.load(environ={"CLASSIFIER_BIND": given}).BIND == bound
+
+
+@pytest.mark.parametrize("given", ["8010:", ":8000", "abc", "host:0", "host:70000", "::1:8000", "[::1]", "[nope]:80",
+                                   "unix:", "a..b:80", "host:port"])
+def test_bind_refuses_anything_else_with_the_allowed_forms(given):
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={"CLASSIFIER_BIND": given})
+    assert str(err.value) == f"CLASSIFIER_BIND={given!r} is not valid; allowed: {settings.BIND_RULE}"
+    assert str(err.value).count("unix:PATH") == 1

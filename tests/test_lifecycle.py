@@ -1,0 +1,340 @@
+"""Starts and stops of the real server (webapp/lifecycle.py, webapp/worker.py, gunicorn.conf.py's hooks).
+
+Over real gunicorn processes (``server``): a Ctrl-C (SIGINT to the whole process group, as a
+terminal sends it) during start-up and while serving, and every kind of failed start, each
+checked the way an operator meets it: the exit status, the lines written (few, no traceback, the
+last one naming the problem) and nothing left behind in the temporary folder (each run gets an
+empty ``TMPDIR`` of its own). The same through ``python -m webapp serve``, which execs gunicorn.
+The pieces without a server (exit table, listen check, the channel) are unit tests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.servers import classifier_env, free_port, http_json
+from conftest import ROOT
+from serving import Server
+from webapp import lifecycle
+
+# Eager and small: these tests are about starting and stopping, not about the model.
+BASE = {"MODEL": "efficientnet_lite0", "COMPILE": 0, "PRECISION": "fp32", "WORKERS": 2, "THREADS": 1,
+        "MAX_BATCH_SIZE": 2}
+GUNICORN = [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
+SERVE = [sys.executable, "-m", "webapp", "serve"]
+# A stop's own lines: the master's "Handling signal" and "Shutting down", at most one per worker.
+STOP_LINES = 2
+
+
+def temp_env(tmp_path: Path, name: str) -> tuple[dict, Path]:
+    """An empty ``TMPDIR`` for one run, and torch's kernel cache outside it (importing torch makes that folder)."""
+    temp = tmp_path / f"tmp-{name}"
+    temp.mkdir()
+    return {"TMPDIR": str(temp), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}, temp
+
+
+def launch(tmp_path: Path, name: str, *, session: bool = False, **settings) -> tuple[Server, Path]:
+    """A real gunicorn with ``BASE`` + ``settings`` on a free port and its own ``TMPDIR``; returns it and that folder."""
+    env, temp = temp_env(tmp_path, name)
+    srv = Server(tmp_path / f"{name}.log", env=env, session=session,
+                 **{**BASE, "CACHE_DIR": tmp_path / "cache", **settings})
+    return srv, temp
+
+
+def run_to_end(tmp_path: Path, name: str, argv: list[str], *, timeout: float = 300, bind: str | None = None,
+               env: dict | None = None, **settings) -> tuple[int, list[str], Path]:
+    """Run a server that should fail to start (``env``: more variables); return its exit status, its
+    output lines and its ``TMPDIR``."""
+    tmp, temp = temp_env(tmp_path, name)
+    full = classifier_env({**BASE, "CACHE_DIR": tmp_path / "cache", **settings}, {**tmp, **(env or {})})
+    full["CLASSIFIER_BIND"] = bind or f"127.0.0.1:{free_port()}"
+    full["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(argv, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+    return out.returncode, out.stdout.decode(errors="replace").splitlines(), temp
+
+
+def after(lines: list[str], marker: str) -> list[str]:
+    """The lines from the first one containing ``marker`` on."""
+    for i, line in enumerate(lines):
+        if marker in line:
+            return lines[i:]
+    raise AssertionError(f"no {marker!r} in:\n" + "\n".join(lines[-30:]))
+
+
+def assert_quiet(lines: list[str]) -> None:
+    text = "\n".join(lines)
+    for bad in ("Traceback", "SystemExit", "[ERROR]", "[CRITICAL]", "was sent SIG", "I/O operation on closed file"):
+        assert bad not in text, text[-5000:]
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------------
+@pytest.mark.server
+def test_ctrl_c_while_serving_is_quiet(tmp_path):
+    srv, temp = launch(tmp_path, "ready", session=True, ACCESS_LOG="off")  # only the server's own lines
+    srv.wait_ready(workers=2)
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    code = srv.proc.wait(60)
+    lines = srv.output().splitlines()
+    srv.stop()
+    stop = after(lines, "Handling signal: int")
+    assert code == 0, lines[-20:]
+    assert len(stop) <= STOP_LINES + 2, stop  # at most one line per worker
+    assert_quiet(lines)
+    assert sorted(os.listdir(temp)) == [], "left in the temporary folder"
+
+
+@pytest.mark.server
+def test_ctrl_c_during_start_up_is_quiet_and_quick(tmp_path):
+    """A Ctrl-C while the workers still load: they leave at once (gunicorn's handlers would wait for the
+    model to be built, or for the master's SIGKILL after its 30 s graceful timeout)."""
+    srv, temp = launch(tmp_path, "starting", session=True, ACCESS_LOG="off")
+    deadline = time.monotonic() + 60
+    while True:  # the master listens (its 503 answers) and both workers are booting
+        try:
+            status, _ = http_json(srv.port, "/readyz", timeout=2)
+        except OSError:
+            status = None
+        if status == 503 and srv.output().count("pinned to cores") == 2:
+            break
+        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()[-3000:]
+        time.sleep(0.05)
+    before = srv.output()
+    t0 = time.monotonic()
+    os.killpg(srv.proc.pid, signal.SIGINT)
+    code = srv.proc.wait(60)
+    took = time.monotonic() - t0
+    lines = srv.output().splitlines()
+    srv.stop()
+    assert "ready in" not in before, "the workers were ready before the signal: not a start-up stop"
+    assert code == 0, lines[-20:]
+    assert took < 20, f"the stop took {took:.1f} s"  # well under gunicorn's graceful timeout (30 s)
+    stop = lines[len(before.splitlines()):]
+    assert len(stop) <= STOP_LINES + 2, stop
+    assert sum("stopped before it was ready (SIGINT)" in line for line in stop) == 2, stop
+    assert_quiet(lines)
+    assert sorted(os.listdir(temp)) == []
+
+
+# -- what the port answers during start-up -------------------------------------------------------------
+def probe(port: int, path: str) -> tuple[int, dict, dict | None, float]:
+    """GET ``path``: (status, headers, JSON body or None, seconds taken); raises OSError without an answer in 3 s."""
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, dict(resp.getheaders()), json.loads(raw) if raw else None, time.monotonic() - t0
+    finally:
+        conn.close()
+
+
+@pytest.mark.server
+def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
+    """A load balancer can tell "starting" (503 at once) from "dead" (refused); once a worker is ready it
+    answers, and the master's responder takes no more connections."""
+    srv, temp = launch(tmp_path, "cold")
+    answers = []  # (path, status, headers, body, seconds) of every probe that got an answer
+    deadline = time.monotonic() + 300
+    while not answers or answers[-1][1] != 200:
+        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()[-3000:]
+        path = ("/readyz", "/healthz")[len(answers) % 2]
+        try:
+            answers.append((path, *probe(srv.port, path)))
+        except ConnectionRefusedError:  # the master is not listening yet
+            pass
+        time.sleep(0.1)
+    starting = answers[:-1]
+    assert len(starting) >= 2, "the workers were ready before any probe: not a cold start"
+    for path, status, headers, body, took in starting:
+        assert status == 503 and took < 1.0, (path, status, took)
+        assert headers["Retry-After"] == "5" and body["error"]["code"] == "not_ready", (headers, body)
+        assert body == {"error": {"code": "not_ready", "status": 503, "message": body["error"]["message"]}}
+    print(f"\n{len(starting)} probes during the cold start: all 503 not_ready, the slowest in "
+          f"{max(took for *_, took in starting) * 1e3:.0f} ms")
+    path, status, _, body, _ = answers[-1]
+    assert body["ready"] is True if path == "/readyz" else body["pid"] != srv.proc.pid  # a worker's own answer
+    workers = set(srv.wait_ready(workers=2))
+    served = [probe(srv.port, "/healthz") for _ in range(20)]
+    assert all(s == 200 and b["pid"] in workers for s, _, b, _ in served), served
+    out = srv.stop_cleanly()
+    assert "Traceback" not in out
+    assert sorted(os.listdir(temp)) == []
+
+
+# -- failed starts ------------------------------------------------------------------------------------------
+def assert_failed_start(code: int, lines: list[str], temp: Path, *, status: int, names: str, most: int) -> None:
+    """Exit ``status``; at most ``most`` lines; the last one names the problem (``names`` in it); no
+    traceback; one error line per problem at most; nothing left in ``temp``."""
+    text = "\n".join(lines)
+    assert code == status, text[-3000:]
+    assert names in lines[-1], text[-3000:]
+    assert len(lines) <= most, text
+    assert sum("[ERROR]" in line for line in lines) <= 2, text  # gunicorn's "Shutting down" and the reason
+    for bad in ("Traceback", "HaltServer", "I/O operation on closed file", "Retrying", "was sent SIG", "[CRITICAL]"):
+        assert bad not in text, text
+    assert sorted(os.listdir(temp)) == [], "left in the temporary folder"
+
+
+# Lines of a start that fails in the workers (2 of them): 5 of the master's start; per worker, at most its
+# boot, pinning, model, fallback or untrained note and "stopped before it was ready"; the master's last 2.
+WORKER_FAILURE_LINES = 5 + 5 * 2 + 2
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("attempt", [1, 2, 3])  # the traceback and the crash came in 2 runs of 3: several runs
+def test_missing_weights_is_one_line_and_exit_3(tmp_path, attempt):
+    code, lines, temp = run_to_end(tmp_path, f"missing{attempt}", GUNICORN, MODEL="resnet18",
+                                   WEIGHTS=tmp_path / "nowhere" / "resnet18-f37072fd.pth")
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_STARTUP, names="CLASSIFIER_WEIGHTS=",
+                        most=WORKER_FAILURE_LINES)
+    assert lines[-1].count("does not exist") == 1 and "could not start" in lines[-1]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+def test_tampered_weights_is_one_line_and_exit_3(tmp_path, launcher):
+    fake = tmp_path / "resnet18-f37072fd.pth"
+    fake.write_bytes(b"not the weights" * 1000)
+    code, lines, temp = run_to_end(tmp_path, "tampered", GUNICORN if launcher == "gunicorn" else SERVE,
+                                   MODEL="resnet18", WEIGHTS=fake)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_STARTUP, names=str(fake), most=WORKER_FAILURE_LINES)
+
+
+@pytest.mark.server
+def test_failed_self_test_is_one_line_and_exit_3(tmp_path):
+    # Seed 1's random weights put no dog breed in the golden photo's top 3 (seed 0's do, by chance).
+    code, lines, temp = run_to_end(tmp_path, "selftest", GUNICORN, MODEL="resnet18_seeded", SEED=1, SELF_TEST="on")
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_STARTUP, names="self-test failed",
+                        most=WORKER_FAILURE_LINES)
+
+
+@pytest.mark.server
+def test_failed_compile_is_one_line_and_exit_3(tmp_path):
+    """No working C++ compiler: inductor's error is pages long; the last line is its first line and what to do."""
+    code, lines, temp = run_to_end(tmp_path, "compile", GUNICORN, env={"CXX": "/bin/false"}, COMPILE=1,
+                                   MAX_BATCH_SIZE=1)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_STARTUP, names="compiling failed: InductorError",
+                        most=WORKER_FAILURE_LINES)
+    assert "C++ compiler" in lines[-1] and "CLASSIFIER_COMPILE=0" in lines[-1]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+@pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000")])
+def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value):
+    argv = GUNICORN if launcher == "gunicorn" else SERVE
+    settings = {} if variable == "BIND" else {variable: value}
+    code, lines, temp = run_to_end(tmp_path, "setting", argv, timeout=60,
+                                   bind=value if variable == "BIND" else None, **settings)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"CLASSIFIER_{variable}=", most=1)
+    assert lines[-1].count("allowed") == 1
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+def test_busy_port_is_one_line_and_exit_5(tmp_path, launcher):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines, temp = run_to_end(tmp_path, "busy", GUNICORN if launcher == "gunicorn" else SERVE, timeout=60,
+                                       bind=f"127.0.0.1:{port}")
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_LISTEN, names=f"cannot listen on 127.0.0.1:{port}",
+                        most=2)  # gunicorn's "Starting gunicorn", then ours
+    assert "in use" in lines[-1]
+
+
+@pytest.mark.server
+def test_a_bare_port_binds_localhost(tmp_path):
+    """``CLASSIFIER_BIND=PORT`` is ``127.0.0.1:PORT`` (gunicorn alone reads it as a host on port 8000)."""
+    port = free_port()
+    env, temp = temp_env(tmp_path, "bare")
+    full = classifier_env({**BASE, "CACHE_DIR": tmp_path / "cache", "BIND": str(port)}, env)
+    with open(tmp_path / "bare.log", "wb") as log:
+        proc = subprocess.Popen(GUNICORN, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    status, body = http_json(port, "/readyz", timeout=2)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "bare.log").read_text()
+                    time.sleep(0.1)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
+    out = (tmp_path / "bare.log").read_text()
+    assert status in (200, 503) and body is not None
+    assert f"Listening at: http://127.0.0.1:{port}" in out
+    assert code == 0 and "Traceback" not in out, out[-3000:]
+    assert sorted(os.listdir(temp)) == []
+
+
+# -- pieces, no server ------------------------------------------------------------------------------------
+def test_readme_lists_the_exit_statuses():
+    readme = (ROOT / "README.md").read_text()
+    assert lifecycle.markdown_table() in readme, "regenerate the README's exit table from lifecycle.markdown_table()"
+
+
+def test_check_listen_names_a_busy_address_and_passes_a_free_one():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        slept = []
+        problem = lifecycle.check_listen([("127.0.0.1", port)], sleep=slept.append)
+    assert problem.startswith(f"cannot listen on 127.0.0.1:{port}: the address is in use")
+    assert slept == [lifecycle.LISTEN_PAUSE_S] * (lifecycle.LISTEN_ATTEMPTS - 1)  # a stopping server gets a moment
+    assert lifecycle.check_listen([("127.0.0.1", free_port())]) is None
+
+
+def test_check_listen_on_unix_sockets(tmp_path):
+    assert lifecycle.check_listen([str(tmp_path / "new.sock")]) is None
+    assert "no folder" in lifecycle.check_listen([str(tmp_path / "missing" / "x.sock")])
+    (tmp_path / "file").write_text("x")
+    assert "is not a socket" in lifecycle.check_listen([str(tmp_path / "file")])
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(tmp_path / "live.sock"))
+        live.listen()
+        assert "in use" in lifecycle.check_listen([str(tmp_path / "live.sock")], sleep=lambda s: None)
+    # the same file, nobody listening any more: a stale socket gunicorn replaces
+    assert lifecycle.check_listen([str(tmp_path / "live.sock")]) is None
+
+
+def test_channel_reports_reach_the_master(monkeypatch):
+    r, w = os.pipe2(os.O_NONBLOCK)
+    state = lifecycle.Master(read_fd=r, write_fd=w, lock=threading.Lock())
+    monkeypatch.setattr(lifecycle, "_master", state)
+    lifecycle.report_ready(11)
+    assert lifecycle.report_failure(12, "no weights\nsecond line")
+    assert lifecycle.report_failure(13, "x" * 100_000)  # still one atomic write
+    assert not state.any_ready()  # nothing read yet (in the server, the responder thread reads on each report)
+    state.drain()
+    assert state.any_ready()
+    assert state.forget(12) == "no weights\nsecond line"
+    assert state.forget(12) is None
+    assert len(state.forget(13)) < 4096
+    assert state.forget(11) is None and not state.any_ready()
+    os.close(r)
+    os.close(w)
+
+
+def test_describe_failure_is_one_line_with_what_to_do():
+    exc = RuntimeError("InvalidCxxCompiler: no working C++ compiler\n\nSet TORCHDYNAMO_VERBOSE=1 ...")
+    line = lifecycle.describe_failure("compiling", exc)
+    assert line == ("compiling failed: RuntimeError: InvalidCxxCompiler: no working C++ compiler "
+                    "(CLASSIFIER_LOG_LEVEL=debug logs the traceback; CLASSIFIER_COMPILE=0 serves the model uncompiled)")
+    assert "\n" not in lifecycle.describe_failure("loading model", ValueError("a\nb"))

@@ -1,0 +1,107 @@
+"""The master's 503 responder (webapp/responder.py) on a plain listening socket, without gunicorn.
+
+The same over a real gunicorn cold start is ``tests/test_lifecycle.py::test_cold_start_answers_503_until_a_worker_serves``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import time
+
+import pytest
+
+from webapp.responder import RETRY_AFTER_S, Responder
+
+
+@pytest.fixture
+def listening():
+    """A non-blocking listening socket on a free port (as gunicorn leaves its listeners), and the port."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    sock.setblocking(False)
+    yield sock, sock.getsockname()[1]
+    sock.close()
+
+
+def ask(port: int, method: str = "GET", path: str = "/readyz", body: bytes | None = None, timeout: float = 2.0):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body=body)
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def test_answers_503_while_needed_then_steps_aside(listening):
+    sock, port = listening
+    state = {"needed": True, "stopped": False, "woken": 0}
+    r, w = os.pipe()
+
+    def wake():
+        os.read(r, 100)
+        state["woken"] += 1
+
+    responder = Responder([sock], wake_fd=r, on_wake=wake, needed=lambda: state["needed"],
+                          stopped=lambda: state["stopped"])
+    responder.start()
+    try:
+        for method, path in [("GET", "/readyz"), ("GET", "/healthz"), ("GET", "/"), ("POST", "/api/v1/predict")]:
+            t0 = time.monotonic()
+            status, headers, body = ask(port, method, path, body=b"x" * 100_000 if method == "POST" else None)
+            assert time.monotonic() - t0 < 1.0
+            assert status == 503 and headers["Retry-After"] == str(RETRY_AFTER_S)
+            assert headers["Content-Type"] == "application/json"
+            error = json.loads(body)["error"]
+            assert error["code"] == "not_ready" and error["status"] == 503 and "starting" in error["message"]
+        status, headers, body = ask(port, "HEAD")
+        assert status == 503 and body == b"" and int(headers["Content-Length"]) > 0
+
+        # A silent client is answered anyway, after half a second, and holds nobody else up.
+        with socket.create_connection(("127.0.0.1", port)) as silent:
+            t0 = time.monotonic()
+            assert ask(port)[0] == 503
+            silent.settimeout(2)
+            assert silent.recv(100).startswith(b"HTTP/1.1 503")
+            assert time.monotonic() - t0 < 1.5
+
+        # A worker reported ready: the report wakes it, and it no longer takes connections.
+        state["needed"] = False
+        os.write(w, b"ready 1\n")
+        deadline = time.monotonic() + 2
+        while not state["woken"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        answered = responder.answered
+        with pytest.raises((TimeoutError, socket.timeout)):
+            ask(port, timeout=1.0)  # accepted by the kernel, answered by nobody (no worker in this test)
+        assert responder.answered == answered
+    finally:
+        state["stopped"] = True
+        time.sleep(0.5)
+        os.close(r)
+        os.close(w)
+    assert responder._socks == []  # its duplicates are closed once stopped
+
+
+def test_answers_again_when_no_worker_is_ready(listening):
+    sock, port = listening
+    state = {"needed": False, "stopped": False}
+    r, w = os.pipe()
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: state["needed"],
+                          stopped=lambda: state["stopped"])
+    responder.start()
+    try:
+        state["needed"] = True  # every ready worker exited (the master's child_exit dropped them)
+        time.sleep(0.5)  # it looks again at least every quarter second
+        assert ask(port)[0] == 503
+    finally:
+        state["stopped"] = True
+        time.sleep(0.5)
+        os.close(r)
+        os.close(w)

@@ -1,0 +1,326 @@
+"""How the gunicorn server starts and stops: exit statuses, the workers' reports to the master, clean exits.
+
+``gunicorn.conf.py``'s hooks call these; the master imports this module at config time, so it
+imports neither torch nor Flask (nor gevent): the master must never start torch's thread pools.
+
+What it provides, and why:
+
+- **Exit statuses** (``EXIT_STATUSES``, the README's table): one per kind of failure, stable.
+- **The start-up channel**: a pipe made in the master before the first fork. A worker writes one
+  line to it when it is ready (``report_ready``) or when its start-up failed (``report_failure``,
+  with the reason). The master learns which workers are ready (the ``webapp.responder`` answers
+  503 on the port while none is) and stops the server on the first failure with one line naming
+  it. gunicorn's own way (a worker exits 3, the master raises ``HaltServer``) prints a chained
+  ``HaltServer`` traceback and exits 1 when two workers fail at once: the master reaps the second
+  while handling the first. So a failed worker reports here and exits 0; ``child_exit`` halts.
+- **The listen check** (``check_listen``): a busy or impossible address is one line and exit 5,
+  not gunicorn's five retries and exit 1.
+- **Cleanup** (``remove_at_exit``): the metrics folder the master made goes on every exit path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import shutil
+import socket
+import stat
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+EXIT_OK, EXIT_OTHER, EXIT_CONFIG, EXIT_STARTUP, EXIT_APP_LOAD, EXIT_LISTEN = 0, 1, 2, 3, 4, 5
+# (status, meaning): the README's table of the server's exit statuses (tests/test_lifecycle.py checks it).
+EXIT_STATUSES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "stopped: SIGTERM (drains requests in flight), SIGINT (Ctrl-C) or SIGQUIT"),
+    (EXIT_OTHER, "any other failure of gunicorn itself (its own message says what)"),
+    (EXIT_CONFIG, "a bad setting: a `CLASSIFIER_*` variable (`CLASSIFIER_BIND` included) or a gunicorn flag"),
+    (EXIT_STARTUP, "a worker could not start the model: weights missing or damaged, self-test failed, compile "
+                   "failed (the last line says which)"),
+    (EXIT_APP_LOAD, "the app could not be imported (gunicorn's own message)"),
+    (EXIT_LISTEN, "cannot listen on the address: in use, not allowed (ports below 1024), or not on this host"),
+)
+
+_MAX_REASON = 3500  # bytes: a report stays under PIPE_BUF (4096), so each one is written atomically
+LISTEN_ATTEMPTS, LISTEN_PAUSE_S = 4, 0.5  # a server that is just stopping may hold the port a moment longer
+
+
+def markdown_table() -> str:
+    """The README's table of exit statuses, from ``EXIT_STATUSES``."""
+    return "\n".join(["| exit status | meaning |", "|---|---|", *(f"| {code} | {what} |" for code, what in EXIT_STATUSES)])
+
+
+# -- the start-up channel ------------------------------------------------------------------------------
+@dataclass
+class Master:
+    """The master's view of its workers' start-ups: who is ready, who failed and why.
+
+    ``read_fd``/``write_fd`` are the pipe's ends (non-blocking, close-on-exec: no compiler
+    subprocess inherits them). ``ready`` holds the pids of live ready workers; ``failures`` maps a
+    pid to the reason its start-up failed; ``halting`` is set once the server stops on a failure.
+    ``lock`` is a real lock: the responder thread and the master's main loop both read the pipe.
+    """
+
+    read_fd: int
+    write_fd: int
+    lock: object
+    ready: set[int] = field(default_factory=set)
+    failures: dict[int, str] = field(default_factory=dict)
+    halting: bool = False
+    responder: object | None = None
+
+    def drain(self) -> None:
+        """Read every report waiting in the pipe (never blocks) into ``ready`` and ``failures``."""
+        with self.lock:
+            data = b""
+            while True:
+                try:
+                    chunk = os.read(self.read_fd, 65536)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if not chunk:
+                    break
+                data += chunk
+            for line in data.decode("utf-8", "replace").splitlines():
+                kind, _, rest = line.partition(" ")
+                pid_text, _, reason = rest.partition(" ")
+                if not pid_text.isdigit():
+                    continue
+                if kind == "ready":
+                    self.ready.add(int(pid_text))
+                elif kind == "failed":
+                    self.failures[int(pid_text)] = json.loads(reason) if reason else "start-up failed"
+
+    def any_ready(self) -> bool:
+        """Whether at least one live worker has reported ready."""
+        with self.lock:
+            return bool(self.ready)
+
+    def forget(self, pid: int) -> str | None:
+        """A worker exited: drop it from ``ready``; return why its start-up failed, if it reported that."""
+        self.drain()
+        with self.lock:
+            self.ready.discard(pid)
+            return self.failures.pop(pid, None)
+
+
+_master: Master | None = None
+
+
+def master() -> Master:
+    """The one ``Master`` of this process, made on first use (in the master, before any fork).
+
+    Kept in this module, not in gunicorn.conf.py: a SIGHUP re-reads that file, and the workers
+    forked before it still write to this pipe.
+    """
+    global _master
+    if _master is None:
+        from .concurrency import Primitives
+
+        r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        _master = Master(read_fd=r, write_fd=w, lock=Primitives.for_this_process().make_lock())
+    return _master
+
+
+def _report(line: str) -> bool:
+    """Write one report line to the master; False where there is no channel or the write failed."""
+    if _master is None:
+        return False
+    data = line.encode("utf-8")
+    try:
+        return os.write(_master.write_fd, data) == len(data)
+    except OSError:  # the master is gone, or the pipe is full (it never is: the master drains it)
+        return False
+
+
+def report_ready(pid: int) -> None:
+    """In a worker: tell the master this worker serves now (the 503 responder steps aside)."""
+    _report(f"ready {pid}\n")
+
+
+def report_failure(pid: int, reason: str) -> bool:
+    """In a worker whose start-up failed: hand the reason to the master, which stops the server with it.
+
+    Returns False where the master could not be told (then the worker must exit
+    ``EXIT_STARTUP`` itself, gunicorn's own way).
+    """
+    text = json.dumps(reason)
+    if len(text) > _MAX_REASON:
+        text = json.dumps(reason[: _MAX_REASON // 2] + " ...")
+    return _report(f"failed {pid} {text}\n")
+
+
+def describe_failure(phase: str, exc: BaseException) -> str:
+    """One line for a start-up that raised something other than ``StartupError`` (a compile error...).
+
+    ``phase`` is the worker's state when it failed (``loading model``, ``compiling``, ``self-test``).
+    The first line of the error, and where the rest is; compile errors run to pages.
+    """
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    text = f"{phase} failed: {type(exc).__name__}" + (f": {first}" if first else "")
+    if len(text) > 600:
+        text = text[:600] + " ..."
+    hint = "; CLASSIFIER_COMPILE=0 serves the model uncompiled" if phase == "compiling" else ""
+    return f"{text} (CLASSIFIER_LOG_LEVEL=debug logs the traceback{hint})"
+
+
+# -- hooks' helpers, master side ---------------------------------------------------------------------------
+def guard_halt(server) -> None:
+    """Make gunicorn's stop keep the first reason it halts for, instead of crashing on a second one.
+
+    gunicorn's ``halt()`` reaps the workers again; a second worker that failed to boot (exit 3 or 4)
+    then raises ``HaltServer`` inside the handler of the first: a chained traceback, exit 1, and
+    no ``on_exit`` (so nothing cleaned up). Once halting or stopping, later ``HaltServer``s of
+    ``reap_workers`` are dropped; the status is the first one's.
+    """
+    from gunicorn.errors import HaltServer
+
+    state = master()
+    reap = server.reap_workers
+
+    def reap_workers():
+        try:
+            reap()
+        except HaltServer:
+            if state.halting or stopping(server):
+                return
+            state.halting = True
+            raise
+
+    server.reap_workers = reap_workers
+
+
+def stopping(server) -> bool:
+    """Whether gunicorn's master is stopping: its ``stop()`` closes the listeners first.
+
+    (With ``reuse_port`` the master holds no listeners at all, so that tells nothing there.)
+    """
+    return not server.LISTENERS and not server.cfg.reuse_port
+
+
+def halt_on_failure(server, worker) -> None:
+    """In ``child_exit``: if this worker reported a failed start-up, stop the server with its reason.
+
+    Called inside gunicorn's ``reap_workers``, which ``guard_halt`` wraps: that marks the server halting.
+
+    :raises HaltServer: the reason, with ``EXIT_STARTUP`` (gunicorn logs it as the last line).
+    """
+    from gunicorn.errors import HaltServer
+
+    state = master()
+    reason = state.forget(worker.pid)
+    if reason is None or state.halting or stopping(server):
+        return
+    raise HaltServer(f"worker {worker.pid} could not start: {reason}", EXIT_STARTUP)
+
+
+def close_in_worker() -> None:
+    """In a new worker (``post_fork``): close what only the master reads (the pipe's read end, the responder's sockets)."""
+    if _master is None:
+        return
+    os.close(_master.read_fd)
+    if _master.responder is not None:
+        _master.responder.close_in_child()
+
+
+def remove_at_exit(path: str) -> None:
+    """Remove folder ``path`` when this process exits, however it exits (short of SIGKILL).
+
+    For the metrics folder the master makes at config time: gunicorn's ``on_exit`` runs only on
+    a normal stop, not when it gives up binding or dies on a config error. Workers inherit the
+    registration: only the process that registered removes it.
+    """
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+
+
+# -- can we listen? --------------------------------------------------------------------------------------------
+def _why(exc: OSError) -> str:
+    reasons = {errno.EADDRINUSE: "the address is in use (another server listens there)",
+               errno.EACCES: "permission denied (ports below 1024 need root)",
+               errno.EADDRNOTAVAIL: "no such address on this host"}
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host ({exc.strerror})"
+    return reasons.get(exc.errno, exc.strerror or str(exc))
+
+
+def _probe(address) -> None:
+    """Bind ``address`` (gunicorn's form: ``(host, port)`` or a unix path) as gunicorn will, then let go.
+
+    :raises OSError: why it cannot be bound.
+    """
+    if isinstance(address, tuple):
+        host, port = address
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(info[0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn: a TIME_WAIT port is free
+            s.bind(info[4])
+        return
+    path = address
+    if path.startswith("\0"):
+        return
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            raise OSError(errno.ENOENT, f"no folder {directory}") from None
+        if not os.access(directory, os.W_OK):
+            raise OSError(errno.EACCES, f"cannot write in {directory}") from None
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # gunicorn would remove it: is it live?
+        try:
+            s.connect(path)
+        except OSError:
+            return  # a stale socket file: gunicorn replaces it
+    raise OSError(errno.EADDRINUSE, "in use")
+
+
+def show(address) -> str:
+    """``address`` as people write it: ``127.0.0.1:8000``, ``[::1]:8000``, ``unix:/run/x.sock``."""
+    if isinstance(address, tuple):
+        host, port = address
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"fd://{address}" if isinstance(address, int) else f"unix:{address}"
+
+
+def check_listen(addresses, *, sleep: Callable[[float], None] = time.sleep) -> str | None:
+    """Whether gunicorn will be able to listen on every address of ``addresses`` (``cfg.address``).
+
+    Returns None, or one line saying which address cannot be used and why. An address in use is
+    tried ``LISTEN_ATTEMPTS`` times, ``LISTEN_PAUSE_S`` apart (a server stopping just now).
+    Inherited sockets (``fd://``, systemd, a USR2 re-exec) are not checked: they are bound already.
+    """
+    if os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS"):
+        return None
+    for address in addresses:
+        if isinstance(address, int):
+            continue
+        for attempt in range(LISTEN_ATTEMPTS):
+            try:
+                _probe(address)
+                break
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and attempt + 1 < LISTEN_ATTEMPTS:
+                    sleep(LISTEN_PAUSE_S)
+                    continue
+                return (f"cannot listen on {show(address)}: {_why(exc)}; choose another address with "
+                        f"CLASSIFIER_BIND (or gunicorn's -b)")
+    return None
+
+
+def exit_now(status: int, line: str | None = None) -> None:
+    """Print ``line`` (if any) to stderr and exit with ``status`` (the cleanup of ``remove_at_exit`` runs)."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    sys.exit(status)
