@@ -38,9 +38,9 @@ EXIT_STATUSES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "stopped: SIGTERM (drains requests in flight), SIGINT (Ctrl-C) or SIGQUIT"),
     (EXIT_OTHER, "any other failure of gunicorn itself (its own message says what)"),
     (EXIT_CONFIG, "a bad setting: a `CLASSIFIER_*` variable (`CLASSIFIER_BIND` included) or a gunicorn flag"),
-    (EXIT_STARTUP, "a worker could not start the model: weights missing or damaged, self-test failed, compile "
-                   "failed (the last line says which)"),
-    (EXIT_APP_LOAD, "the app could not be imported (gunicorn's own message)"),
+    (EXIT_STARTUP, "a worker could not start: weights missing or damaged, self-test failed, compile failed (the "
+                   "last line says which), or the app module could not be imported (gunicorn's traceback)"),
+    (EXIT_APP_LOAD, "the app module has no such app (`wsgi:app`; gunicorn's own message)"),
     (EXIT_LISTEN, "cannot listen on the address: in use, not allowed (ports below 1024), or not on this host"),
 )
 
