@@ -302,9 +302,13 @@ def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
                           "--out", str(out), "--cluster-actors", "2"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600, env=_env(COMMON, RAY_ADDRESS=ray_address))
     assert run.returncode == 1, run.stderr[-4000:]  # some files failed, the job did not
-    assert (f"{len(photos) + len(broken) + 1} files: {len(photos) + 1} classified, {len(broken)} failed"
-            in run.stderr), run.stderr[-3000:]
-    assert "2 other files in folders skipped" in run.stderr
+    assert (f"{len(photos) + len(broken) + 1} files: {len(photos) + 1} classified by efficientnet_lite0, "
+            f"{len(broken)} failed" in run.stderr), run.stderr[-3000:]
+    assert "skipped in folders: 2 other files (--all-files tries them)" in run.stderr
+    # Only our lines on the terminal: Ray's own (its loggers, its C++ core, the actors') went to its log file.
+    ours = ("classifying ", "classify:", f"{len(photos) + len(broken) + 1} files:", "Ray's own messages: ")
+    assert all(line.lstrip("\r").startswith(ours) for line in run.stderr.splitlines() if line.strip()), run.stderr
+    assert "\x1b[" not in run.stderr and "core_worker" not in run.stderr
 
     import pyarrow.parquet as pq
 
@@ -313,6 +317,9 @@ def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
                                   "probabilities", "error_code", "error"]
     rows = {os.path.basename(r["path"]): r for r in table.to_pylist()}
     assert len(rows) == table.num_rows and sorted(rows) == sorted(photos + list(broken) + ["_MG_0001.JPG"])
+    # Paths as local classify prints them: the folder as given, the file's name under it (not resolved).
+    assert {r["path"] for r in table.to_pylist()} == (
+        {str(SHARED_IMAGES / n) for n in photos} | {str(bad / n) for n in [*broken, "_MG_0001.JPG"]})
     assert (rows["_MG_0001.JPG"]["width"], rows["_MG_0001.JPG"]["error"]) == (64, None)
     for name in photos:
         row = rows[name]
@@ -330,14 +337,15 @@ def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
 
 
 def test_bulk_classify_says_why_the_model_cannot_start(ray_address, tmp_path):
-    """No weights and no fallback: one line saying what to do, exit 1, not a job that hangs or a traceback last."""
+    """No weights and no fallback: one line saying what to do, exit 2 (configuration), not a job that hangs or a
+    traceback last."""
     (tmp_path / "a.png").write_bytes(png_bytes(Image.new("RGB", (32, 32))))
     run = subprocess.run([sys.executable, "-m", "webapp", "classify", "--cluster", str(tmp_path), "--out",
                           str(tmp_path / "x.parquet"), "--cluster-actors", "1"], cwd=ROOT, capture_output=True,
                          text=True, timeout=300,
                          env=_env({**COMMON, "MODEL": "resnet18", "FALLBACK": 0, "DOWNLOAD": 0,
                                    "WEIGHTS": str(tmp_path / "missing.pth")}, RAY_ADDRESS=ray_address))
-    assert run.returncode == 1, run.stderr[-3000:]
+    assert run.returncode == 2, run.stderr[-3000:]
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: cannot start the model: ") and "missing.pth" in last, run.stderr[-3000:]
 
