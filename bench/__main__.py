@@ -10,6 +10,8 @@ Parts, each a module here that also runs alone (``python bench/<part>_bench.py -
 - ready: time to ready with a cold and a warm compile cache.
 - page: the page path, 12 MP photo: our server's images/s at saturation when uploads are the JPEG
   the page scales in the browser vs the original photo.
+- overload: 2x overload, 12 MP and small photos: admission by time (``MAX_WAIT_MS``) vs the same
+  server without it: refused and admitted latency, images/s, client timeouts.
 
 Every timing is a ratio against a baseline measured in the same run (the machine may be shared).
 ``--cap-avx2`` runs the engine part as an old AVX2-only server would (``ONEDNN_MAX_CPU_ISA=AVX2
@@ -30,7 +32,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 PARTS = {"engine": "bench.engine_bench", "preprocess": "bench.preprocess_bench",
-         "e2e": "bench.e2e_bench", "ready": "bench.ready_bench", "page": "bench.page_bench"}
+         "e2e": "bench.e2e_bench", "ready": "bench.ready_bench", "page": "bench.page_bench",
+         "overload": "bench.overload_bench"}
 CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 

@@ -18,7 +18,7 @@ def _classifier():
 def predict():
     """Classify the uploaded image(s); answer ``{"model", "results", "timing_ms"}`` (see README)."""
     clf = _classifier()
-    clf.admit()  # not ready or full: answered before the body is read
+    clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
     # topk as a query parameter, or as a form field of a multipart upload (as the page's form sends it)
     raw_topk = request.args.get("topk")
     if raw_topk is None and request.mimetype == "multipart/form-data":

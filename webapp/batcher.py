@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .concurrency import Primitives
-from .errors import InferenceFailed, InferenceTimeout, NotReady, Overloaded, ServiceError
+from .errors import ClientGone, InferenceFailed, InferenceTimeout, NotReady, Overloaded, ServiceError
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class _Request:
     future: object
     enqueued: float = field(default_factory=time.monotonic)
     abandoned: bool = False  # the waiter gave up (timeout): skip it, never run it
+    gone: Callable[[], bool] | None = None  # True once its client hung up: skip it, never run it
 
 
 class InferenceBatcher:
@@ -89,9 +90,10 @@ class InferenceBatcher:
         # future: at gunicorn's worker_exit the hub has nothing left to run, and a greenlet
         # wait there ends in LoopExit ("would block forever") while a batch is still running.
         self._ended = self._p.make_lock()
-        # Measured, for Retry-After: exponential moving averages in seconds.
+        # Measured, for Retry-After and admission by time: exponential moving averages (s, images).
         self.ewma_queue_wait = 0.0
         self.ewma_batch_time = 0.0
+        self.ewma_batch_images = 0.0
         self.batches = 0
         self.images = 0
 
@@ -114,6 +116,11 @@ class InferenceBatcher:
     def queue_depth(self) -> int:
         """Images waiting for a batch right now."""
         return self._waiting
+
+    @property
+    def image_ms(self) -> float:
+        """Measured forward-pass cost per image (ms): EWMA batch time / EWMA batch size; 0 before any batch."""
+        return 1e3 * self.ewma_batch_time / self.ewma_batch_images if self.ewma_batch_images else 0.0
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new work, serve everything already queued, then end the thread (waits up to ``timeout`` s)."""
@@ -149,14 +156,17 @@ class InferenceBatcher:
             raise Overloaded(f"server busy: {self._waiting} images queued (limit {self.queue_size}); "
                              f"try again in {wait} s", headers={"Retry-After": str(wait)})
 
-    def submit(self, tensors: list[torch.Tensor]) -> list[_Request]:
+    def submit(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None) -> list[_Request]:
         """Queue images ``(3, H, W) float32`` all together or not at all.
+
+        ``gone`` (asked on the inference thread just before a batch runs) says whether the client hung
+        up; such an image is not run and its waiter gets ``ClientGone``.
 
         :raises Overloaded: the queue has no room for all of them (429, with ``Retry-After``).
         :raises NotReady: the batcher is stopping, stopped or dead (503).
         """
         deadline = time.monotonic() + self.request_timeout
-        reqs = [_Request(t, deadline, self._p.make_future()) for t in tensors]
+        reqs = [_Request(t, deadline, self._p.make_future(), gone=gone) for t in tensors]
         with self._lock:
             self.check_capacity(len(reqs))
             self._waiting += len(reqs)
@@ -176,15 +186,16 @@ class InferenceBatcher:
             req.abandoned = True
             raise InferenceTimeout.after(self.request_timeout) from None
 
-    def infer(self, tensors: list[torch.Tensor]) -> list[Result]:
+    def infer(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None) -> list[Result]:
         """Run images ``(3, H, W) float32`` through the model; return their ``Result``s in the same order.
 
-        Submits all of them at once (they may share a batch) and waits for every one.
+        Submits all of them at once (they may share a batch) and waits for every one; ``gone`` as ``submit``.
 
         :raises Overloaded: no room in the queue (429). :raises NotReady: not serving (503).
         :raises InferenceTimeout: past ``request_timeout`` (504). :raises InferenceFailed: the batch failed (500).
+        :raises ClientGone: the client hung up before its batch ran (499; nothing was run for it).
         """
-        reqs = self.submit(tensors)
+        reqs = self.submit(tensors, gone)
         try:
             return [self.wait(r) for r in reqs]
         finally:
@@ -226,6 +237,10 @@ class InferenceBatcher:
             if now > r.deadline:  # past its deadline: drop it before inference
                 r.future.reject(InferenceTimeout("deadline passed while queued; the server is overloaded"))
                 continue
+            if r.gone is not None and r.gone():  # no one to answer: its row would be computed for nobody
+                r.abandoned = True
+                r.future.reject(ClientGone.before("its batch ran"))
+                continue
             live.append(r)
         if not live:
             return
@@ -240,6 +255,7 @@ class InferenceBatcher:
             return
         took = time.perf_counter() - start
         self.ewma_batch_time = took if not self.batches else 0.8 * self.ewma_batch_time + 0.2 * took
+        self.ewma_batch_images = len(live) if not self.batches else 0.8 * self.ewma_batch_images + 0.2 * len(live)
         self.batches += 1
         self.images += len(live)
         for r, result in zip(live, results(logits, [r.enqueued for r in live], now=now, took=took)):

@@ -49,7 +49,9 @@ class Upload:
 class ClassifierLike(Protocol):
     """The classifier the app serves (``app.extensions["classifier"]``).
 
-    - ``admit(n)``: raises ``NotReady`` (503) / ``Overloaded`` (429) before the request body is read.
+    - ``admit(environ, n)``: raises ``NotReady`` (503) / ``Overloaded`` (429) before the request body is
+      read; ``environ`` is the request's WSGI environ (its ``CONTENT_LENGTH``, bytes, and under gunicorn
+      its ``gunicorn.socket``), ``n`` the photos it counts for.
     - ``classify(uploads, topk=, keep_images=)`` -> the JSON answer ``{"model", "results",
       "timing_ms"}`` (ms); with ``keep_images`` each result also carries ``thumbnail``, a JPEG of
       the photo (bytes, <= 320 px) for the page. Raises ``errors.ServiceError`` subclasses only.
@@ -63,7 +65,7 @@ class ClassifierLike(Protocol):
     settings: Any
     on_outcomes: Callable[[list], None] | None
 
-    def admit(self, n: int = 1) -> None: ...
+    def admit(self, environ: Any = None, n: int = 1) -> None: ...
 
     def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False) -> dict: ...
 

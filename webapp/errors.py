@@ -98,8 +98,10 @@ class NotAnImage(ServiceError):
 
 class Overloaded(ServiceError):
     status, code, retryable = 429, "overloaded", True
-    when = "this worker's queue is full; `Retry-After` gives seconds, from the measured queue drain time"
-    settings = ("QUEUE_SIZE",)
+    when = ("this worker predicts it would answer later than the latency budget (from the photos it is decoding "
+            "and has queued, and their measured cost), or its queue is full; answered before the body is read, "
+            "`Retry-After` gives seconds from the same prediction")
+    settings = ("MAX_WAIT_MS", "QUEUE_SIZE")
 
 
 class RateLimited(ServiceError):
@@ -169,6 +171,21 @@ BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in ERRORS}
 RETRYABLE: tuple[str, ...] = tuple(cls.code for cls in ERRORS if cls.retryable)
 # Werkzeug's HTTP errors that have a row of their own; any other becomes "http_error" with its status.
 _HTTP = {404: NotFound, 405: MethodNotAllowed, 413: TooLarge, 429: RateLimited}
+
+
+class ClientGone(ServiceError):
+    """499 ``client_gone``: the client hung up before its photos were decoded or run, so they were not.
+
+    Not a row of the table: no one is there to read it. The request ends with it so that the access
+    log and ``/metrics`` show it (499 is nginx's "client closed request"); the worker logs it at info.
+    """
+
+    status, code = 499, "client_gone"
+
+    @classmethod
+    def before(cls, stage: str) -> "ClientGone":
+        """The client was gone before ``stage`` ("its photos were decoded", "... queued", "its batch ran")."""
+        return cls(f"the client closed the connection before {stage}; nothing more was done for it")
 
 
 class StartupError(RuntimeError):

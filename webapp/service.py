@@ -1,30 +1,39 @@
 """The classifier one process serves: decode -> predict -> encode, wired to the batcher.
 
 ``Classifier.start()`` runs start-up (``webapp/startup.py``: model, precision, compile, warm-up),
-starts the batcher and runs the self-test; only then is the worker ready. ``classify()`` is what
-every view calls (``contract.ClassifierLike``). A photo's path through it: ``imaging.prepare`` on
-a decode thread (``concurrency.Offloader``) -> ``InferenceBatcher.infer`` -> ``encode`` -> ``answer``.
+starts the batcher and runs the self-test; only then is the worker ready. ``admit()`` (before the
+body is read: readiness, admission by time in ``webapp/admission.py``, the queue bound) and
+``classify()`` are what every view calls (``contract.ClassifierLike``). A photo's path through it:
+``imaging.prepare`` on a decode thread (``concurrency.Offloader``) -> ``InferenceBatcher.infer`` ->
+``encode`` -> ``answer``; a client that hung up meanwhile is not decoded or run (``ClientGone``).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import time
+from typing import Callable, Mapping
 
 import torch
 
 from . import imaging, startup
+from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
-from .concurrency import Offloader, keep_alive
+from .concurrency import Offloader, keep_alive, peer_closed
 from .contract import Upload
-from .errors import NotReady, StartupError
+from .errors import ClientGone, NotReady, StartupError
 from .imaging import Prepared
 from .models import encode
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Classifier", "Upload", "answer", "encode"]
+
+# The admitted request's ``Ticket``, from ``admit`` to its ``classify`` (the same request greenlet or
+# thread: each has its own context, as Flask's own request context relies on).
+_TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("admission_ticket", default=None)
 
 
 def answer(model: dict, categories: list[str], uploads: list[Upload], prepared: list[Prepared],
@@ -70,6 +79,7 @@ class Classifier:
         self.started: startup.Started | None = None
         self.batcher: InferenceBatcher | None = None
         self.offloader: Offloader | None = None
+        self.admission: Admission | None = None
         self.status = "not started"  # for people: why not ready
         self.self_test: dict | None = None
         self.startup_s: float | None = None
@@ -99,6 +109,8 @@ class Classifier:
                                             thread_init=started.engine.thread_init)
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, started.threads))
+            self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=self.offloader.max_threads,
+                                       image_ms=lambda: self.batcher.image_ms, queued=lambda: self.batcher.queue_depth)
             self.status = "self-test"
             try:
                 self.self_test = startup.self_test(s, started, self._predict_on_batcher)
@@ -106,6 +118,7 @@ class Classifier:
                 self.status = "self-test failed"
                 self.batcher.stop()
                 raise
+            self._measure_costs(started)
         finally:
             if stop_beats:
                 stop_beats()
@@ -113,6 +126,19 @@ class Classifier:
 
     def _set_status(self, status: str) -> None:
         self.status = status
+
+    def _measure_costs(self, started: startup.Started) -> None:
+        """Give admission measured costs before the first request: the golden photo (small: it fixes the
+        decode cost per upload) decoded twice on a decode thread, the second timed (the first pays one-off
+        set-up), and, where the self-test was skipped, one forward pass of it through the batcher."""
+        data = startup.GOLDEN.read_bytes()
+        for _ in range(2):
+            prepared, ms = self.offloader.run(_timed_prepare, data, name=startup.GOLDEN.name,
+                                              transform=started.transform, max_pixels=startup.ASSET_MAX_PIXELS,
+                                              min_side=started.min_side(self.settings.FAST_DECODE))
+        self.admission.decode.observe(len(data), ms)
+        if not self.batcher.batches:
+            self.batcher.infer([prepared.tensor])
 
     def _predict_on_batcher(self, batch: torch.Tensor) -> torch.Tensor:
         """``(N, 3, S, S) float32`` -> ``(N, C)`` logits through the batcher's thread (the serving path)."""
@@ -181,14 +207,37 @@ class Classifier:
         return self._described
 
     # -- serving ---------------------------------------------------------------------------------
-    def admit(self, n: int = 1) -> None:
-        """Refuse now what would be refused later: not ready (503), or no room for ``n`` images (429).
+    def admit(self, environ: Mapping | None = None, n: int = 1) -> None:
+        """Refuse now what would be refused later, before the views read the body (a refusal costs no upload).
 
-        The views call it before reading the request body, so a refusal costs no upload.
+        ``environ``: the request's WSGI environ, for its ``CONTENT_LENGTH`` (bytes: decode cost grows
+        with them) and, under gunicorn, ``gunicorn.socket`` (to tell later whether the client hung up);
+        ``n``: photos it counts for. Admitted, it counts as work ahead of later requests until its
+        ``classify`` decodes it (see ``webapp/admission.py``).
 
-        :raises NotReady: starting, failed or stopping (``Retry-After``).
-        :raises Overloaded: the queue has no room (``Retry-After`` from the measured drain time).
+        :raises NotReady: starting, failed or stopping (503, ``Retry-After``).
+        :raises Overloaded: its predicted time to answer is over ``MAX_WAIT_MS`` (429, ``Retry-After``
+            from that prediction), or the queue has no room for ``n`` more images.
         """
+        if not self.ready:
+            raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
+        environ = environ or {}
+        try:
+            nbytes = int(environ.get("CONTENT_LENGTH") or "")
+        except ValueError:  # absent (chunked) or not a number: admission guesses recent uploads' size
+            nbytes = None
+        sock = environ.get("gunicorn.socket")
+        self.admission.release(_TICKET.get())  # one left by an earlier request of this context that failed
+        _TICKET.set(None)
+        ticket = self.admission.admit(nbytes, n, gone=None if sock is None else (lambda: peer_closed(sock)))
+        try:
+            self.batcher.check_capacity(n)  # the backstop: images, whatever they are predicted to cost
+        except Exception:
+            self.admission.release(ticket)
+            raise
+        _TICKET.set(ticket)
+
+    def _check_serving(self, n: int) -> None:
         if not self.ready:
             raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
         self.batcher.check_capacity(n)
@@ -200,17 +249,42 @@ class Classifier:
         queue, inference, total}}`` (ms); with ``keep_images`` each result also holds ``thumbnail``,
         a JPEG of the photo (bytes, <= 320 px) for the page.
 
+        Called without ``admit`` (the CLI) it is not judged by time, only by the queue bound.
+
         :raises ServiceError: the first upload that cannot be decoded (400/413/415), a full queue
-            (429), not ready (503), timeout (504), a failed batch (500).
+            (429), not ready (503), timeout (504), a failed batch (500), the client hung up before its
+            photos were decoded or run (``ClientGone``, 499: logged at info, nothing more done).
         """
         start = time.perf_counter()
-        self.admit(len(uploads))  # a full queue answers 429 before any decoding
+        ticket = _TICKET.get()
+        _TICKET.set(None)
+        try:
+            self._check_serving(len(uploads))  # a full queue answers 429 before any decoding
+        except Exception:
+            if ticket is not None:
+                self.admission.release(ticket)
+            raise
+        gone = ticket.gone if ticket is not None else None
         s, started = self.settings, self.started
-        prepared = [self.offloader.run(imaging.prepare, up.data, name=up.name, transform=started.transform,
-                                       max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
-                                       thumbnail=keep_images) for up in uploads]
-        decode_ms = (time.perf_counter() - start) * 1e3
-        outcomes = self.batcher.infer([p.tensor for p in prepared])
+        job = self.admission.decoding(ticket, [len(up.data) for up in uploads])
+        try:
+            prepared = []
+            for up in uploads:
+                p, ms = self.offloader.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
+                                           max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
+                                           thumbnail=keep_images, gone=gone)
+                self.admission.decoded(job, len(up.data), ms)
+                prepared.append(p)
+            decode_ms = (time.perf_counter() - start) * 1e3
+            if gone is not None and gone():
+                raise ClientGone.before("its photos were queued")
+            outcomes = self.batcher.infer([p.tensor for p in prepared], gone)
+        except ClientGone as exc:
+            self.admission.note_gone()
+            log.info("%s", exc.message)
+            raise
+        finally:
+            self.admission.finish(job)
         if self.on_outcomes is not None:
             self.on_outcomes(outcomes)
         return answer(self.describe(), started.model.categories, uploads, prepared, outcomes, topk=topk,
@@ -236,4 +310,18 @@ class Classifier:
             "queue_depth": self.queue_depth,
             "batches": b.batches if b else 0,
             "images": b.images if b else 0,
+            "admission": self.admission.describe() if self.admission else None,
         }
+
+
+def _timed_prepare(data: bytes, *, gone: Callable[[], bool] | None = None, **kwargs) -> tuple[Prepared, float]:
+    """``imaging.prepare(data, **kwargs)`` on a decode thread, and its wall time (ms) for admission.
+
+    :raises ClientGone: ``gone()`` says the client hung up while this waited for a decode thread.
+    :raises ServiceError: as ``imaging.prepare``.
+    """
+    if gone is not None and gone():
+        raise ClientGone.before("its photos were decoded")
+    t0 = time.perf_counter()
+    prepared = imaging.prepare(data, **kwargs)
+    return prepared, (time.perf_counter() - t0) * 1e3

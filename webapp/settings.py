@@ -215,6 +215,10 @@ SETTINGS: tuple[Setting, ...] = (
             "its batch.", low=0, high=10_000),
     Setting("QUEUE_SIZE", _int, 64, "Most images waiting in one worker's queue; more get 429 with Retry-After.",
             low=1, high=100_000),
+    Setting("MAX_WAIT_MS", _float, 1000.0, "Latency budget (ms): a request this worker predicts it would answer "
+            "later than this (photos being decoded and queued, times their measured cost) gets 429 at once, before "
+            "its body is read, with Retry-After from that prediction. QUEUE_SIZE still applies.",
+            low=10, high=86_400_000, commands=(SERVE,)),
     Setting("REQUEST_TIMEOUT_S", _float, 30.0, "Seconds an image may wait for its result before the request gets "
             "504.", low=0.01, high=3600),
     # -- requests --

@@ -131,7 +131,7 @@ def infer(name: str, version: str | None = None):
         raise NotAnImage(f"Content-Type {mimetype} is not an inference request: send the protocol's JSON (photos "
                          f"as base64 strings) or its binary tensor data; or use /api/v1/predict for uploads")
     clf = _classifier()
-    clf.admit()  # not ready or full: answered before the body is read, as /api/v1/predict
+    clf.admit(request.environ)  # not ready or too late: answered before the body is read, as /api/v1/predict
     s = clf.settings
     entry = catalog.BY_NAME.get(serving)
     req = codec.parse_request(_body(codec.body_limit(s.MAX_UPLOAD_BYTES)), request.headers.get(codec.HEADER),

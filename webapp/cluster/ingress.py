@@ -86,9 +86,10 @@ class RemoteClassifier:
         self._health = (now, health, why)
         return health, why
 
-    def admit(self, n: int = 1) -> None:
+    def admit(self, environ=None, n: int = 1) -> None:
         """Refuse before the body is read when no model replica answers (503); queue room is Ray's to
-        judge (``Overloaded`` from ``classify``).
+        judge (``Overloaded`` from ``classify``), not a time prediction: ``environ`` and ``n`` are
+        taken for ``contract.ClassifierLike`` and not used.
 
         :raises NotReady: no model replica answered its last health probe.
         """

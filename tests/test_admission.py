@@ -1,0 +1,438 @@
+"""Admission by time (webapp/admission.py) and clients that hang up (``concurrency.peer_closed``).
+
+Unit tests drive the predictor with a fake clock and fixed measured costs, so each decision and
+``Retry-After`` is exact. The ``server`` tests run a real gunicorn: a burst well over the budget is
+partly refused at once while the admitted ones are answered; a client that hangs up before its photo
+is decoded is not decoded (the worker's counters and log say so).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from conftest import small_png
+from webapp.admission import Admission, DecodeCost, Prediction
+from webapp.batcher import InferenceBatcher
+from webapp.concurrency import peer_closed
+from webapp.errors import ClientGone, Overloaded
+
+MB = 1_000_000
+
+
+class Clock:
+    """A fake ``time.monotonic`` (s) that moves only when told."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_admission(*, queued: int = 0, image_ms: float = 10.0, ms_per_mb: float = 50.0, budget_ms: float = 1000.0,
+                   threads: int = 2):
+    """An ``Admission`` whose decode costs ``ms_per_mb`` (one measured 1 MB decode: proportional),
+    whose forward pass costs ``image_ms`` per image, with ``queued`` images waiting; and its clock."""
+    clock = Clock()
+    state = {"queued": queued, "image_ms": image_ms}
+    adm = Admission(budget_ms=budget_ms, decode_threads=threads, image_ms=lambda: state["image_ms"],
+                    queued=lambda: state["queued"], clock=clock)
+    adm.decode.observe(MB, ms_per_mb)
+    return adm, clock, state
+
+
+# -- the measured decode cost ----------------------------------------------------------------------
+@pytest.mark.unit
+def test_decode_cost_fits_a_line_through_sizes_that_differ():
+    cost = DecodeCost()
+    assert cost.line() == (0.0, 0.0) and cost.predict(MB) == 0.0  # nothing measured yet: no guess
+    for nbytes in (50_000, 3 * MB, 200_000, 1 * MB, 3 * MB, 100_000) * 5:
+        cost.observe(nbytes, 2.0 + 3e-5 * nbytes)  # 2 ms per photo + 30 ms per MB
+    a, b = cost.line()
+    assert a == pytest.approx(2.0, rel=1e-6) and b == pytest.approx(3e-5, rel=1e-6)
+    assert cost.predict(2 * MB, uploads=2) == pytest.approx(2 * 2.0 + 60.0, rel=1e-6)
+
+
+@pytest.mark.unit
+def test_decode_cost_of_one_size_is_ms_per_byte_through_the_origin():
+    cost = DecodeCost()
+    for ms in (40.0, 60.0, 50.0):
+        cost.observe(2 * MB, ms)
+    a, b = cost.line()
+    assert a == 0.0 and b * 2 * MB == pytest.approx(cost._my)  # the weighted mean time of that size
+    assert cost.mean_bytes == 2 * MB
+
+
+@pytest.mark.unit
+def test_decode_cost_does_not_trust_a_line_with_a_negative_intercept():
+    cost = DecodeCost()
+    for nbytes, ms in ((MB, 10.0), (3 * MB, 90.0)) * 5:  # the line through them crosses 0 at 0.75 MB
+        cost.observe(nbytes, ms)
+    a, b = cost.line()
+    assert a == 0.0 and b == pytest.approx(cost._my / cost._mx)
+
+
+# -- decisions and Retry-After ----------------------------------------------------------------------
+@pytest.mark.unit
+def test_admits_until_the_predicted_wait_is_over_the_budget():
+    adm, _, _ = make_admission()  # 1 MB photos: decode 50 ms (2 threads), forward pass 10 ms
+    assert adm.predict(MB) == Prediction(ahead_ms=0.0, own_ms=60.0)
+    for k in range(27):  # each admitted photo adds 50/2 + 10 = 35 ms ahead: 35 * 26 + 60 = 970 <= 1000
+        assert adm.predict(MB).ahead_ms == pytest.approx(35.0 * k)
+        adm.admit(MB)
+    with pytest.raises(Overloaded) as refused:  # 35 * 27 + 60 = 1005 > 1000
+        adm.admit(MB)
+    assert refused.value.status == 429 and refused.value.headers == {"Retry-After": "1"}
+    assert "about 1.0 s here, over the 1 s budget (CLASSIFIER_MAX_WAIT_MS); try again in 1 s" in refused.value.message
+    assert (adm.admitted, adm.refused) == (27, 1)
+    assert adm.admit(100_000) is not None  # a small photo still fits: 945 + 5 + 10 = 960
+
+
+@pytest.mark.unit
+def test_retry_after_is_the_seconds_by_which_the_prediction_misses_the_budget():
+    adm, _, state = make_admission(queued=200)  # 200 queued images: 2000 ms ahead
+    with pytest.raises(Overloaded) as refused:
+        adm.admit(MB)  # 2000 + 60 = 2060: 1.06 s over
+    assert refused.value.headers == {"Retry-After": "2"}
+    state["queued"] = 94  # 940 + 60 = 1000: fits exactly
+    adm.admit(MB)
+    state["queued"] = 0
+    state["image_ms"] = 0.0  # no batch measured yet: the forward pass counts as free, decodes still count
+    assert adm.predict(MB) == Prediction(ahead_ms=25.0, own_ms=50.0)
+
+
+@pytest.mark.unit
+def test_a_big_photo_is_judged_by_the_wait_ahead_of_it_not_by_its_own_size():
+    adm, _, _ = make_admission()
+    big = 40 * MB  # its own decode alone: 2000 ms, twice the budget
+    assert adm.predict(big).own_ms == pytest.approx(2010.0)
+    adm.admit(big)  # idle worker: admitted (it counts as half the budget)
+    adm2, _, _ = make_admission(queued=50)  # 500 ms ahead + half the budget = 1000: fits
+    adm2.admit(big)
+    with pytest.raises(Overloaded) as refused:  # the first one's decode (2000 ms on 2 threads) is ahead now
+        adm2.admit(big)
+    assert refused.value.headers["Retry-After"] == "2"  # 500 + 1000 + 10 ahead, + 500: 1010 ms over
+
+
+@pytest.mark.unit
+def test_tickets_stop_counting_once_decoding_takes_them_or_the_budget_passes():
+    adm, clock, _ = make_admission()
+    first, second = adm.admit(MB), adm.admit(2 * MB)
+    assert adm.predict(MB).ahead_ms == pytest.approx((50 + 100) / 2 + 2 * 10)
+    job = adm.decoding(first, [MB, MB])  # its body held two photos: both count now, the ticket no more
+    assert adm.predict(MB).ahead_ms == pytest.approx((100 + 100) / 2 + 3 * 10)
+    adm.decoded(job, MB, 70.0)  # measured: one 1 MB decode took 70 ms (the fit moves: still one size)
+    assert adm.decode.count == 2
+    adm.finish(job)  # the second photo failed to decode: it stops counting too
+    assert adm._uploads_ahead == 1 and adm._bytes_ahead == pytest.approx(2 * MB)
+    clock.now += 0.999
+    assert adm._uploads_ahead == 1 and adm.predict(MB).ahead_ms > 0
+    clock.now += 0.002  # past the budget since `second` was admitted: it no longer counts
+    assert adm.predict(MB).ahead_ms == 0.0 and adm._uploads_ahead == 0
+    adm.release(second)  # releasing an expired or claimed ticket changes nothing
+    adm.release(first)
+    assert adm._uploads_ahead == 0 and adm._bytes_ahead == pytest.approx(0.0)
+
+
+@pytest.mark.unit
+def test_a_body_of_unknown_length_counts_as_recent_uploads_mean_size():
+    adm, _, _ = make_admission()
+    ticket = adm.admit(None)
+    assert ticket.nbytes == MB and adm.predict(None) == Prediction(ahead_ms=35.0, own_ms=60.0)
+    adm.release(ticket)
+    assert adm.predict(None).ahead_ms == 0.0
+
+
+@pytest.mark.unit
+def test_healthz_record_says_budget_costs_and_counts():
+    adm, _, _ = make_admission(queued=3)
+    adm.admit(MB)
+    adm.note_gone()
+    d = adm.describe()
+    assert d["budget_ms"] == 1000.0 and d["decode_ms_per_mb"] == 50.0 and d["image_ms"] == 10.0
+    assert d["uploads_ahead"] == 1 and d["admitted"] == 1 and d["refused"] == 0 and d["client_gone"] == 1
+    assert d["ahead_ms"] == pytest.approx(3 * 10 + 35, abs=0.1) and d["predicted_ms"] == pytest.approx(125, abs=0.1)
+
+
+# -- through the app: refused before the body, with the measured costs ---------------------------------
+@pytest.fixture(scope="module")
+def app(make_module_app):
+    """This module's own app (seeded ResNet-18, eager): its admission counts only this module's requests."""
+    return make_module_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32")
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.mark.unit
+def test_the_api_refuses_by_time_before_reading_the_body(app, client, monkeypatch):
+    from webapp import api
+
+    clf = app.extensions["classifier"]
+    assert clf.batcher.image_ms > 0 and clf.admission.decode.count >= 1  # measured at start-up
+    monkeypatch.setattr(clf.admission, "_queued", lambda: 100_000)  # a deep queue: far over 1 s
+
+    def never(*args, **kwargs):
+        raise AssertionError("the body was read before the refusal")
+
+    monkeypatch.setattr(api, "read_uploads", never)
+    resp = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    body = resp.get_json()
+    assert resp.status_code == 429 and body["error"]["code"] == "overloaded", body
+    assert "CLASSIFIER_MAX_WAIT_MS" in body["error"]["message"] and int(resp.headers["Retry-After"]) >= 1
+    monkeypatch.undo()
+    assert client.post("/api/v1/predict", data=small_png(), content_type="image/png").status_code == 200
+    assert clf.admission._uploads_ahead == 0  # the answered request no longer counts
+
+
+@pytest.mark.unit
+def test_a_request_refused_after_admission_stops_counting(app, client):
+    clf = app.extensions["classifier"]
+    resp = client.post("/api/v1/predict?topk=99", data=small_png(), content_type="image/png")
+    assert resp.status_code == 400
+    assert clf.admission._uploads_ahead == 1  # its ticket counts until the budget passes, or...
+    assert client.post("/api/v1/predict", data=small_png(), content_type="image/png").status_code == 200
+    assert clf.admission._uploads_ahead == 0  # ...this context's next admission drops it
+
+
+@pytest.mark.unit
+def test_cli_classify_is_not_judged_by_time(make_app):
+    from webapp.contract import Upload
+
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=2, PRECISION="fp32", MAX_WAIT_MS=10)
+    clf = app.extensions["classifier"]
+    clf.admission._queued = lambda: 100_000
+    answer = clf.classify([Upload("a.png", small_png())], topk=3)  # no admit(): the CLI's path
+    assert len(answer["results"]) == 1
+
+
+# -- a client that hung up ----------------------------------------------------------------------------
+@pytest.mark.unit
+def test_peer_closed_tells_a_hung_up_client_from_a_waiting_one():
+    ours, theirs = socket.socketpair()
+    try:
+        assert not peer_closed(ours)
+        theirs.sendall(b"more")  # pending bytes are not a hang-up, and are not consumed
+        assert not peer_closed(ours)
+        theirs.close()
+        assert peer_closed(ours)
+        assert ours.recv(4) == b"more"
+    finally:
+        ours.close()
+    assert peer_closed(ours)  # closed here: nobody to answer either
+
+
+@pytest.mark.unit
+def test_a_gone_client_is_neither_decoded_nor_run(app, caplog):
+    from webapp import service
+    from webapp.contract import Upload
+
+    clf = app.extensions["classifier"]
+    ours, theirs = socket.socketpair()
+    images, gone_before = clf.batcher.images, clf.admission.gone
+    decoded = []
+    real = service.imaging.prepare
+
+    def counting(*args, **kwargs):
+        decoded.append(1)
+        return real(*args, **kwargs)
+
+    try:
+        clf.admit({"CONTENT_LENGTH": "100", "gunicorn.socket": ours})
+        theirs.close()  # the client gives up while its body is read
+        with caplog.at_level("INFO", logger="webapp.service"), pytest.MonkeyPatch.context() as m:
+            m.setattr(service.imaging, "prepare", counting)
+            with pytest.raises(ClientGone) as exc:
+                clf.classify([Upload("x.png", small_png())], topk=3)
+    finally:
+        ours.close()
+    assert exc.value.status == 499 and "before its photos were decoded" in exc.value.message
+    assert not decoded and clf.batcher.images == images and clf.admission.gone == gone_before + 1
+    assert any("closed the connection before its photos were decoded" in r.getMessage() for r in caplog.records)
+    assert clf.admission._uploads_ahead == 0
+
+
+@pytest.mark.unit
+def test_the_batcher_does_not_run_an_image_whose_client_is_gone():
+    calls = []
+
+    def predict(x):
+        calls.append(x.shape[0])
+        return torch.zeros(x.shape[0], 5)
+
+    b = InferenceBatcher(predict, max_batch_size=4, batch_timeout=0.01, queue_size=8, request_timeout=5)
+    b.start()
+    try:
+        with pytest.raises(ClientGone) as exc:
+            b.infer([torch.zeros(3, 4, 4)], gone=lambda: True)
+        assert "before its batch ran" in exc.value.message and calls == [] and b.images == 0
+        assert len(b.infer([torch.zeros(3, 4, 4)], gone=lambda: False)) == 1 and calls == [1]
+        assert b.image_ms > 0
+    finally:
+        b.stop()
+
+
+
+# -- over a real gunicorn ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    """One worker, one core, the default budget (MAX_WAIT_MS 1000), eager seeded ResNet-18."""
+    from serving import Server
+
+    server = Server(tmp_path_factory.mktemp("admission") / "server.log", args=("--no-control-socket",),
+                    MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4)
+    try:
+        server.wait_ready(workers=1)
+        yield server
+    finally:
+        server.stop()
+
+
+def admission_of(srv) -> dict:
+    import requests
+
+    return requests.get(f"{srv.url}/healthz", timeout=30).json()["admission"]
+
+
+def phone_photo() -> tuple[bytes, str]:
+    """The shared 12 MP phone photo as a multipart body: its decode is the expensive part here."""
+    from conftest import shared_image
+    from fleet import multipart
+
+    return multipart([("phone.jpg", shared_image("phone-12mp.jpg").read_bytes(), "image/jpeg")])
+
+
+@pytest.mark.server
+def test_a_burst_over_the_budget_is_partly_refused_at_once(srv):
+    import math
+    import re
+
+    from fleet import burst, post
+
+    body, ctype = phone_photo()
+    for _ in range(3):  # measured costs of this photo, as a running server has them
+        assert post(srv, body, ctype).status_code == 200
+    before = admission_of(srv)
+    own_ms = before["predicted_ms"]  # a recent-size upload on an idle worker: its own decode + forward pass
+    n = min(120, math.ceil(3 * before["budget_ms"] / own_ms) + 4)  # about 3x what fits in the budget
+    out = burst(srv, body, ctype, n)
+    ok = [(secs, answer) for status, secs, answer, _ in out if status == 200]
+    refused = [(secs, answer, headers) for status, secs, answer, headers in out if status == 429]
+    assert len(ok) + len(refused) == n, [status for status, *_ in out]
+    assert ok and refused, (len(ok), len(refused), own_ms)
+    for _, answer in ok:
+        assert answer["results"][0]["filename"] == "phone.jpg"
+    for _, answer, headers in refused:
+        assert answer["error"]["code"] == "overloaded" and "CLASSIFIER_MAX_WAIT_MS" in answer["error"]["message"]
+        assert re.fullmatch(r"\d+", headers["Retry-After"]) and int(headers["Retry-After"]) >= 1
+    # Refused at once: each refusal came back before the slowest admitted answer (timings are bench/'s
+    # business; this is the order of events), and the worker counted what it refused.
+    assert max(secs for secs, *_ in refused) < max(secs for secs, _ in ok)
+    after = admission_of(srv)
+    assert after["refused"] - before["refused"] == len(refused)
+    assert after["admitted"] - before["admitted"] == len(ok) and after["uploads_ahead"] == 0
+    print(f"\nburst of {n} 12 MP uploads (own cost {own_ms:.0f} ms, budget {before['budget_ms']:.0f} ms): "
+          f"{len(ok)} answered, {len(refused)} refused; slowest answer {max(s for s, _ in ok):.2f} s, "
+          f"slowest refusal {max(s for s, *_ in refused):.3f} s")
+
+
+@pytest.mark.server
+def test_a_refusal_by_time_needs_no_body(srv):
+    """While the worker is kept busy near its budget, the headers of a large upload get 429 with no body sent."""
+    import threading
+    import time
+
+    import requests
+
+    body, ctype = phone_photo()
+    stop = threading.Event()
+
+    def pressure():  # uploads back to back, as overloading clients do (refusals included)
+        while not stop.is_set():
+            try:
+                requests.post(f"{srv.url}/api/v1/predict", data=body, headers={"Content-Type": ctype}, timeout=60)
+            except requests.RequestException:
+                time.sleep(0.05)
+
+    threads = [threading.Thread(target=pressure, daemon=True) for _ in range(8)]
+    for t in threads:
+        t.start()
+    statuses = []
+    try:
+        end = time.monotonic() + 60
+        while 429 not in statuses and time.monotonic() < end:
+            a = admission_of(srv)
+            if a["ahead_ms"] <= a["budget_ms"] / 2:
+                time.sleep(0.01)
+                continue
+            # The headers of a 4x larger upload (its own cost counts as half the budget), no byte of its body.
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=2)
+            try:
+                s.sendall(f"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
+                          f"Content-Length: {4 * len(body)}\r\n\r\n".encode())
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+            except TimeoutError:  # admitted after all (the work ahead drained meanwhile): it waits for a body
+                data = b"HTTP/1.1 000 admitted\r\n"
+            finally:
+                s.close()
+            statuses.append(int(data.split(b" ", 2)[1]))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+    assert statuses and statuses[-1] == 429, statuses
+    assert b"Retry-After: " in data and b"Connection: close" in data, data
+
+
+@pytest.mark.server
+def test_a_client_that_hangs_up_before_its_decode_is_not_decoded(srv):
+    import threading
+    import time
+
+    from fleet import post, raw_request
+
+    body, ctype = phone_photo()
+    assert post(srv, body, ctype).status_code == 200
+    before = admission_of(srv)
+    images_before = _healthz(srv)["images"]
+    # Two uploads hold this worker's two decode threads; the third client sends its whole request and
+    # hangs up at once, so its photo waits for a thread with nobody left to answer.
+    busy = [threading.Thread(target=post, args=(srv, body, ctype), daemon=True) for _ in range(2)]
+    for t in busy:
+        t.start()
+    end = time.monotonic() + 30
+    while time.monotonic() < end:  # both admitted (or, on a fast machine, already through decoding)
+        now = admission_of(srv)
+        if now["uploads_ahead"] >= 2 or now["decodes"] >= before["decodes"] + 2:
+            break
+        time.sleep(0.005)
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    s.sendall(raw_request(srv.port, body, ctype))
+    s.close()
+    for t in busy:
+        t.join(120)
+    end = time.monotonic() + 30
+    while admission_of(srv)["client_gone"] == before["client_gone"] and time.monotonic() < end:
+        time.sleep(0.05)
+    after = admission_of(srv)
+    assert after["client_gone"] == before["client_gone"] + 1, after
+    assert after["decodes"] == before["decodes"] + 2, after  # the two busy ones only
+    assert _healthz(srv)["images"] == images_before + 2  # and only they were run
+    assert "the client closed the connection before its photos were decoded" in srv.output()
+    assert after["uploads_ahead"] == 0
+
+
+def _healthz(srv) -> dict:
+    import requests
+
+    return requests.get(f"{srv.url}/healthz", timeout=30).json()

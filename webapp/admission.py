@@ -1,0 +1,277 @@
+"""Admission by time: refuse at once the request this worker would answer too late.
+
+A worker under overload that admits everything until its image queue is full makes every client
+wait (``QUEUE_SIZE`` 12 MP photos are seconds of work), and clients that give up meanwhile are
+decoded and classified for nobody. So before a request's body is read, ``Admission.admit``
+predicts its time to answer in this worker from what is already in it and what that has been
+measured to cost, and refuses it (``429 overloaded``, ``Retry-After`` from the same prediction)
+where that is over the latency budget (``CLASSIFIER_MAX_WAIT_MS``). ``QUEUE_SIZE`` stays the
+backstop (``InferenceBatcher.check_capacity``).
+
+The prediction, in ms, for a request of ``nbytes`` body bytes and ``images`` photos::
+
+    ahead = (a * uploads_ahead + b * bytes_ahead) / decode_threads  +  (queued + uploads_ahead) * image_ms
+    own   = a * images + b * nbytes                                  +  images * image_ms
+
+- ``uploads_ahead``, ``bytes_ahead``: requests admitted but not yet decoded (their ``Ticket``: one
+  photo of Content-Length bytes each, until a decode thread takes them or the budget has passed) and
+  the photos of requests in ``classify`` that are not decoded yet (``Decoding``);
+- ``a`` (ms per photo) and ``b`` (ms per byte): ``DecodeCost``, a line fitted to this worker's
+  measured decode + preprocess wall times (decode cost grows with the bytes: a 12 MP JPEG takes
+  longer than the page's 95 KB copy of it);
+- ``decode_threads``: the worker's decode threads (``concurrency.Offloader``), working side by side;
+- ``queued``: images in the batcher's queue; ``image_ms``: its measured forward-pass cost per
+  image (EWMA batch time / EWMA batch size, ``InferenceBatcher.image_ms``).
+
+A request is admitted when ``ahead + min(own, budget / 2) <= budget``: what it waits for must fit,
+and a photo whose own cost is over half the budget counts as half, so a big photo is never refused
+for its own size alone (on an idle worker, ``ahead`` is 0, everything is admitted and measured).
+
+Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from
+``concurrency.Primitives``; held for microseconds), so request greenlets, the CLI's threads and
+a dev server's threads may all call in.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from .concurrency import Primitives
+from .errors import Overloaded
+
+
+class DecodeCost:
+    """Measured decode + preprocess wall time of one upload, as a line ``ms = a + b * bytes``.
+
+    An exponentially weighted least-squares fit (each new decode weighs ``ALPHA``, older ones fade)
+    over ``(bytes, ms)`` pairs. Where the recent sizes hardly differ (spread under ``SPREAD`` of their
+    mean) a line cannot be told from noise, and where the fit comes out with a negative slope or
+    intercept it is not trusted: both fall back to the measured ms per byte through the origin.
+    """
+
+    ALPHA = 0.1
+    SPREAD = 0.05
+
+    def __init__(self):
+        self.count = 0  # decodes observed
+        self._mx = self._my = self._mxx = self._mxy = 0.0
+
+    def observe(self, nbytes: int, ms: float) -> None:
+        """One decode of ``nbytes`` bytes that took ``ms`` (wall, on a decode thread)."""
+        x, y = float(nbytes), float(ms)
+        w = 1.0 if self.count == 0 else self.ALPHA
+        self._mx += w * (x - self._mx)
+        self._my += w * (y - self._my)
+        self._mxx += w * (x * x - self._mxx)
+        self._mxy += w * (x * y - self._mxy)
+        self.count += 1
+
+    @property
+    def mean_bytes(self) -> float:
+        """Recent uploads' mean size (bytes): the guess for a body of unknown length (0 before any)."""
+        return self._mx
+
+    def line(self) -> tuple[float, float]:
+        """``(a, b)``: ms per upload and ms per byte; ``(0, 0)`` before any decode was measured."""
+        if self.count == 0 or self._mx <= 0:
+            return 0.0, 0.0
+        var = self._mxx - self._mx * self._mx
+        if var > (self.SPREAD * self._mx) ** 2:
+            b = (self._mxy - self._mx * self._my) / var
+            a = self._my - b * self._mx
+            if b > 0 and a >= 0:
+                return a, b
+        return 0.0, self._my / self._mx
+
+    def predict(self, nbytes: float, uploads: int = 1) -> float:
+        """Predicted decode wall time (ms) of ``uploads`` uploads of ``nbytes`` bytes in all."""
+        a, b = self.line()
+        return a * uploads + b * nbytes
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One admitted request whose photos have not reached a decode thread yet.
+
+    ``nbytes``: its body's bytes (Content-Length, or recent uploads' mean where unknown); ``images``:
+    photos it counts for (1: how many a body holds is known only once it is read); ``expires``: clock
+    s after which it no longer counts (a request that has not reached decoding within the budget is
+    late already, or was refused for its body); ``predicted_ms``: ahead + own at admission;
+    ``gone``: asks whether its client has hung up (None where that cannot be known).
+    """
+
+    nbytes: float
+    images: int
+    expires: float
+    predicted_ms: float
+    gone: Callable[[], bool] | None = None
+    live: bool = True
+
+
+@dataclass(eq=False)
+class Decoding:
+    """A request in ``classify`` whose photos are being decoded: what of them is still to decode."""
+
+    uploads: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A request's predicted time to answer (ms): ``ahead`` (waiting for others) and ``own`` (its work)."""
+
+    ahead_ms: float
+    own_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        """``ahead_ms + own_ms``: the predicted time from now to its answer (ms)."""
+        return self.ahead_ms + self.own_ms
+
+
+class Admission:
+    """One worker's admission by time: ``admit`` (before the body), ``decoding`` (in ``classify``).
+
+    ``budget_ms``: the latency budget (``MAX_WAIT_MS``); ``decode_threads``: photos decoded side by
+    side; ``image_ms()``: measured forward-pass ms per image; ``queued()``: images in the batcher's
+    queue; ``clock()``: seconds, monotonic (a fake one in tests).
+    """
+
+    def __init__(self, *, budget_ms: float, decode_threads: int, image_ms: Callable[[], float],
+                 queued: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+        self.budget_ms = float(budget_ms)
+        self.decode_threads = max(1, int(decode_threads))
+        self.decode = DecodeCost()
+        self._image_ms = image_ms
+        self._queued = queued
+        self._clock = clock
+        self._lock = Primitives.for_this_process().make_lock()
+        self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
+        self._uploads_ahead = 0  # tickets' photos + photos in classify not decoded yet
+        self._bytes_ahead = 0.0
+        self.admitted = 0
+        self.refused = 0
+        self.gone = 0  # requests whose client hung up before their photos were decoded or run
+
+    # -- the prediction --------------------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        while self._tickets and (not self._tickets[0].live or self._tickets[0].expires <= now):
+            t = self._tickets.popleft()
+            if t.live:
+                self._drop(t)
+
+    def _drop(self, t: Ticket) -> None:
+        t.live = False
+        self._uploads_ahead -= t.images
+        self._bytes_ahead -= t.nbytes
+
+    def predict(self, nbytes: float | None, images: int = 1) -> Prediction:
+        """What a request of ``nbytes`` body bytes (None: unknown) and ``images`` photos would wait
+        for and cost here now (see the module docstring)."""
+        with self._lock:
+            self._expire(self._clock())
+            return self._predict(nbytes, images)
+
+    def _predict(self, nbytes: float | None, images: int) -> Prediction:
+        a, b = self.decode.line()
+        image_ms = max(0.0, float(self._image_ms() or 0.0))
+        own_bytes = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
+        ahead = ((a * self._uploads_ahead + b * max(0.0, self._bytes_ahead)) / self.decode_threads
+                 + (self._queued() + self._uploads_ahead) * image_ms)
+        own = a * images + b * own_bytes + images * image_ms
+        return Prediction(ahead_ms=ahead, own_ms=own)
+
+    def judge(self, p: Prediction) -> tuple[bool, int]:
+        """``(admitted, retry_after_s)`` for prediction ``p``: admitted when ``ahead + min(own, budget/2)``
+        fits the budget; otherwise ``Retry-After`` is the seconds by which it does not, rounded up, >= 1."""
+        judged = p.ahead_ms + min(p.own_ms, self.budget_ms / 2)
+        if judged <= self.budget_ms:
+            return True, 0
+        return False, max(1, math.ceil((judged - self.budget_ms) / 1e3))
+
+    # -- requests --------------------------------------------------------------------------------
+    def admit(self, nbytes: float | None, images: int = 1, *, gone: Callable[[], bool] | None = None) -> Ticket:
+        """Admit a request of ``nbytes`` body bytes (None: unknown) and ``images`` photos, or refuse it.
+
+        The returned ``Ticket`` counts its photo as ahead of later requests until ``decoding`` takes
+        it, ``release`` drops it, or the budget has passed.
+
+        :raises Overloaded: the predicted time is over the budget (429, ``Retry-After`` in s, >= 1).
+        """
+        with self._lock:
+            now = self._clock()
+            self._expire(now)
+            p = self._predict(nbytes, images)
+            ok, retry_after = self.judge(p)
+            if not ok:
+                self.refused += 1
+                raise Overloaded(f"server busy: an answer would take about {p.total_ms / 1e3:.1f} s here, over "
+                                 f"the {self.budget_ms / 1e3:g} s budget (CLASSIFIER_MAX_WAIT_MS); try again in "
+                                 f"{retry_after} s", headers={"Retry-After": str(retry_after)})
+            size = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
+            t = Ticket(nbytes=size, images=images, expires=now + self.budget_ms / 1e3, predicted_ms=p.total_ms,
+                       gone=gone)
+            self._tickets.append(t)
+            self._uploads_ahead += images
+            self._bytes_ahead += size
+            self.admitted += 1
+            return t
+
+    def release(self, ticket: Ticket | None) -> None:
+        """Stop counting ``ticket`` (its request ended before decoding, e.g. a 400); no-op if already done."""
+        if ticket is None:
+            return
+        with self._lock:
+            if ticket.live:
+                self._drop(ticket)
+
+    def decoding(self, ticket: Ticket | None, sizes: list[int]) -> Decoding:
+        """A request starts decoding its uploads of ``sizes`` bytes: they replace its ticket (if any,
+        and still counted) among the work ahead of later requests. Pair with ``finish``."""
+        with self._lock:
+            if ticket is not None and ticket.live:
+                self._drop(ticket)
+            job = Decoding(uploads=len(sizes), nbytes=sum(sizes))
+            self._uploads_ahead += job.uploads
+            self._bytes_ahead += job.nbytes
+            return job
+
+    def decoded(self, job: Decoding, nbytes: int, ms: float) -> None:
+        """One upload of ``job`` (``nbytes`` bytes) was decoded in ``ms`` (wall, on its decode thread)."""
+        with self._lock:
+            self.decode.observe(nbytes, ms)
+            if job.uploads > 0:
+                job.uploads -= 1
+                job.nbytes -= nbytes
+                self._uploads_ahead -= 1
+                self._bytes_ahead -= nbytes
+
+    def finish(self, job: Decoding) -> None:
+        """``job``'s decoding ended (done or failed): whatever of it is left stops counting."""
+        with self._lock:
+            self._uploads_ahead -= job.uploads
+            self._bytes_ahead -= job.nbytes
+            job.uploads, job.nbytes = 0, 0
+
+    def note_gone(self) -> None:
+        """Count a request dropped because its client hung up (``/healthz`` shows the count)."""
+        with self._lock:
+            self.gone += 1
+
+    def describe(self) -> dict:
+        """For ``/healthz``: the budget and measured costs (ms), the work ahead now (``ahead_ms``), what a
+        request of recent mean size would be predicted to take (``predicted_ms``), and the counts (``decodes``: uploads decoded and
+        measured, start-up's one included)."""
+        with self._lock:
+            self._expire(self._clock())
+            a, b = self.decode.line()
+            p = self._predict(None, 1)
+            return {"budget_ms": self.budget_ms, "decode_ms_per_upload": round(a, 3),
+                    "decode_ms_per_mb": round(b * 1e6, 3), "image_ms": round(float(self._image_ms() or 0.0), 3),
+                    "decode_threads": self.decode_threads, "uploads_ahead": self._uploads_ahead,
+                    "ahead_ms": round(p.ahead_ms, 1), "predicted_ms": round(p.total_ms, 1), "admitted": self.admitted, "refused": self.refused,
+                    "client_gone": self.gone, "decodes": self.decode.count}
