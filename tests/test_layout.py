@@ -2,6 +2,7 @@
 inside functions count too), files short enough to read top to bottom, one home for shared helpers."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,12 @@ def test_files_read_top_to_bottom(package):
 def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_readme_layout_names_every_module():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(webapp/[\w/]+(?:\.py|/))`", layout))
+    modules = {f"webapp/{p.name}" for p in (ROOT / "webapp").glob("*.py")}
+    packages = {f"webapp/{p.name}/" for p in (ROOT / "webapp").iterdir() if (p / "__init__.py").is_file()}
+    assert modules | packages <= named, sorted((modules | packages) - named)
