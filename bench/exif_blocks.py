@@ -1,4 +1,4 @@
-"""Raw EXIF blocks built byte by byte, damaged the ways phones and editors damage them.
+"""Raw EXIF blocks built byte by byte, damaged the ways phones and editors damage them (tests and bench/fuzz.py).
 
 Pillow's own writer cannot make a wrong type or count (that is the point), so the TIFF structure
 (TIFF 6.0 section 2: header, IFD of 12-byte entries, values over 4 bytes at offsets) is written here.
@@ -10,6 +10,7 @@ import io
 import struct
 from dataclasses import dataclass
 
+from hypothesis import strategies as st
 from PIL import Image
 
 BYTE, ASCII, SHORT, LONG, RATIONAL, UNDEFINED, DOUBLE = 1, 2, 3, 4, 5, 7, 12
@@ -75,3 +76,32 @@ def stored_sideways(upright: Image.Image, raw_exif: bytes, fmt: str = "JPEG") ->
     buf = io.BytesIO()
     sideways.save(buf, format=fmt, exif=raw_exif, **({"quality": 95} if fmt == "JPEG" else {}))
     return buf.getvalue()
+
+
+KINDS = [BYTE, ASCII, SHORT, LONG, RATIONAL, UNDEFINED, DOUBLE, 0, 13, 0xFFFF]
+
+
+@st.composite
+def damaged_blocks(draw):
+    """A block with Orientation=6 among random entries of random (often wrong) types, counts and data;
+    then maybe bytes flipped or the block cut, possibly through the orientation entry itself."""
+    others = draw(st.lists(st.builds(Entry, st.integers(0, 0xFFFF).filter(lambda t: t != 0x0112),
+                                     st.sampled_from(KINDS), st.integers(0, 2**32 - 1), st.binary(max_size=24)),
+                           max_size=6))
+    at = draw(st.integers(0, len(others)))
+    order = draw(st.sampled_from(["<", ">"]))
+    entries = others[:at] + [orientation(6, order)] + others[at:]
+    raw = bytearray(block(entries, order=order))
+    where = 6 + 8 + 2 + 12 * at  # the orientation entry's 12 bytes
+    intact_upto = len(raw)
+    for _ in range(draw(st.integers(0, 4))):
+        i = draw(st.integers(6, len(raw) - 1))
+        raw[i] = draw(st.integers(0, 255))
+        if where <= i < where + 12 or i < 6 + 8 + 2:  # the header, count or the entry itself was hit
+            intact_upto = -1
+    if draw(st.booleans()):
+        cut = draw(st.integers(0, len(raw)))
+        raw = raw[:cut]
+        if cut < where + 12:
+            intact_upto = -1
+    return bytes(raw), intact_upto >= 0

@@ -27,7 +27,7 @@ Usage (repo root, venv active)::
     python bench/fuzz.py                          # 300 s, decode + HTTP, own server
     python bench/fuzz.py --seconds 60
     python bench/fuzz.py --url http://127.0.0.1:8000   # a running server (its log is not checked)
-    python bench/fuzz.py --targets decode         # decode only (no server)
+    python bench/fuzz.py --targets decode         # decode only (no server); EXIF damage included
     python bench/fuzz.py --targets http --model resnet18_seeded
 
 The summary gives, per target, the examples run and every outcome seen (``ok:<format>`` or the
@@ -68,6 +68,7 @@ from PIL import Image, ImageOps
 if __package__ in (None, ""):  # run as `python bench/fuzz.py`: the bench package is at the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.exif_blocks import damaged_blocks, stored_sideways  # noqa: E402
 from bench.servers import NotReady, start_ours  # noqa: E402
 from webapp import imaging  # noqa: E402
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage  # noqa: E402
@@ -195,7 +196,17 @@ def mutated(draw) -> bytes:
     return out
 
 
-FUZZ_BYTES = st.one_of(st.binary(max_size=4096), mutated(), mutated())
+@st.composite
+def damaged_exif(draw) -> bytes:
+    """A small photo stored sideways (Orientation 6) in JPEG, PNG or WebP, its EXIF block damaged at
+    random: wrong types and counts, offsets past the end, flipped bytes, cut blocks (bench/exif_blocks.py)."""
+    raw, _ = draw(damaged_blocks())
+    fmt = draw(st.sampled_from(["JPEG", "PNG", "WEBP"]))
+    return stored_sideways(EXIF_BASE, raw if fmt != "WEBP" else raw.removeprefix(b"Exif\0\0"), fmt)
+
+
+EXIF_BASE = Image.fromarray(np.arange(16 * 12 * 3, dtype=np.uint8).reshape(12, 16, 3) * 5, "RGB")
+FUZZ_BYTES = st.one_of(st.binary(max_size=4096), mutated(), mutated(), damaged_exif())
 
 FILENAMES = st.one_of(st.just("x.jpg"), st.text(max_size=40).map(lambda s: s + ".jpg"))
 # Mostly no topk (so the bytes reach the decoder), now and then a strange one.

@@ -6,11 +6,10 @@ import struct
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from exif_blocks import (ASCII, BYTE, DAMAGED, DAMAGED_GPS, DOUBLE, LONG, RATIONAL, SHORT, UNDEFINED, Entry, block,
-                         orientation, stored_sideways)
+from bench.exif_blocks import (ASCII, DAMAGED, DAMAGED_GPS, LONG, SHORT, Entry, block, damaged_blocks, orientation,
+                               stored_sideways)
 from webapp import exif, imaging
 
 
@@ -95,35 +94,6 @@ def test_tiff_orientation_is_its_own_tag():
     buf = io.BytesIO()
     landscape().transpose(Image.Transpose.ROTATE_90).save(buf, format="TIFF", exif=block([orientation()]))
     assert np.array_equal(decoded(buf.getvalue()), np.asarray(landscape()))
-
-
-KINDS = [BYTE, ASCII, SHORT, LONG, RATIONAL, UNDEFINED, DOUBLE, 0, 13, 0xFFFF]
-
-
-@st.composite
-def damaged_blocks(draw):
-    """A block with Orientation=6 among random entries of random (often wrong) types, counts and data;
-    then maybe bytes flipped or the block cut, possibly through the orientation entry itself."""
-    others = draw(st.lists(st.builds(Entry, st.integers(0, 0xFFFF).filter(lambda t: t != 0x0112),
-                                     st.sampled_from(KINDS), st.integers(0, 2**32 - 1), st.binary(max_size=24)),
-                           max_size=6))
-    at = draw(st.integers(0, len(others)))
-    order = draw(st.sampled_from(["<", ">"]))
-    entries = others[:at] + [orientation(6, order)] + others[at:]
-    raw = bytearray(block(entries, order=order))
-    where = 6 + 8 + 2 + 12 * at  # the orientation entry's 12 bytes
-    intact_upto = len(raw)
-    for _ in range(draw(st.integers(0, 4))):
-        i = draw(st.integers(6, len(raw) - 1))
-        raw[i] = draw(st.integers(0, 255))
-        if where <= i < where + 12 or i < 6 + 8 + 2:  # the header, count or the entry itself was hit
-            intact_upto = -1
-    if draw(st.booleans()):
-        cut = draw(st.integers(0, len(raw)))
-        raw = raw[:cut]
-        if cut < where + 12:
-            intact_upto = -1
-    return bytes(raw), intact_upto >= 0
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

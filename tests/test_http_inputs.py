@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from conftest import DOG_BREEDS, ROOT, encode, png_bytes, png_chunk, png_declaring, shared_image, small_png
-import exif_blocks
+from bench import exif_blocks
 from serving import Server
 
 pytestmark = pytest.mark.server
