@@ -245,11 +245,15 @@ def decode_executor(max_threads: int):
     return ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="decode")
 
 
-def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, object]:
+def call_with_timeout(fn: Callable[[], object], timeout: float, *,
+                      give_up: Callable[[], bool] | None = None) -> tuple[bool, object]:
     """Run ``fn`` on a real OS thread; return ``(True, result)``, or ``(False, None)`` after ``timeout`` s.
 
     For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server
-    is unreachable). The thread is left to finish on its own; it holds nothing.
+    is unreachable; Ray Serve's ``serve.delete`` when Ray's own processes were stopped under it).
+    ``give_up``, if given, is asked every 0.2 s: True stops the wait early, as a timeout does.
+    The thread is left to finish on its own (it is not joined at exit); it holds nothing.
+    ``fn``'s exception is raised here.
     """
     p = Primitives.for_this_process()
     done = p.make_lock()
@@ -265,8 +269,13 @@ def call_with_timeout(fn: Callable[[], object], timeout: float) -> tuple[bool, o
             done.release()
 
     p.start_thread(run, ())
-    if not done.acquire(True, timeout):
-        return False, None
+    end = time.monotonic() + timeout
+    while True:
+        left = max(0.0, end - time.monotonic())
+        if done.acquire(True, min(left, 0.2) if give_up else left):
+            break
+        if time.monotonic() >= end or (give_up is not None and give_up()):
+            return False, None
     if isinstance(box[0], BaseException):
         raise box[0]
     return True, box[0]

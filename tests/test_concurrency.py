@@ -1,0 +1,38 @@
+"""webapp/concurrency.py: ``call_with_timeout`` (outside gevent; the batcher's tests cover the gevent side)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from webapp.concurrency import call_with_timeout
+
+
+def test_call_with_timeout_returns_the_result_or_raises_its_error():
+    assert call_with_timeout(lambda: 42, 30) == (True, 42)
+    with pytest.raises(ZeroDivisionError):
+        call_with_timeout(lambda: 1 / 0, 30)
+    with pytest.raises(ZeroDivisionError):
+        call_with_timeout(lambda: 1 / 0, 30, give_up=lambda: False)
+
+
+def test_call_with_timeout_gives_up_when_asked_long_before_its_timeout():
+    never = threading.Event()
+    asked = []
+
+    def give_up() -> bool:
+        asked.append(1)
+        return len(asked) >= 3
+
+    # An hour of timeout: only give_up can end this wait (the test would hang otherwise).
+    assert call_with_timeout(never.wait, 3600, give_up=give_up) == (False, None)
+    assert len(asked) == 3
+    never.set()  # lets the thread finish
+
+
+def test_call_with_timeout_stops_waiting_at_the_timeout():
+    never = threading.Event()
+    assert call_with_timeout(never.wait, 0.2) == (False, None)
+    assert call_with_timeout(never.wait, 0.2, give_up=lambda: False) == (False, None)
+    never.set()
