@@ -90,9 +90,13 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
 def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
     """``serve --cluster``: deploy the Ray Serve application and keep it until SIGINT/SIGTERM.
 
-    ``env`` is the environment with the options applied. Returns EXIT_OK once drained (or after
-    ``--dry-run``), EXIT_USAGE for arguments after ``--`` or a BIND that is not a free host:port,
-    EXIT_FAILED when Ray is missing, no cluster answers or the model cannot start.
+    ``env`` is the environment with the options applied. With a local Ray this process only
+    supervises: the driver runs in a session of its own (``supervise``), so a signal to our process
+    group reaches Ray only through it. A stop takes at most ``stop_timeout_s`` (REQUEST_TIMEOUT_S + 30 s).
+    Returns EXIT_OK once stopped on SIGINT/SIGTERM (drained; or, when the signal reached Ray's own
+    processes too, without waiting on them), and after ``--dry-run``; EXIT_USAGE for arguments after
+    ``--`` or a BIND that is not a free host:port; EXIT_FAILED when Ray is missing, no cluster answers,
+    the model cannot start or Ray could not be shut down in time; 128 + N when signal N ended the driver.
     """
     if extra:
         err(f"error: arguments after -- go to gunicorn, which --cluster does not run: {shlex.join(extra)}")
@@ -118,6 +122,13 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
         _print_environ(env)
         print(f"ray serve: {address} -> http://{host}:{port}/ (application 'classifier')")
         return EXIT_OK
+    from .supervise import DRIVER_ENV, stop_timeout_s, supervise
+
+    bound = stop_timeout_s(s.REQUEST_TIMEOUT_S)
+    supervisor = os.environ.get(DRIVER_ENV)
+    if not joined and not supervisor:  # the Ray started here must not get the signals sent to our group
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        return supervise([sys.executable, "-m", "webapp", "serve", "--cluster"], env, hard_stop_s=bound + 10)
     if ray_missing():
         return EXIT_FAILED
     from .. import cluster
@@ -125,12 +136,17 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
 
     logging.basicConfig(level=s.LOG_LEVEL.upper(), format="%(asctime)s [%(levelname)s] %(name)s: %(message)s")
     try:
-        cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host,
-                              port=int(port))
+        clean = cluster.serve_forever(cluster.replica_settings(environ=env), address=args.address, host=host,
+                                      port=int(port), stop_timeout_s=bound,
+                                      parent=int(supervisor) if supervisor else None)
     except StartupError as exc:
         err(f"error: cannot start the model: {exc}")
         return EXIT_FAILED
     except (RuntimeError, ConnectionError) as exc:  # no cluster there; Ray Serve could not start or deploy
         err(f"error: {exc}")
         return EXIT_FAILED
+    if not clean:  # Ray did not shut down in time: its exit hooks would wait on it again
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FAILED)
     return EXIT_OK

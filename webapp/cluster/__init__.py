@@ -22,7 +22,10 @@ gunicorn app's 429 + ``Retry-After`` (the proxy does the same in front of the HT
 
 Ray Data (``bulk.classify_to_parquet``; ``python -m webapp classify --cluster SRC --out DEST.parquet``).
 
-Modules: ``config`` (the replicas' settings), ``replica``, ``ingress``, ``deploy``, ``bulk``.
+``serve --cluster`` stops by a deadline however its SIGTERM arrives, with the Ray it started shut down
+and nothing left running (``stopping``; the foreground process is ``webapp/cli/supervise.py``).
+
+Modules: ``config`` (the replicas' settings), ``replica``, ``ingress``, ``deploy``, ``stopping``, ``bulk``.
 """
 
 from .bulk import BulkClassifier, classify_to_parquet, parquet_schema, ray_output_in

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 from pathlib import Path
 
 import ray
@@ -86,28 +85,42 @@ def connect(address: str | None = None, *, log_to_driver: bool = True) -> bool:
             socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
         except (OSError, ValueError) as exc:
             raise ConnectionError(f"no Ray cluster answers at {target} (--address / RAY_ADDRESS): {exc}") from None
-    if not ray.is_initialized():
-        ray.init(address=address or None, log_to_driver=log_to_driver,
+    if not ray.is_initialized():  # "local": a new Ray even where `ray start` left one this would join
+        ray.init(address=address or (None if joined else "local"), log_to_driver=log_to_driver,
                  runtime_env={"working_dir": str(ROOT), "excludes": WORKING_DIR_EXCLUDES})
     return joined
 
 
-def serve_forever(values: dict, *, address: str | None, host: str, port: int) -> None:
+def serve_forever(values: dict, *, address: str | None, host: str, port: int, stop_timeout_s: float,
+                  parent: int | None = None) -> bool:
     """Deploy the application as ``classifier`` at ``/`` and keep it until SIGINT or SIGTERM.
 
     On a cluster that was joined only the application is deleted at the end; a local Ray started
-    here is shut down with it.
+    here is shut down with it, and nothing it ran is left running (``stopping.shut_down``).
+    ``stop_timeout_s``: from the signal to the return, at most (s). ``parent``: the pid of the
+    process that runs this one in a session of its own (``webapp/cli/supervise.py``); its death
+    stops this one as a signal would. Returns False when Ray could not be shut down in time (the
+    caller should exit at once: Ray's exit hooks would wait on it again).
 
     :raises StartupError: the model replicas cannot start (the replica's message).
     :raises RuntimeError: the deployment failed otherwise.
     """
     import signal
+    import time
+
+    from .stopping import LocalRay, shut_down
 
     joined = connect(address)
-    # After ray.init, which installs its own fatal-signal handler in this process: ours must win.
-    stop = threading.Event()
+    local = None
+    if not joined:  # workers orphaned by a raylet that dies come to us, to be ended
+        LocalRay.adopt_orphans()
+        local = LocalRay.started_here()
+    # After ray.init, which installs its own fatal-signal handler in this process: ours must win. It only
+    # appends: a lock taken in a handler (Event.set) deadlocks when the signal lands while this thread holds it.
+    signals: list[float] = []  # when each came (time.monotonic()): the stop's deadline counts from the first
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda _signum, _frame: signals.append(time.monotonic()))
+    stopped_at = None
     try:
         serve.start(http_options={"host": host, "port": port})
         try:
@@ -116,13 +129,20 @@ def serve_forever(values: dict, *, address: str | None, host: str, port: int) ->
             status = serve.status().applications.get(APP_NAME)
             messages = [d.message for d in status.deployments.values()] if status else []
             raise startup_failure("\n".join([*messages, str(exc)])) or exc from None
-        log.info("serving on http://%s:%d (Ray Serve application %r); Ctrl-C stops it", host, port, APP_NAME)
-        stop.wait()
-        log.info("stopping: answering the requests in flight, then removing %r", APP_NAME)
+        if not signals:
+            log.info("serving on http://%s:%d (Ray Serve application %r); Ctrl-C stops it", host, port, APP_NAME)
+        while not signals:
+            if parent is not None and os.getppid() != parent:
+                log.warning("the command that started this one is gone: stopping")
+                break
+            if local is not None:
+                local.watch()
+            time.sleep(0.2)
+        stopped_at = signals[0] if signals else time.monotonic()
+        log.info("stopping: answering the requests in flight, then removing %r (%.0f s at most)", APP_NAME,
+                 stop_timeout_s)
     finally:
-        try:
-            serve.delete(APP_NAME)  # replicas drain first (graceful_shutdown_timeout_s) ...
-            if not joined:
-                serve.shutdown()  # ... then the proxy goes, with the Ray started here
-        finally:
-            ray.shutdown()
+        if stopped_at is None:  # start-up failed or was interrupted
+            stopped_at = time.monotonic()
+        clean = shut_down(APP_NAME, local=local, deadline=stopped_at + stop_timeout_s)
+    return clean
