@@ -387,7 +387,7 @@ def test_serve_cluster_refuses_a_bad_or_busy_address_or_no_cluster():
                               capture_output=True, text=True, timeout=60, env=_env({}))
 
     bad = run("127.0.0.1:99999")
-    assert bad.returncode == 2 and "CLASSIFIER_BIND" in bad.stderr and "(port 1 to 65535)" in bad.stderr
+    assert bad.returncode == 2 and "--bind" in bad.stderr and "(port 1 to 65535)" in bad.stderr
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
