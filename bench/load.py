@@ -128,7 +128,7 @@ def _open_client(port: int, path: str, body: bytes, headers: dict, jobs, out: li
         conn.close()
 
 
-def _cpu_window(t_window: float, t_stop: float, server_pids: list[int]) -> dict:
+def cpu_window(t_window: float, t_stop: float, server_pids: list[int]) -> dict:
     """Sleep through [t_window, t_stop] (``perf_counter`` s); CPU over it, in % of one core.
 
     Keys: ``client_pct_core`` (this process), ``server_pct_core`` (``server_pids`` together) and
@@ -179,7 +179,7 @@ def run_load(port: int, body: bytes, content_type: str, *, concurrency: int, war
         t.start()
     time.sleep(max(0.0, t_start - time.perf_counter()))
     go.set()
-    cpu = _cpu_window(t_window, t_stop, server_pids)
+    cpu = cpu_window(t_window, t_stop, server_pids)
     for t in threads:
         t.join()
     inside = [s for s in samples if t_window <= s.end <= t_stop]
@@ -219,7 +219,7 @@ def run_open_loop(port: int, body: bytes, content_type: str, *, rate: float, war
 
     feeder = threading.Thread(target=dispatch, daemon=True)
     feeder.start()
-    cpu = _cpu_window(t_window, t_stop, server_pids)
+    cpu = cpu_window(t_window, t_stop, server_pids)
     feeder.join()
     for th in threads:
         th.join()
@@ -229,7 +229,7 @@ def run_open_loop(port: int, body: bytes, content_type: str, *, rate: float, war
 
 def summarize(load: Load) -> dict:
     """A run as numbers: ``images_per_s``, ``p50_ms``/``p95_ms``/``p99_ms``/``max_ms`` (client-side, successful
-    answers), ``errors`` (and by kind), ``cpu`` (as ``_cpu_window``), ``server_cpu_ms_per_image``,
+    answers), ``errors`` (and by kind), ``cpu`` (as ``cpu_window``), ``server_cpu_ms_per_image``,
     ``capacity_images_per_s`` (cores * 1000 / that), ``cpu_split_pct``, ``mean_batch_size`` and
     ``server_ms_median`` (medians of the answers' ``timing_ms``) where the answers carry them.
     NaN where there was no successful answer."""

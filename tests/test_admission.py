@@ -16,7 +16,7 @@ import torch
 from conftest import small_png
 from webapp.admission import Admission, DecodeCost, Prediction
 from webapp.batcher import InferenceBatcher
-from webapp.concurrency import peer_closed
+from webapp.concurrency import peer_closed, peer_sending
 from webapp.errors import ClientGone, Overloaded
 
 MB = 1_000_000
@@ -127,14 +127,29 @@ def test_tickets_stop_counting_once_decoding_takes_them_or_the_budget_passes():
     adm.decoded(job, MB, 70.0)  # measured: one 1 MB decode took 70 ms (the fit moves: still one size)
     assert adm.decode.count == 2
     adm.finish(job)  # the second photo failed to decode: it stops counting too
-    assert adm._uploads_ahead == 1 and adm._bytes_ahead == pytest.approx(2 * MB)
+    assert adm._ahead() == (1, pytest.approx(2 * MB))
     clock.now += 0.999
-    assert adm._uploads_ahead == 1 and adm.predict(MB).ahead_ms > 0
+    assert adm.predict(MB).ahead_ms == pytest.approx(adm.decode.predict(2 * MB) / 2 + 10)  # 52 ms per MB now
     clock.now += 0.002  # past the budget since `second` was admitted: it no longer counts
-    assert adm.predict(MB).ahead_ms == 0.0 and adm._uploads_ahead == 0
+    assert adm.predict(MB).ahead_ms == 0.0 and adm._ahead() == (0, 0.0)
     adm.release(second)  # releasing an expired or claimed ticket changes nothing
     adm.release(first)
-    assert adm._uploads_ahead == 0 and adm._bytes_ahead == pytest.approx(0.0)
+    assert adm._ahead() == (0, 0.0)
+
+
+@pytest.mark.unit
+def test_a_ticket_counts_only_while_its_body_is_arriving():
+    adm, _, _ = make_admission()
+    arriving = {"now": True}
+    adm.admit(MB, sending=lambda: arriving["now"])
+    assert adm.predict(MB).ahead_ms == pytest.approx(35.0)  # a burst: uploads arriving together count
+    arriving["now"] = False  # stalled (or headers with no body): it may never come, so it counts for nothing
+    assert adm.predict(MB).ahead_ms == 0.0
+    for _ in range(100):  # however many of them
+        adm.admit(20 * MB, sending=lambda: False)
+    assert adm.predict(MB).ahead_ms == 0.0 and adm.describe()["admitted"] == 101
+    arriving["now"] = True  # it goes on sending
+    assert adm.predict(MB).ahead_ms == pytest.approx(35.0)
 
 
 @pytest.mark.unit
@@ -187,17 +202,20 @@ def test_the_api_refuses_by_time_before_reading_the_body(app, client, monkeypatc
     assert "CLASSIFIER_MAX_WAIT_MS" in body["error"]["message"] and int(resp.headers["Retry-After"]) >= 1
     monkeypatch.undo()
     assert client.post("/api/v1/predict", data=small_png(), content_type="image/png").status_code == 200
-    assert clf.admission._uploads_ahead == 0  # the answered request no longer counts
+    assert clf.admission.describe()["uploads_ahead"] == 0  # the answered request no longer counts
 
 
 @pytest.mark.unit
 def test_a_request_refused_after_admission_stops_counting(app, client):
+    """Refused for its form or its size after admission: its ticket is dropped when the request ends."""
     clf = app.extensions["classifier"]
+    admitted = clf.admission.admitted
     resp = client.post("/api/v1/predict?topk=99", data=small_png(), content_type="image/png")
     assert resp.status_code == 400
-    assert clf.admission._uploads_ahead == 1  # its ticket counts until the budget passes, or...
-    assert client.post("/api/v1/predict", data=small_png(), content_type="image/png").status_code == 200
-    assert clf.admission._uploads_ahead == 0  # ...this context's next admission drops it
+    assert clf.admission.admitted == admitted + 1 and clf.admission.describe()["uploads_ahead"] == 0  # admitted, then released
+    big = clf.settings.MAX_UPLOAD_BYTES + 1
+    resp = client.post("/api/v1/predict", data=b"\0" * big, content_type="image/png")
+    assert resp.status_code == 413 and clf.admission.describe()["uploads_ahead"] == 0
 
 
 @pytest.mark.unit
@@ -213,14 +231,15 @@ def test_cli_classify_is_not_judged_by_time(make_app):
 
 # -- a client that hung up ----------------------------------------------------------------------------
 @pytest.mark.unit
-def test_peer_closed_tells_a_hung_up_client_from_a_waiting_one():
+def test_peer_closed_and_sending_tell_a_hung_up_client_a_sending_one_and_a_waiting_one():
     ours, theirs = socket.socketpair()
     try:
         assert not peer_closed(ours)
+        assert not peer_sending(ours)  # nothing sent yet (or a stalled upload)
         theirs.sendall(b"more")  # pending bytes are not a hang-up, and are not consumed
-        assert not peer_closed(ours)
+        assert not peer_closed(ours) and peer_sending(ours)
         theirs.close()
-        assert peer_closed(ours)
+        assert peer_closed(ours) and not peer_sending(ours)
         assert ours.recv(4) == b"more"
     finally:
         ours.close()
@@ -254,7 +273,7 @@ def test_a_gone_client_is_neither_decoded_nor_run(app, caplog):
     assert exc.value.status == 499 and "before its photos were decoded" in exc.value.message
     assert not decoded and clf.batcher.images == images and clf.admission.gone == gone_before + 1
     assert any("closed the connection before its photos were decoded" in r.getMessage() for r in caplog.records)
-    assert clf.admission._uploads_ahead == 0
+    assert clf.admission.describe()["uploads_ahead"] == 0
 
 
 @pytest.mark.unit
@@ -341,9 +360,24 @@ def test_a_burst_over_the_budget_is_partly_refused_at_once(srv):
           f"slowest refusal {max(s for s, *_ in refused):.3f} s")
 
 
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory):
+    """One worker with the smallest budget (10 ms): anything ahead of a big upload is too much."""
+    from serving import Server
+
+    server = Server(tmp_path_factory.mktemp("admission-tight") / "server.log", args=("--no-control-socket",),
+                    MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4,
+                    MAX_WAIT_MS=10)
+    try:
+        server.wait_ready(workers=1)
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.server
-def test_a_refusal_by_time_needs_no_body(srv):
-    """While the worker is kept busy near its budget, the headers of a large upload get 429 with no body sent."""
+def test_a_refusal_by_time_needs_no_body(tight):
+    """While the worker has work ahead, the headers of an upload get 429 at once, with no body sent."""
     import threading
     import time
 
@@ -352,46 +386,51 @@ def test_a_refusal_by_time_needs_no_body(srv):
     body, ctype = phone_photo()
     stop = threading.Event()
 
-    def pressure():  # uploads back to back, as overloading clients do (refusals included)
+    def pressure():  # uploads back to back (most refused): the worker is rarely without work
         while not stop.is_set():
             try:
-                requests.post(f"{srv.url}/api/v1/predict", data=body, headers={"Content-Type": ctype}, timeout=60)
+                requests.post(f"{tight.url}/api/v1/predict", data=body, headers={"Content-Type": ctype}, timeout=60)
             except requests.RequestException:
                 time.sleep(0.05)
 
-    threads = [threading.Thread(target=pressure, daemon=True) for _ in range(8)]
+    threads = [threading.Thread(target=pressure, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
-    statuses = []
+    tries = []
     try:
-        end = time.monotonic() + 60
-        while 429 not in statuses and time.monotonic() < end:
-            a = admission_of(srv)
-            if a["ahead_ms"] <= a["budget_ms"] / 2:
-                time.sleep(0.01)
-                continue
-            # The headers of a 4x larger upload (its own cost counts as half the budget), no byte of its body.
-            s = socket.create_connection(("127.0.0.1", srv.port), timeout=2)
-            try:
+        while 429 not in tries and len(tries) < 20:
+            while admission_of(tight)["ahead_ms"] <= 10:
+                time.sleep(0.005)
+            s = socket.create_connection(("127.0.0.1", tight.port), timeout=2)
+            try:  # the headers of a 3 MB upload, and not one byte of its body
                 s.sendall(f"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: {ctype}\r\n"
-                          f"Content-Length: {4 * len(body)}\r\n\r\n".encode())
+                          f"Content-Length: {len(body)}\r\n\r\n".encode())
                 data = b""
-                while b"\r\n\r\n" not in data:
-                    chunk = s.recv(65536)
+                while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < _length(data):
+                    chunk = s.recv(65536)  # the answer's headers and JSON body (its connection closes later)
                     if not chunk:
                         break
                     data += chunk
-            except TimeoutError:  # admitted after all (the work ahead drained meanwhile): it waits for a body
+            except TimeoutError:  # admitted after all (the work ahead ended meanwhile): it waits for a body
                 data = b"HTTP/1.1 000 admitted\r\n"
             finally:
                 s.close()
-            statuses.append(int(data.split(b" ", 2)[1]))
+            tries.append(int(data.split(b" ", 2)[1]))
     finally:
         stop.set()
         for t in threads:
             t.join(120)
-    assert statuses and statuses[-1] == 429, statuses
-    assert b"Retry-After: " in data and b"Connection: close" in data, data
+    assert tries[-1] == 429, tries
+    assert b"Retry-After: " in data and b"Connection: close" in data and b'"code":"overloaded"' in data, data
+
+
+def _length(response: bytes) -> int:
+    """The Content-Length of a raw HTTP response's headers (0 where it has none yet)."""
+    head = response.split(b"\r\n\r\n", 1)[0].lower()
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
 
 
 @pytest.mark.server

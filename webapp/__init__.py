@@ -61,6 +61,9 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     own_classifier = classifier is None
     if own_classifier:
         classifier = Classifier(settings)
+        # A request admitted by time that ends before its photos are decoded stops counting as work
+        # ahead of the others (webapp/admission.py).
+        app.teardown_request(lambda exc: classifier.end_request())
     app.extensions["classifier"] = classifier
 
     from . import api, ui, v2

@@ -13,19 +13,25 @@ The prediction, in ms, for a request of ``nbytes`` body bytes and ``images`` pho
     ahead = (a * uploads_ahead + b * bytes_ahead) / decode_threads  +  (queued + uploads_ahead) * image_ms
     own   = a * images + b * nbytes                                  +  images * image_ms
 
-- ``uploads_ahead``, ``bytes_ahead``: requests admitted but not yet decoded (their ``Ticket``: one
-  photo of Content-Length bytes each, until a decode thread takes them or the budget has passed) and
-  the photos of requests in ``classify`` that are not decoded yet (``Decoding``);
+- ``uploads_ahead``, ``bytes_ahead``: the photos of requests in ``classify`` that are not decoded yet
+  (``Decoding``), and requests admitted whose bodies are still arriving (their ``Ticket``: one photo of
+  Content-Length bytes each, while its client is sending, until ``classify`` takes it or the budget has
+  passed). A stalled upload, or headers with no body, counts for nothing: it may never come (and a
+  client that could make the worker refuse others by declaring bodies it never sends would be a
+  cheap attack), while a burst of uploads arriving together counts in full;
 - ``a`` (ms per photo) and ``b`` (ms per byte): ``DecodeCost``, a line fitted to this worker's
   measured decode + preprocess wall times (decode cost grows with the bytes: a 12 MP JPEG takes
   longer than the page's 95 KB copy of it);
 - ``decode_threads``: the worker's decode threads (``concurrency.Offloader``), working side by side;
-- ``queued``: images in the batcher's queue; ``image_ms``: its measured forward-pass cost per
-  image (EWMA batch time / EWMA batch size, ``InferenceBatcher.image_ms``).
+- ``queued``: images in the batcher's queue and in the forward pass running now (all of it counted:
+  an upper bound); ``image_ms``: its measured forward-pass cost per image (EWMA batch time / EWMA
+  batch size, ``InferenceBatcher.image_ms``).
 
 A request is admitted when ``ahead + min(own, budget / 2) <= budget``: what it waits for must fit,
 and a photo whose own cost is over half the budget counts as half, so a big photo is never refused
 for its own size alone (on an idle worker, ``ahead`` is 0, everything is admitted and measured).
+Refused, it is told ``Retry-After: ceil((ahead + min(own, budget / 2) - budget) / 1000)`` seconds, at
+least 1: when the work ahead of it will have shrunk enough for it to fit.
 
 Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from
 ``concurrency.Primitives``; held for microseconds), so request greenlets, the CLI's threads and
@@ -101,7 +107,8 @@ class Ticket:
     photos it counts for (1: how many a body holds is known only once it is read); ``expires``: clock
     s after which it no longer counts (a request that has not reached decoding within the budget is
     late already, or was refused for its body); ``predicted_ms``: ahead + own at admission;
-    ``gone``: asks whether its client has hung up (None where that cannot be known).
+    ``gone``: asks whether its client has hung up; ``sending``: whether body bytes are waiting to be
+    read (it counts only then); either None where that cannot be known (it then always counts).
     """
 
     nbytes: float
@@ -109,6 +116,7 @@ class Ticket:
     expires: float
     predicted_ms: float
     gone: Callable[[], bool] | None = None
+    sending: Callable[[], bool] | None = None
     live: bool = True
 
 
@@ -138,7 +146,7 @@ class Admission:
 
     ``budget_ms``: the latency budget (``MAX_WAIT_MS``); ``decode_threads``: photos decoded side by
     side; ``image_ms()``: measured forward-pass ms per image; ``queued()``: images in the batcher's
-    queue; ``clock()``: seconds, monotonic (a fake one in tests).
+    queue and its running batch; ``clock()``: seconds, monotonic (a fake one in tests).
     """
 
     def __init__(self, *, budget_ms: float, decode_threads: int, image_ms: Callable[[], float],
@@ -151,8 +159,8 @@ class Admission:
         self._clock = clock
         self._lock = Primitives.for_this_process().make_lock()
         self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
-        self._uploads_ahead = 0  # tickets' photos + photos in classify not decoded yet
-        self._bytes_ahead = 0.0
+        self._decoding_uploads = 0  # photos in classify not decoded yet, and their bytes
+        self._decoding_bytes = 0
         self.admitted = 0
         self.refused = 0
         self.gone = 0  # requests whose client hung up before their photos were decoded or run
@@ -160,14 +168,17 @@ class Admission:
     # -- the prediction --------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
         while self._tickets and (not self._tickets[0].live or self._tickets[0].expires <= now):
-            t = self._tickets.popleft()
-            if t.live:
-                self._drop(t)
+            self._tickets.popleft().live = False
 
-    def _drop(self, t: Ticket) -> None:
-        t.live = False
-        self._uploads_ahead -= t.images
-        self._bytes_ahead -= t.nbytes
+    def _ahead(self) -> tuple[int, float]:
+        """``(uploads, bytes)`` ahead of a new request: photos being decoded, and tickets whose bodies are
+        arriving (a zero-timeout poll each, under the lock: microseconds)."""
+        uploads, nbytes = self._decoding_uploads, float(self._decoding_bytes)
+        for t in self._tickets:
+            if t.live and (t.sending is None or t.sending()):
+                uploads += t.images
+                nbytes += t.nbytes
+        return uploads, nbytes
 
     def predict(self, nbytes: float | None, images: int = 1) -> Prediction:
         """What a request of ``nbytes`` body bytes (None: unknown) and ``images`` photos would wait
@@ -180,8 +191,9 @@ class Admission:
         a, b = self.decode.line()
         image_ms = max(0.0, float(self._image_ms() or 0.0))
         own_bytes = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
-        ahead = ((a * self._uploads_ahead + b * max(0.0, self._bytes_ahead)) / self.decode_threads
-                 + (self._queued() + self._uploads_ahead) * image_ms)
+        uploads, ahead_bytes = self._ahead()
+        ahead = ((a * uploads + b * ahead_bytes) / self.decode_threads
+                 + (self._queued() + uploads) * image_ms)
         own = a * images + b * own_bytes + images * image_ms
         return Prediction(ahead_ms=ahead, own_ms=own)
 
@@ -194,11 +206,13 @@ class Admission:
         return False, max(1, math.ceil((judged - self.budget_ms) / 1e3))
 
     # -- requests --------------------------------------------------------------------------------
-    def admit(self, nbytes: float | None, images: int = 1, *, gone: Callable[[], bool] | None = None) -> Ticket:
+    def admit(self, nbytes: float | None, images: int = 1, *, gone: Callable[[], bool] | None = None,
+              sending: Callable[[], bool] | None = None) -> Ticket:
         """Admit a request of ``nbytes`` body bytes (None: unknown) and ``images`` photos, or refuse it.
 
-        The returned ``Ticket`` counts its photo as ahead of later requests until ``decoding`` takes
-        it, ``release`` drops it, or the budget has passed.
+        The returned ``Ticket`` counts its photo as ahead of later requests while ``sending()`` (None:
+        always) until ``decoding`` takes it, ``release`` drops it, or the budget has passed; ``gone``
+        goes with it to ``classify`` (see ``Ticket``).
 
         :raises Overloaded: the predicted time is over the budget (429, ``Retry-After`` in s, >= 1).
         """
@@ -214,10 +228,8 @@ class Admission:
                                  f"{retry_after} s", headers={"Retry-After": str(retry_after)})
             size = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
             t = Ticket(nbytes=size, images=images, expires=now + self.budget_ms / 1e3, predicted_ms=p.total_ms,
-                       gone=gone)
+                       gone=gone, sending=sending)
             self._tickets.append(t)
-            self._uploads_ahead += images
-            self._bytes_ahead += size
             self.admitted += 1
             return t
 
@@ -226,18 +238,17 @@ class Admission:
         if ticket is None:
             return
         with self._lock:
-            if ticket.live:
-                self._drop(ticket)
+            ticket.live = False
 
     def decoding(self, ticket: Ticket | None, sizes: list[int]) -> Decoding:
         """A request starts decoding its uploads of ``sizes`` bytes: they replace its ticket (if any,
         and still counted) among the work ahead of later requests. Pair with ``finish``."""
         with self._lock:
-            if ticket is not None and ticket.live:
-                self._drop(ticket)
+            if ticket is not None:
+                ticket.live = False
             job = Decoding(uploads=len(sizes), nbytes=sum(sizes))
-            self._uploads_ahead += job.uploads
-            self._bytes_ahead += job.nbytes
+            self._decoding_uploads += job.uploads
+            self._decoding_bytes += job.nbytes
             return job
 
     def decoded(self, job: Decoding, nbytes: int, ms: float) -> None:
@@ -247,14 +258,14 @@ class Admission:
             if job.uploads > 0:
                 job.uploads -= 1
                 job.nbytes -= nbytes
-                self._uploads_ahead -= 1
-                self._bytes_ahead -= nbytes
+                self._decoding_uploads -= 1
+                self._decoding_bytes -= nbytes
 
     def finish(self, job: Decoding) -> None:
         """``job``'s decoding ended (done or failed): whatever of it is left stops counting."""
         with self._lock:
-            self._uploads_ahead -= job.uploads
-            self._bytes_ahead -= job.nbytes
+            self._decoding_uploads -= job.uploads
+            self._decoding_bytes -= job.nbytes
             job.uploads, job.nbytes = 0, 0
 
     def note_gone(self) -> None:
@@ -270,8 +281,9 @@ class Admission:
             self._expire(self._clock())
             a, b = self.decode.line()
             p = self._predict(None, 1)
+            uploads, _ = self._ahead()
             return {"budget_ms": self.budget_ms, "decode_ms_per_upload": round(a, 3),
                     "decode_ms_per_mb": round(b * 1e6, 3), "image_ms": round(float(self._image_ms() or 0.0), 3),
-                    "decode_threads": self.decode_threads, "uploads_ahead": self._uploads_ahead,
+                    "decode_threads": self.decode_threads, "uploads_ahead": uploads,
                     "ahead_ms": round(p.ahead_ms, 1), "predicted_ms": round(p.total_ms, 1), "admitted": self.admitted, "refused": self.refused,
                     "client_gone": self.gone, "decodes": self.decode.count}

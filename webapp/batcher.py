@@ -83,6 +83,7 @@ class InferenceBatcher:
         self._queue = self._p.make_queue()
         self._lock = self._p.make_lock()
         self._waiting = 0  # images in the queue, guarded by _lock
+        self._in_batch = 0  # images in the forward pass running now (written by the inference thread only)
         self._accepting = False
         self._running = False
         self.died: BaseException | None = None
@@ -116,6 +117,11 @@ class InferenceBatcher:
     def queue_depth(self) -> int:
         """Images waiting for a batch right now."""
         return self._waiting
+
+    @property
+    def running_images(self) -> int:
+        """Images in the forward pass running right now (0 between batches)."""
+        return self._in_batch
 
     @property
     def image_ms(self) -> float:
@@ -247,12 +253,15 @@ class InferenceBatcher:
         for r in live:
             self.ewma_queue_wait = 0.9 * self.ewma_queue_wait + 0.1 * (now - r.enqueued)
         start = time.perf_counter()
+        self._in_batch = len(live)
         try:
             logits = checked_predict(self.predict, torch.stack([r.tensor for r in live]))
         except InferenceFailed as exc:
             for r in live:
                 r.future.reject(exc)
             return
+        finally:
+            self._in_batch = 0
         took = time.perf_counter() - start
         self.ewma_batch_time = took if not self.batches else 0.8 * self.ewma_batch_time + 0.2 * took
         self.ewma_batch_images = len(live) if not self.batches else 0.8 * self.ewma_batch_images + 0.2 * len(live)

@@ -23,8 +23,8 @@ Not threads, but safe between the two worlds:
 - ``Primitives.make_future``: under gevent a ``gevent.event.AsyncResult`` resolved from the real
   thread through ``hub.loop.run_callback_threadsafe`` (the one thread-safe way into the hub), so
   the waiting greenlet yields to others; elsewhere a ``concurrent.futures.Future``.
-- ``peer_closed``: has the client hung up? A zero-timeout poll on the original ``select.poll``,
-  safe from the hub and from real threads.
+- ``peer_closed``, ``peer_sending``: has the client hung up, is its upload arriving? A zero-timeout
+  poll on the original ``select.poll``, safe from the hub and from real threads.
 
 Outside gevent (tests, the CLI, Ray) everything is plain ``threading`` / ``concurrent.futures``.
 """
@@ -150,13 +150,25 @@ def peer_closed(sock) -> bool:
     """True when the client at the other end of ``sock`` (a connected socket: gunicorn's
     ``gunicorn.socket``) has closed or reset the connection, or ``sock`` is closed here.
 
-    A non-blocking ``poll`` for ``POLLRDHUP``/``POLLHUP``/``POLLERR``, on the *original* ``select.poll``
-    (gevent's ``patch_select`` removes ``poll``, and its cooperative ``select`` would switch greenlets):
-    one syscall with a zero timeout, so it never blocks the hub, and it may be called from a real thread
-    (a decode thread, the inference thread). It reads nothing: bytes the client sent are left for the
-    server. A client that only half-closes (shuts down its sending side and still reads) counts as
-    gone: HTTP clients keep both sides open while they wait for an answer.
+    A client that only half-closes (shuts down its sending side and still reads) counts as gone:
+    HTTP clients keep both sides open while they wait for an answer. See ``_poll_now``.
     """
+    events = _poll_now(sock)
+    return events is None or bool(events & _GONE)
+
+
+def peer_sending(sock) -> bool:
+    """True when bytes the client at the other end of ``sock`` sent are waiting to be read, and it has
+    not hung up: its upload is arriving (False for one that stalled). See ``_poll_now``."""
+    events = _poll_now(sock)
+    return events is not None and bool(events & _IN) and not events & _GONE
+
+
+def _poll_now(sock) -> int | None:
+    """``sock``'s poll events now (None where it is closed here): a zero-timeout ``poll`` on the
+    *original* ``select.poll`` (gevent's ``patch_select`` removes ``poll``, and its cooperative ``select``
+    would switch greenlets). One syscall that never blocks, so the hub and real threads (a decode thread,
+    the inference thread) may call it. It reads nothing: what the client sent is left for the server."""
     import select
 
     if gevent_active():
@@ -165,17 +177,19 @@ def peer_closed(sock) -> bool:
         make_poll = monkey.get_original("select", "poll")
     else:
         make_poll = select.poll
-    gone = (getattr(select, "POLLRDHUP", 0x2000) | getattr(select, "POLLHUP", 0x10) | getattr(select, "POLLERR", 0x8)
-            | getattr(select, "POLLNVAL", 0x20))
     try:
         fd = sock.fileno()
         if fd < 0:
-            return True
+            return None
         poller = make_poll()
-        poller.register(fd, gone)
-        return any(events & gone for _, events in poller.poll(0))
+        poller.register(fd, _IN | _GONE)
+        return sum(events for _, events in poller.poll(0))
     except (OSError, ValueError):  # closed meanwhile
-        return True
+        return None
+
+
+_IN = 0x1  # POLLIN (Linux values: the select module under gevent may lack its constants)
+_GONE = 0x2000 | 0x10 | 0x8 | 0x20  # POLLRDHUP | POLLHUP | POLLERR | POLLNVAL
 
 
 def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:

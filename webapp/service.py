@@ -21,7 +21,7 @@ import torch
 from . import imaging, startup
 from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
-from .concurrency import Offloader, keep_alive, peer_closed
+from .concurrency import Offloader, keep_alive, peer_closed, peer_sending
 from .contract import Upload
 from .errors import ClientGone, NotReady, StartupError
 from .imaging import Prepared
@@ -110,7 +110,8 @@ class Classifier:
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, started.threads))
             self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=self.offloader.max_threads,
-                                       image_ms=lambda: self.batcher.image_ms, queued=lambda: self.batcher.queue_depth)
+                                       image_ms=lambda: self.batcher.image_ms,
+                                       queued=lambda: self.batcher.queue_depth + self.batcher.running_images)
             self.status = "self-test"
             try:
                 self.self_test = startup.self_test(s, started, self._predict_on_batcher)
@@ -222,20 +223,28 @@ class Classifier:
         if not self.ready:
             raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
         environ = environ or {}
-        try:
-            nbytes = int(environ.get("CONTENT_LENGTH") or "")
+        try:  # no request decodes more than MAX_UPLOAD_BYTES of photos (a larger one gets 413 for its size)
+            nbytes = min(int(environ.get("CONTENT_LENGTH") or ""), self.settings.MAX_UPLOAD_BYTES)
         except ValueError:  # absent (chunked) or not a number: admission guesses recent uploads' size
             nbytes = None
         sock = environ.get("gunicorn.socket")
-        self.admission.release(_TICKET.get())  # one left by an earlier request of this context that failed
-        _TICKET.set(None)
-        ticket = self.admission.admit(nbytes, n, gone=None if sock is None else (lambda: peer_closed(sock)))
+        self.end_request()  # one left by an earlier request of this context, where nothing ended it
+        ticket = self.admission.admit(nbytes, n, gone=None if sock is None else (lambda: peer_closed(sock)),
+                                      sending=None if sock is None else (lambda: peer_sending(sock)))
         try:
             self.batcher.check_capacity(n)  # the backstop: images, whatever they are predicted to cost
         except Exception:
             self.admission.release(ticket)
             raise
         _TICKET.set(ticket)
+
+    def end_request(self) -> None:
+        """At the end of every request (``create_app`` registers it): an admitted request that ended
+        before ``classify`` took its ticket (refused for its size, type or form) stops counting."""
+        ticket = _TICKET.get()
+        if ticket is not None:
+            _TICKET.set(None)
+            self.admission.release(ticket)
 
     def _check_serving(self, n: int) -> None:
         if not self.ready:
