@@ -37,14 +37,18 @@ SECRET = "secret internal detail 0xDEADBEEF"
 # name -> (app, workers it must report ready, gunicorn args, extra env, CLASSIFIER_* settings).
 # "main" runs fp32: the 500-photo test compares it with fp32 references made in the test process
 # (PRECISION's default, auto, picks bf16 where the CPU has it).
+# NO_TIME_LIMIT: admission by time off (a day's budget), for the servers whose tests are about something
+# else and must see no 429 (webapp/admission.py would refuse their bursts, as it should in production).
+NO_TIME_LIMIT = 86_400_000
 SERVERS = {
     "main": ("wsgi:app", 2, [], {}, dict(MODEL="efficientnet_lite0", WORKERS=2, QUEUE_SIZE=1024, MAX_BATCH_SIZE=8,
-                                         PRECISION="fp32")),
+                                         PRECISION="fp32", MAX_WAIT_MS=NO_TIME_LIMIT)),
     "queue": ("wsgi:app", 1, [], {}, dict(MODEL="resnet18_seeded", WORKERS=1, THREADS=1, QUEUE_SIZE=2,
                                           MAX_BATCH_SIZE=1)),
     "timeout": ("wsgi:app", 1, [], {}, dict(MODEL="resnet18_seeded", WORKERS=1, MAX_BATCH_SIZE=4,
-                                            REQUEST_TIMEOUT_S=0.05, QUEUE_SIZE=256)),  # room: no 429
-    "drain": ("wsgi:app", 2, [], {}, dict(MODEL="resnet18_seeded", WORKERS=2, MAX_BATCH_SIZE=4)),
+                                            REQUEST_TIMEOUT_S=0.05, QUEUE_SIZE=256, MAX_WAIT_MS=NO_TIME_LIMIT)),  # no 429
+    "drain": ("wsgi:app", 2, [], {}, dict(MODEL="resnet18_seeded", WORKERS=2, MAX_BATCH_SIZE=4,
+                                          MAX_WAIT_MS=NO_TIME_LIMIT)),
     "faulty": ("faulty_wsgi:app", 1, [], {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),  # gunicorn imports it
         "FLASK_DEBUG": "1", "FAULTY_SECRET": SECRET, "FAULTY_POISON_RGB": "13,17,211", "FAULTY_POISON_SIZE": "13,17"},

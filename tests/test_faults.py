@@ -5,12 +5,13 @@ worker, overlapped on the cores), and stop together at the end (each must exit 0
 one may log a traceback). Each test uses its own server:
 
 - ``main``: offline EfficientNet-Lite0 (fp32, like the in-process references), 2 workers, a queue
-  large enough that nothing is refused (``QUEUE_SIZE=1024``: the 500-request test never sees a 429
-  and never retries): routing at scale, disconnecting clients, then SIGKILL of a worker and a
-  reload (SIGHUP), last because they change the worker set;
+  large enough and admission by time off, so nothing is refused (``QUEUE_SIZE=1024``, ``MAX_WAIT_MS``
+  a day: the 500-request test never sees a 429 and never retries): routing at scale, disconnecting
+  clients, then SIGKILL of a worker and a reload (SIGHUP), last because they change the worker set;
 - ``queue``: seeded ResNet-18 on one core, ``QUEUE_SIZE=2``, ``MAX_BATCH_SIZE=1``: 429s;
-- ``timeout``: seeded ResNet-18, 1 worker, ``REQUEST_TIMEOUT_S=0.05``: 504s, and a worker kept busy decoding;
-- ``drain``: seeded ResNet-18, 2 workers: SIGTERM while 20 large uploads are in flight;
+- ``timeout``: seeded ResNet-18, 1 worker, ``REQUEST_TIMEOUT_S=0.05``, admission by time off: 504s, and a
+  worker kept busy decoding;
+- ``drain``: seeded ResNet-18, 2 workers, admission by time off: SIGTERM while 20 large uploads are in flight;
 - ``faulty``: ``tests/faulty_wsgi.py`` (an inference loop that dies on a poison image), run with
   ``FLASK_DEBUG=1`` in its environment, which must change nothing;
 - ``preload``: ``gunicorn --preload``.

@@ -23,7 +23,7 @@ from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
 from .concurrency import Offloader, keep_alive, peer_closed, peer_sending
 from .contract import Upload
-from .errors import ClientGone, NotReady, StartupError
+from .errors import ClientGone, NotReady, ServiceError, StartupError
 from .imaging import Prepared
 from .models import encode
 
@@ -131,7 +131,8 @@ class Classifier:
     def _measure_costs(self, started: startup.Started) -> None:
         """Give admission measured costs before the first request: the golden photo (small: it fixes the
         decode cost per upload) decoded twice on a decode thread, the second timed (the first pays one-off
-        set-up), and, where the self-test was skipped, one forward pass of it through the batcher."""
+        set-up), and, where the self-test was skipped, one forward pass of it through the batcher (a failed
+        one is only logged: this is a measurement)."""
         data = startup.GOLDEN.read_bytes()
         for _ in range(2):
             prepared, ms = self.offloader.run(_timed_prepare, data, name=startup.GOLDEN.name,
@@ -139,7 +140,11 @@ class Classifier:
                                               min_side=started.min_side(self.settings.FAST_DECODE))
         self.admission.decode.observe(len(data), ms)
         if not self.batcher.batches:
-            self.batcher.infer([prepared.tensor])
+            try:
+                self.batcher.infer([prepared.tensor])
+            except ServiceError as exc:  # e.g. past a tiny REQUEST_TIMEOUT_S: a measurement, never a failed start
+                log.debug("no forward pass measured at start-up (%s); admission counts from the first batch",
+                          exc.message)
 
     def _predict_on_batcher(self, batch: torch.Tensor) -> torch.Tensor:
         """``(N, 3, S, S) float32`` -> ``(N, C)`` logits through the batcher's thread (the serving path)."""
