@@ -87,13 +87,16 @@ class RemoteClassifier:
         return health, why
 
     def admit(self, environ=None, n: int = 1) -> None:
-        """Refuse before the body is read when no model replica answers (503); queue room is Ray's to
-        judge (``Overloaded`` from ``classify``), not a time prediction: ``environ`` and ``n`` are
-        taken for ``contract.ClassifierLike`` and not used.
+        """Refuse before the body is read while no model replica has answered yet (503, start-up).
 
-        :raises NotReady: no model replica answered its last health probe.
+        Once one has, a busy or slow health probe must not turn a burst into 503s (probes queue
+        behind the requests of a full replica): from then on ``classify``'s own errors decide, and
+        queue room is Ray's to judge (``Overloaded``). ``environ`` and ``n`` are taken for
+        ``contract.ClassifierLike`` and not used (no time prediction on a cluster).
+
+        :raises NotReady: no model replica has answered yet and none answers a health probe now.
         """
-        if not self.ready:
+        if self._model is None and not self.ready:
             raise NotReady("no model replica could take the request (starting, failed or restarting); "
                            "try again shortly", headers={"Retry-After": "5"})
 
