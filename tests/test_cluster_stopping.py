@@ -39,8 +39,12 @@ from test_cluster import COMMON, READY_TIMEOUT_S, _env, _four_names, _post, _pos
 # One model replica (the command's own Ray has this host's CPUs, 2 on the project's box), info logs
 # (the "serving on" line says the deployment is done), and a request timeout that a burst of BURST
 # requests of 4 photos meets on one replica of a loaded 2-core host (8 of them at 10 s got a 504).
+# The burst sends 12 MP phone photos: 4 requests of 4 small photos (dog.jpg) were all answered
+# within the 0.4 s before the signal once in CI, leaving nothing in flight to drain (4 x 3.2 MB: the
+# default upload limit, not COMMON's 4 MiB).
 LOCAL = {**COMMON, "CLUSTER_REPLICAS": 1, "CLUSTER_MAX_ONGOING_REQUESTS": 4, "CLUSTER_MAX_QUEUED_REQUESTS": 8,
-         "REQUEST_TIMEOUT_S": 20, "LOG_LEVEL": "info"}
+         "REQUEST_TIMEOUT_S": 20, "LOG_LEVEL": "info",
+         "MAX_UPLOAD_BYTES": 32 << 20}
 BURST = 4
 BOUND_S = stop_timeout_s(LOCAL["REQUEST_TIMEOUT_S"])
 # What the stop printed while it hung (the driver retrying a GCS that was gone), and the supervisor's last resort.
@@ -113,23 +117,29 @@ def local_serve(tmp_path):
         server.close()
 
 
+def _said(r) -> str:
+    """A burst answer in a few words, for a failure message."""
+    return f"{r.status_code} {r.text[:200]}" if isinstance(r, requests.Response) else repr(r)
+
+
 @pytest.mark.parametrize("sig, target", [("SIGTERM", "the command"), ("SIGTERM", "its group"),
                                          ("SIGINT", "its group"), ("SIGTERM", "every process")],
                          ids=["SIGTERM-command", "SIGTERM-group", "SIGINT-group", "SIGTERM-every-process"])
 def test_stop_is_bounded_and_leaves_nothing_running(local_serve, sig, target):
-    dog = shared_image("dog.jpg").read_bytes()
-    assert _post(local_serve.url, "dog.jpg", dog).status_code == 200  # serving: one request answered
+    phone = shared_image("phone-12mp.jpg").read_bytes()
+    assert _post(local_serve.url, "phone-12mp.jpg", phone).status_code == 200  # serving: one request answered
 
     def one(i: int):
         try:
-            return _post_four(local_serve.url, i, dog)
+            return _post_four(local_serve.url, i, phone)
         except requests.RequestException as exc:  # the proxy itself was stopped: an answer of sorts
             return exc
 
     with ThreadPoolExecutor(BURST) as pool:
         futures = [pool.submit(one, i) for i in range(BURST)]
         time.sleep(0.4)
-        assert not all(f.done() for f in futures), "the burst ended before the signal: nothing in flight"
+        assert not all(f.done() for f in futures), ("the burst ended before the signal: nothing in flight: "
+                                                    f"{[_said(f.result()) for f in futures]}")
         signum = getattr(signal, sig)
         started = time.monotonic()
         if target == "the command":
