@@ -1,7 +1,7 @@
 """Full vs fast decode of a 12-MP phone photo: ``imaging.decode`` + ``imaging.preprocess``, in process.
 
 Fast = ``decode(..., min_side=spec.resize)`` (what the service does with ``CLASSIFIER_FAST_DECODE``
-on: libjpeg's reduced DCT scale); full = ``min_side=None``. Both paths run alternately in one
+on: libjpeg's reduced DCT scale, keeping the short side >= 2x the resize size); full = ``min_side=None``. Both paths run alternately in one
 loop (full first on even rounds, fast first on odd ones), so load from other processes on this
 shared machine hits both alike; the answer is the ratio of medians. The offline model
 (EfficientNet-Lite0, real ImageNet weights, fp32 eager) classifies both tensors: top-1 must match.
@@ -125,7 +125,7 @@ def report(out: dict) -> str:
     lines = [table(["photo / path", "decoded", "decode ms", "prep ms", "total ms", "p10-p90", "x fast", "cpu ms",
                     "top-1", "prob"], rows,
                    title=f"decode + preprocess, median of {out['rounds']} interleaved rounds, "
-                         f"{out['threads']} thread(s); fast = min_side {out['min_side']}\n"
+                         f"{out['threads']} thread(s); fast = min_side {out['min_side']} (JPEG short side kept >= {2 * out['min_side']})\n"
                          f"(ms are wall time; cpu ms = this thread's CPU time, less hurt by other load)")]
     summary = []
     for name, r in out["photos"].items():

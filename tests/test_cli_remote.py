@@ -232,12 +232,11 @@ def test_big_photos_are_scaled_upright_and_described_as_the_original():
     data = shared_image("phone-12mp-exif-rotated.jpg").read_bytes()
     body, info = remote.scaled(data, 512)
     assert info == {"width": 4032, "height": 3024, "format": "JPEG"}  # upright, as the server reports it
-    assert len(body) < len(data) / 8
-    with Image.open(io.BytesIO(body)) as im:  # the server's own 1/8 DCT scale, upright, lossless
-        assert im.format == "PNG" and im.size == (504, 378) and "exif" not in im.info
-    kite = shared_image("kite.jpg").read_bytes()  # 1352x900: 1/2 scale
-    with Image.open(io.BytesIO(remote.scaled(kite, 512)[0])) as im:
-        assert im.size == (676, 450)
+    assert len(body) < len(data) / 2
+    with Image.open(io.BytesIO(body)) as im:  # the server's own 1/4 DCT scale (>= 512 px), upright, lossless
+        assert im.format == "PNG" and im.size == (1008, 756) and "exif" not in im.info
+    kite = shared_image("kite.jpg").read_bytes()  # 1352x900: its 1/2 scale (676x450) is under 512 px
+    assert remote.scaled(kite, 512)[0] == kite
 
 
 def test_small_or_unreadable_files_are_sent_as_they_are():

@@ -577,9 +577,12 @@ def test_property_mutated_images():
 
 FAST_PHOTOS = ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg", "scream.jpg",
                "phone-12mp.jpg", "phone-12mp-exif-rotated.jpg"]
-# Mean absolute difference of the normalized (3, 224, 224) tensors, fast vs full decode; measured
-# up to 0.028 (dog.jpg, decoded at 1/2 scale); ImageNet-normalized values span about [-2.1, 2.6].
+# Mean absolute difference of the normalized (3, 224, 224) tensors, fast vs full decode; ImageNet-
+# normalized values span about [-2.1, 2.6]. And the answer itself: the top-1 probability may move by
+# at most FAST_PROB_POINTS (measured at most 1.5 on the shared and calibration photos with the JPEG
+# short side kept >= 2x the resize size; kept >= 1x, dog.jpg's moved 15 points, 40.1% -> 55.1%).
 FAST_MAD_BOUND = 0.05
+FAST_PROB_POINTS = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -590,22 +593,25 @@ def lite0():
 
 
 @pytest.mark.parametrize("name", FAST_PHOTOS)
-def test_fast_decode_keeps_top1_and_stays_close(name, lite0):
+def test_fast_decode_keeps_the_models_answer(name, lite0):
     data = shared_image(name).read_bytes()
     transform = build_transform(lite0.preprocessing)
     full = preprocess(decode(data, max_pixels=DEFAULT_MAX_PIXELS).image, transform)
     fast_img = decode(data, max_pixels=DEFAULT_MAX_PIXELS, min_side=lite0.preprocessing.resize).image
-    assert min(fast_img.size) >= lite0.preprocessing.resize  # never decoded smaller than the resize needs
+    assert min(fast_img.size) >= 2 * lite0.preprocessing.resize or fast_img.size == Image.open(io.BytesIO(data)).size
     fast = preprocess(fast_img, transform)
     assert float((fast - full).abs().mean()) < FAST_MAD_BOUND
     with torch.inference_mode():
-        top = lite0.module(torch.stack([full, fast])).argmax(1)
+        probs = torch.softmax(lite0.module.eval()(torch.stack([full, fast])).float(), dim=1)
+    top = probs.argmax(1)
     assert top[0] == top[1]
+    moved = 100 * abs(float(probs[1, top[0]] - probs[0, top[0]]))
+    assert moved <= FAST_PROB_POINTS, f"{name}: top-1 probability moved {moved:.1f} points with fast decode"
 
 
 def test_fast_decode_shrinks_a_12mp_jpeg_and_big_pngs():
     data = shared_image("phone-12mp.jpg").read_bytes()
-    assert decode(data, max_pixels=DEFAULT_MAX_PIXELS, min_side=256).image.size == (504, 378)  # 1/8 DCT scale
+    assert decode(data, max_pixels=DEFAULT_MAX_PIXELS, min_side=256).image.size == (1008, 756)  # 1/4: >= 2x 256
     big = png_bytes(Image.new("RGB", (3000, 2400), (90, 140, 200)))
     out = decode(big, max_pixels=DEFAULT_MAX_PIXELS, min_side=256).image
     assert out.size == (750, 600) and out.getpixel((10, 10)) == (90, 140, 200)  # reduce(4): still >= 2x 256

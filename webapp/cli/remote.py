@@ -9,7 +9,7 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
   resize size) is decoded at reduced scale (Pillow ``draft``: libjpeg's DCT scaling) exactly as the
   server's fast decode would, turned upright (EXIF) and sent as lossless PNG, under that short side:
   the same pixels reach the model, so the same answers (``scaled``). A 3.2 MB 12 MP phone photo is
-  sent as ~0.4 MB. The results still report the original's upright size and format, as local
+  sent as ~1.4 MB (its 1/4 DCT scale, 1008x756). The results still report the original's upright size and format, as local
   ``classify`` does. Any other file is sent as it is (the server says what is wrong, if anything).
 - **N concurrent connections** (``--jobs``, default ``DEFAULT_JOBS``): a thread pool
   (``concurrency.client_pool``) over one urllib3 pool of keep-alive connections.
@@ -120,8 +120,8 @@ def scaled(data: bytes, short_side: int) -> tuple[bytes, dict | None]:
 
     ``short_side`` is ``send_short_side`` (px, 2x the model's resize size). A JPEG whose short side
     is over it is decoded at reduced scale exactly as the server's fast decode would (Pillow
-    ``draft``: the smallest libjpeg DCT scale keeping the short side >= the resize size, so under
-    ``short_side``), turned upright and sent as lossless PNG: the server then sees the very pixels
+    ``draft``: the smallest libjpeg DCT scale keeping the short side >= ``short_side``, 2x the
+    resize size), turned upright and sent as lossless PNG: the server then sees the very pixels
     it would have decoded from the original, and answers the same labels and probabilities (a
     resize to exactly ``short_side`` and a JPEG re-encode moved close third places on the shared
     photos). Anything else (not JPEG, CMYK, a result no smaller) is ``data`` itself. The dict is
@@ -140,7 +140,7 @@ def scaled(data: bytes, short_side: int) -> tuple[bytes, dict | None]:
         return data, None
     turned = orientation in (5, 6, 7, 8)  # the orientations that swap width and height
     info = {"width": height if turned else width, "height": width if turned else height, "format": fmt}
-    keep = short_side // 2  # the resize size: what the server's fast decode keeps
+    keep = short_side  # 2x the resize size: what the server's fast decode keeps (imaging.decode)
     if fmt != "JPEG" or img.mode not in ("RGB", "L") or min(width, height) <= short_side:
         return data, info
     try:
@@ -150,7 +150,7 @@ def scaled(data: bytes, short_side: int) -> tuple[bytes, dict | None]:
         if img.size == (width, height):
             return data, info
         out = io.BytesIO()
-        exif.turn(img, orientation).save(out, format="PNG", compress_level=1)  # fast; still ~1/8 of a phone JPEG
+        exif.turn(img, orientation).save(out, format="PNG", compress_level=1)  # fast; still ~0.4x a phone JPEG
     except Exception:  # damaged data: the server says so for the original
         return data, info
     return (out.getvalue(), info) if out.tell() < len(data) else (data, info)
