@@ -54,7 +54,11 @@ def predict(x: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     out = {"gevent_active": gevent_active(), "main_native_id": threading.get_native_id()}
-    b = InferenceBatcher(predict, max_batch_size=4, batch_timeout=0.02, queue_size=64, request_timeout=20)
+    # The fixed wait: the 20 clients, spawned first, fill batches of 4 in order, so the poisoned image
+    # (spawned last) runs alone. Without it the first client runs at once (nothing else is counted as
+    # on its way) and the poison would share a batch with clients.
+    b = InferenceBatcher(predict, max_batch_size=4, batch_timeout=0.02, queue_size=64, request_timeout=20,
+                         wait="fixed")
     b.start()
 
     state = {"done": False, "ticks": 0, "max_gap": 0.0}
@@ -114,6 +118,24 @@ def main() -> None:
     except BaseException as exc:  # LoopExit is a BaseException
         out["stop_while_running"] = type(exc).__name__
     out["served_before_stop"] = int(b2.wait(req).logits[0].item()) == 7
+
+    # The wait for company under gevent: a lone image runs at once (batch_timeout is 5 s), one queued
+    # while another is on its way waits for it, and a greenlet cancelling that one ends the wait.
+    b3 = InferenceBatcher(predict, max_batch_size=4, batch_timeout=5.0, queue_size=8, request_timeout=20)
+    b3.start()
+    t0 = time.perf_counter()
+    b3.infer([torch.full((3, 4, 4), 1.0)])
+    out["lone_s"] = round(time.perf_counter() - t0, 4)
+    coming = b3.coming(1)
+    t0 = time.perf_counter()
+    waiter = gevent.spawn(b3.infer, [torch.full((3, 4, 4), 2.0)])
+    gevent.sleep(0.5)
+    out["waited_for_company"] = not waiter.ready()
+    gevent.spawn(coming.cancel).join()
+    waiter.join(5)
+    out["after_cancel_s"] = round(time.perf_counter() - t0, 4)
+    out["coming_after"] = b3.coming_images
+    b3.stop(timeout=5)
 
     # keep_alive: beats continue while this (the hub's) thread is blocked outright.
     beats = []

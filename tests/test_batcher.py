@@ -174,9 +174,9 @@ def test_many_images_at_once_are_split_into_full_batches(make_batcher):
     assert model.calls == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
-def test_lone_request_waits_about_batch_timeout(make_batcher):
+def test_lone_request_waits_about_batch_timeout_when_the_wait_is_fixed(make_batcher):
     model = FakeModel(delay=0.05)
-    b = make_batcher(model, max_batch_size=4, batch_timeout=0.2)
+    b = make_batcher(model, max_batch_size=4, batch_timeout=0.2, wait="fixed")
     b.infer([img(0)])  # warm-up (thread started, torch ops touched)
     t0 = time.monotonic()
     (r,) = b.infer([img(1)])
@@ -185,6 +185,75 @@ def test_lone_request_waits_about_batch_timeout(make_batcher):
     # Waits for company up to batch_timeout, then runs: about 0.25 s, not much more.
     assert 0.2 - 0.02 <= took <= 0.25 + 0.3, took
     assert r.inference_ms >= 40
+
+
+def test_lone_request_runs_at_once_when_nothing_is_on_its_way(make_batcher):
+    model = FakeModel()
+    b = make_batcher(model, max_batch_size=4, batch_timeout=2.0)
+    b.infer([img(0)])  # warm-up
+    for i in (1, 2):  # counted while "decoding", then queued: nothing else is coming either way
+        coming = b.coming(1) if i == 2 else None
+        t0 = time.monotonic()
+        (r,) = b.infer([img(i)], coming=coming)
+        took = time.monotonic() - t0
+        assert ident(r) == i and r.batch_size == 1
+        assert took < 0.5, f"waited {took:.3f} s of the 2 s batch_timeout for nobody"
+        assert r.queue_ms < 500, r.queue_ms
+    assert b.coming_images == 0
+
+
+def test_requests_on_their_way_join_the_batch(make_batcher):
+    model = FakeModel()
+    b = make_batcher(model, max_batch_size=4, batch_timeout=2.0)
+    b.infer([img(0)])  # warm-up
+    later = [b.coming(1), b.coming(1)]  # two requests still decoding when the first is queued
+    t0 = time.monotonic()
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(b.infer, [img(1)])
+        time.sleep(0.3)  # the batch with image 1 waits for them (its own deadline is 2 s away)
+        assert not first.done(), "ran without the images on their way"
+        second = b.submit([img(2)], coming=later[0])
+        time.sleep(0.1)
+        assert not first.done(), "ran while image 3 was still on its way"
+        third = b.submit([img(3)], coming=later[1])
+        (r1,) = first.result(timeout=5)
+    took = time.monotonic() - t0
+    assert took < 1.5, f"waited {took:.3f} s: past the last arrival"  # ran once nothing more was coming
+    assert model.calls[-1] == [1, 2, 3]
+    assert r1.batch_size == 3 and [ident(b.wait(r)) for r in second + third] == [2, 3]
+    assert b.coming_images == 0
+
+
+def test_a_cancelled_arrival_ends_the_wait_and_the_count_returns_to_zero(make_batcher):
+    model = FakeModel()
+    b = make_batcher(model, max_batch_size=4, batch_timeout=2.0)
+    b.infer([img(0)])  # warm-up
+    failing = b.coming(2)  # a request of two photos, one of which will not decode
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(b.infer, [img(1)])
+        time.sleep(0.2)
+        assert not first.done(), "ran without waiting for the images on their way"
+        t0 = time.monotonic()
+        failing.cancel()  # what Classifier.classify's finally does after a decode error
+        failing.cancel()  # idempotent: counted once
+        (r1,) = first.result(timeout=5)
+    assert time.monotonic() - t0 < 1.0, "kept waiting for images that will never come"
+    assert r1.batch_size == 1 and b.coming_images == 0
+    # Refused at submit (a full queue): the caller's cancel still uncounts them; a cancel after a
+    # successful submit is a no-op.
+    queued = b.coming(1)
+    b.infer([img(4)], coming=queued)
+    queued.cancel()
+    assert b.coming_images == 0
+    t0 = time.monotonic()
+    (r,) = b.infer([img(5)])  # and the idle wait is not back
+    assert time.monotonic() - t0 < 0.5 and ident(r) == 5
+
+
+def test_an_unknown_wait_is_refused():
+    with pytest.raises(ValueError, match="wait must be one of"):
+        InferenceBatcher(FakeModel(), max_batch_size=4, batch_timeout=0.01, queue_size=4, request_timeout=1,
+                         wait="sometimes")
 
 
 def test_full_batch_does_not_wait_for_batch_timeout(make_batcher):
@@ -495,3 +564,7 @@ def test_under_gevent_model_runs_on_a_real_thread_and_hub_stays_responsive():
     assert out["served_before_stop"] is True, out
     # keep_alive beats from a real thread while the hub's thread is blocked.
     assert out["beats_while_blocked"] >= 3, out
+    # Waiting for company: none for a lone image (one ~0.3 s batch, not the 5 s batch_timeout); a
+    # cancelled arrival ends the wait (0.5 s waited + a batch), and the count is back to 0.
+    assert out["lone_s"] < 2.0, out
+    assert out["waited_for_company"] is True and out["after_cancel_s"] < 3.0 and out["coming_after"] == 0, out

@@ -124,3 +124,31 @@ def test_bf16_pays_off_decides_on_the_median_speed_error_and_top1(monkeypatch, f
     assert engine.bf16_pays_off(module, batch, runs=3) == (ok, reason)
     assert module.calls == [("fp32", (2, 3, 8, 8))] * 4 + [("bf16", (2, 3, 8, 8))] * 4  # fp32 first, then bf16
     assert module.times == {"fp32": [], "bf16": []}
+
+
+def test_photos_on_their_way_stop_counting_on_every_path(app):
+    """A request's photos count as on their way to the batcher while they decode (a forming batch waits
+    for them); a count left behind by any path would bring the idle wait back for every later request."""
+    import socket
+
+    from conftest import small_png
+    from webapp.contract import Upload
+    from webapp.errors import ClientGone, ServiceError
+
+    clf = app.extensions["classifier"]
+    good = Upload("ok.png", small_png())
+    with pytest.raises(ServiceError):  # the second photo does not decode: the first stops counting too
+        clf.classify([good, Upload("bad.png", b"not an image")], topk=1)
+    assert clf.batcher.coming_images == 0
+    ours, theirs = socket.socketpair()
+    theirs.close()  # the client hung up before its photo was decoded
+    try:
+        clf.admit({"CONTENT_LENGTH": str(len(good.data)), "gunicorn.socket": ours})
+        with pytest.raises(ClientGone):
+            clf.classify([good], topk=1)
+    finally:
+        ours.close()
+    assert clf.batcher.coming_images == 0
+    answer = clf.classify([good, good], topk=1)  # and the ordinary path: counted, then queued
+    assert clf.batcher.coming_images == 0 and clf.health()["coming"] == 0
+    assert [r["batch_size"] for r in answer["results"]] == [2, 2]

@@ -1,9 +1,12 @@
 """InferenceBatcher: dynamic batching in front of the model, on one real OS thread.
 
 Requests put one preprocessed image each into a bounded FIFO and wait on their own future.
-One real OS thread takes up to ``max_batch_size`` images, waiting at most ``batch_timeout``
-after the first, stacks them, calls ``predict`` once and hands each request its own row
-(LitServe's names and shape). Only that thread ever calls the model after start-up.
+One real OS thread takes up to ``max_batch_size`` images, stacks them, calls ``predict`` once and
+hands each request its own row (LitServe's names and shape). Only that thread ever calls the model
+after start-up. It waits for company (at most ``batch_timeout`` after the first image) only while
+more images are on their way: a request counts its images with ``coming`` while it decodes them, so
+a lone request runs at once instead of waiting the whole timeout for nobody (``wait="fixed"``
+restores the fixed wait, for benchmarks).
 
 The thread, queue, lock and future types come from ``webapp.concurrency``, which says which are
 real OS threads under gunicorn's gevent worker and why. On a Ray cluster Ray forms the batches
@@ -28,6 +31,8 @@ from .errors import ClientGone, InferenceFailed, InferenceTimeout, NotReady, Ove
 log = logging.getLogger(__name__)
 
 _STOP = object()
+_WAKE = object()  # put when the images on their way drop to none without arriving: the loop stops waiting
+WAITS = ("company", "fixed")
 
 
 @dataclass
@@ -58,6 +63,19 @@ class _Request:
     gone: Callable[[], bool] | None = None  # True once its client hung up: skip it, never run it
 
 
+@dataclass(eq=False)
+class Coming:
+    """``n`` images a request is decoding for the batcher (see ``InferenceBatcher.coming``)."""
+
+    n: int
+    batcher: "InferenceBatcher"
+
+    def cancel(self) -> None:
+        """They will not come (a decode error, the client hung up, a refusal): stop counting them.
+        Idempotent, and a no-op once ``submit`` queued them; call it in a ``finally``."""
+        self.batcher._arrive(self, queued=False)
+
+
 class InferenceBatcher:
     """Dynamic batching in front of ``predict`` on one real OS thread.
 
@@ -66,12 +84,20 @@ class InferenceBatcher:
     the images waiting, ``request_timeout`` (s) is each image's deadline from submission.
     ``on_death`` is called (on the inference thread) if the loop dies unexpectedly, so the host
     process can stop and be replaced; ``thread_init`` runs first thing on the inference thread.
+    ``wait``: ``"company"`` waits up to ``batch_timeout`` after the first image only while images
+    counted by ``coming`` are on their way and the batch is not full; ``"fixed"`` always waits it out
+    (the behaviour before, kept for benchmarks).
+
+    :raises ValueError: ``wait`` is not one of ``WAITS``.
     """
 
     def __init__(self, predict: Callable[[torch.Tensor], torch.Tensor], *, max_batch_size: int,
                  batch_timeout: float, queue_size: int, request_timeout: float,
                  on_death: Callable[[BaseException], None] | None = None,
-                 thread_init: Callable[[], None] | None = None):
+                 thread_init: Callable[[], None] | None = None, wait: str = "company"):
+        if wait not in WAITS:
+            raise ValueError(f"wait must be one of {WAITS}, not {wait!r}")
+        self.wait_for = wait
         self.predict = predict
         self.thread_init = thread_init
         self.max_batch_size = max_batch_size
@@ -83,6 +109,7 @@ class InferenceBatcher:
         self._queue = self._p.make_queue()
         self._lock = self._p.make_lock()
         self._waiting = 0  # images in the queue, guarded by _lock
+        self._coming = 0  # images being decoded for the queue (``coming``), guarded by _lock
         self._in_batch = 0  # images in the forward pass running now (written by the inference thread only)
         self._accepting = False
         self._running = False
@@ -117,6 +144,11 @@ class InferenceBatcher:
     def queue_depth(self) -> int:
         """Images waiting for a batch right now."""
         return self._waiting
+
+    @property
+    def coming_images(self) -> int:
+        """Images counted by ``coming`` that are not queued yet (being decoded now)."""
+        return self._coming
 
     @property
     def running_images(self) -> int:
@@ -162,11 +194,35 @@ class InferenceBatcher:
             raise Overloaded(f"server busy: {self._waiting} images queued (limit {self.queue_size}); "
                              f"try again in {wait} s", headers={"Retry-After": str(wait)})
 
-    def submit(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None) -> list[_Request]:
+    def coming(self, n: int) -> Coming:
+        """Count ``n`` images as on their way (decoding) until ``submit(..., coming=)`` queues them or
+        ``Coming.cancel`` drops them: while any are counted, the loop waits up to ``batch_timeout`` for
+        them to join the batch it is forming; with none, it runs what it has at once."""
+        handle = Coming(n, self)
+        with self._lock:
+            self._coming += n
+        return handle
+
+    def _arrive(self, handle: Coming, *, queued: bool) -> None:
+        """Stop counting ``handle``'s images (queued: by ``submit``, under ``_lock``; else cancelled)."""
+        if queued:
+            self._coming, handle.n = self._coming - handle.n, 0
+            return
+        with self._lock:
+            n, handle.n = handle.n, 0
+            self._coming -= n
+            none_left = n and self._coming == 0
+        if none_left:  # the loop may be waiting for exactly these: end its wait now
+            self._queue.put(_WAKE)
+
+    def submit(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None,
+               coming: Coming | None = None) -> list[_Request]:
         """Queue images ``(3, H, W) float32`` all together or not at all.
 
         ``gone`` (asked on the inference thread just before a batch runs) says whether the client hung
-        up; such an image is not run and its waiter gets ``ClientGone``.
+        up; such an image is not run and its waiter gets ``ClientGone``. ``coming``: the handle that
+        counted these images while they were decoded; they stop counting as they are queued (a refusal
+        leaves it to the caller's ``Coming.cancel``).
 
         :raises Overloaded: the queue has no room for all of them (429, with ``Retry-After``).
         :raises NotReady: the batcher is stopping, stopped or dead (503).
@@ -178,6 +234,8 @@ class InferenceBatcher:
             self._waiting += len(reqs)
             for r in reqs:
                 self._queue.put(r)
+            if coming is not None:  # in the same step: the loop never sees them neither coming nor queued
+                self._arrive(coming, queued=True)
         return reqs
 
     def wait(self, req: _Request) -> Result:
@@ -192,16 +250,18 @@ class InferenceBatcher:
             req.abandoned = True
             raise InferenceTimeout.after(self.request_timeout) from None
 
-    def infer(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None) -> list[Result]:
+    def infer(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None,
+              coming: Coming | None = None) -> list[Result]:
         """Run images ``(3, H, W) float32`` through the model; return their ``Result``s in the same order.
 
-        Submits all of them at once (they may share a batch) and waits for every one; ``gone`` as ``submit``.
+        Submits all of them at once (they may share a batch) and waits for every one; ``gone`` and
+        ``coming`` as ``submit``.
 
         :raises Overloaded: no room in the queue (429). :raises NotReady: not serving (503).
         :raises InferenceTimeout: past ``request_timeout`` (504). :raises InferenceFailed: the batch failed (500).
         :raises ClientGone: the client hung up before its batch ran (499; nothing was run for it).
         """
-        reqs = self.submit(tensors, gone)
+        reqs = self.submit(tensors, gone, coming)
         try:
             return [self.wait(r) for r in reqs]
         finally:
@@ -211,27 +271,36 @@ class InferenceBatcher:
     # -- the inference thread --------------------------------------------------------------
     def _take(self, block: bool, timeout: float | None = None):
         item = self._queue.get(block, timeout) if block else self._queue.get_nowait()
-        if item is not _STOP:
+        if item is not _STOP and item is not _WAKE:
             with self._lock:
                 self._waiting -= 1
         return item
 
     def _collect(self) -> tuple[list[_Request], bool]:
-        """Block for the first image, then gather more until full or ``batch_timeout`` after the first."""
+        """Block for the first image, then gather more: what is queued, and, while images are on their way
+        (``wait="fixed"``: always), what arrives until full or ``batch_timeout`` after the first."""
         first = self._take(True)
+        while first is _WAKE:  # a wake-up left from a wait that had already ended
+            first = self._take(True)
         if first is _STOP:
             return [], True
         batch = [first]
         close_at = time.monotonic() + self.batch_timeout
         while len(batch) < self.max_batch_size:
-            remaining = close_at - time.monotonic()
             try:
-                item = self._take(remaining > 0, remaining) if remaining > 0 else self._take(False)
+                item = self._take(False)
             except _queue_mod.Empty:
-                break
+                remaining = close_at - time.monotonic()
+                if remaining <= 0 or (self.wait_for == "company" and self._coming <= 0):
+                    break  # nothing queued and nothing on its way (or no time left): run what we have
+                try:
+                    item = self._take(True, remaining)
+                except _queue_mod.Empty:
+                    break
             if item is _STOP:
                 return batch, True
-            batch.append(item)
+            if item is not _WAKE:
+                batch.append(item)
         return batch, False
 
     def _run_batch(self, batch: list[_Request]) -> None:
@@ -276,7 +345,7 @@ class InferenceBatcher:
                 item = self._take(False)
             except _queue_mod.Empty:
                 return
-            if item is not _STOP:
+            if item is not _STOP and item is not _WAKE:
                 item.future.reject(exc)
 
     def _run(self) -> None:

@@ -181,6 +181,7 @@ SCHEMAS: dict[str, Any] = {
             "startup_s": {**_NUM, "nullable": True},
             "max_batch_size": {"type": "integer", "minimum": 1},
             "queue_depth": _INT,
+            "coming": _INT,  # images being decoded for the queue: a forming batch waits for them
             "batches": _INT,
             "images": _INT,
         },

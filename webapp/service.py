@@ -106,7 +106,7 @@ class Classifier:
             self.batcher = InferenceBatcher(started.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
                                             batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
                                             request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died,
-                                            thread_init=started.engine.thread_init)
+                                            thread_init=started.engine.thread_init, wait=s.BATCH_WAIT)
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, started.threads))
             self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=self.offloader.max_threads,
@@ -281,6 +281,8 @@ class Classifier:
         gone = ticket.gone if ticket is not None else None
         s, started = self.settings, self.started
         job = self.admission.decoding(ticket, [len(up.data) for up in uploads])
+        # On their way to the queue: a batch forming meanwhile waits for them, and only while any are.
+        coming = self.batcher.coming(len(uploads))
         try:
             prepared = []
             for up in uploads:
@@ -292,12 +294,13 @@ class Classifier:
             decode_ms = (time.perf_counter() - start) * 1e3
             if gone is not None and gone():
                 raise ClientGone.before("its photos were queued")
-            outcomes = self.batcher.infer([p.tensor for p in prepared], gone)
+            outcomes = self.batcher.infer([p.tensor for p in prepared], gone, coming)
         except ClientGone as exc:
             self.admission.note_gone()
             log.info("%s", exc.message)
             raise
         finally:
+            coming.cancel()  # decode error, client gone, refused: no batch may wait for them (no-op once queued)
             self.admission.finish(job)
         if self.on_outcomes is not None:
             self.on_outcomes(outcomes)
@@ -322,6 +325,7 @@ class Classifier:
             "startup_s": None if self.startup_s is None else round(self.startup_s, 2),
             "max_batch_size": self.settings.MAX_BATCH_SIZE,
             "queue_depth": self.queue_depth,
+            "coming": b.coming_images if b else 0,
             "batches": b.batches if b else 0,
             "images": b.images if b else 0,
             "admission": self.admission.describe() if self.admission else None,

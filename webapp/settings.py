@@ -213,6 +213,9 @@ SETTINGS: tuple[Setting, ...] = (
             low=1, high=256),
     Setting("BATCH_TIMEOUT_MS", _float, 5.0, "Longest wait (ms) after the first queued image for more to join "
             "its batch.", low=0, high=10_000),
+    Setting("BATCH_WAIT", _str, "company", "When a batch waits BATCH_TIMEOUT_MS for more images. company: only while "
+            "other requests' photos are being decoded (a lone request runs at once); fixed: always (the old way, "
+            "for benchmarks).", choices=("company", "fixed"), commands=(SERVE, CLASSIFY)),
     Setting("QUEUE_SIZE", _int, 64, "Most images waiting in one worker's queue; more get 429 with Retry-After.",
             low=1, high=100_000),
     Setting("MAX_WAIT_MS", _float, 1000.0, "Latency budget (ms): a request this worker predicts it would answer "
