@@ -31,17 +31,25 @@ def shared_image(name: str) -> Path:
     return path
 
 
-KINDS = ("unit", "slow", "server", "cluster", "browser")  # registered in pytest.ini
+KINDS = ("unit", "slow", "server", "cluster", "browser", "kit")  # registered in pytest.ini
 
 
-def pytest_collection_modifyitems(items):
-    """Give each test its kind: ``unit`` where none of the others is set; two kinds on one test is an error."""
+def pytest_collection_modifyitems(config, items):
+    """Give each test its kind: ``unit`` where none of the others is set; two kinds on one test is an error.
+
+    ``kit`` tests (tests/test_kit.py: builds and installs the multi-GB air-gapped kit) run only when
+    the ``-m`` expression names ``kit``; in every other run they are skipped, saying how to run them.
+    """
+    kit_asked = "kit" in (config.getoption("markexpr", "") or "")
     for item in items:
         kinds = {m.name for m in item.iter_markers() if m.name in KINDS}
         if not kinds:
             item.add_marker(pytest.mark.unit)
         elif len(kinds) > 1:
             raise pytest.UsageError(f"{item.nodeid} is marked {sorted(kinds)}: one kind per test")
+        elif kinds == {"kit"} and not kit_asked:
+            item.add_marker(pytest.mark.skip(reason="builds and installs the ~3 GB air-gapped kit (minutes): "
+                                                    "run it with `python -m pytest -m kit`"))
 
 
 # ImageNet class indices 151..268: the dog breeds (the shared dog.jpg's top-1 is one of them).

@@ -1,4 +1,4 @@
-"""The command line: ``python -m webapp serve | classify | weights | info | settings``.
+"""The command line: ``python -m webapp serve | classify | weights | info | settings | warm | bundle``.
 
 - ``serve``: exec gunicorn with the project's config (``gunicorn -c gunicorn.conf.py wsgi:app``);
   its options set the ``CLASSIFIER_*`` variables; what follows ``--`` goes to gunicorn.
@@ -10,11 +10,14 @@
 - ``weights fetch`` / ``weights verify``: carry ResNet-18 weights to an air-gapped host.
 - ``info``: CPU, what oneDNN/ATen run, the precision ``auto`` picks, the worker plan, weights.
 - ``settings``: the settings table, with the values in effect (``--markdown``: the README table).
+- ``warm``: build the compile caches once at install time (the worker's own start-up, pinned as worker 0).
+- ``bundle --out DIR``: the air-gapped install kit (wheels, hash-pinned lock, source, weights, install.sh).
 
 One module per concern: ``options`` (settings -> options, help layout, argument checks), one per
 command (``serve``, ``classify``, ``weights``, ``info``, ``settings_cmd``; each adds its own
 parser), ``files`` (what classify reads from folders), ``output`` (table/JSON/CSV), ``common``
-(exit codes, stderr lines). This module only wires the commands together.
+(exit codes, stderr lines), ``kit`` (the kit's lock, manifest and sizes). This module only wires the
+commands together.
 
 Importing this package imports no torch (``--help`` is instant); the commands that need it import
 it when they run.
@@ -27,7 +30,7 @@ import os
 import sys
 
 from ..settings import SettingsError
-from . import classify, info, serve, settings_cmd, weights
+from . import bundle, classify, info, serve, settings_cmd, warm, weights
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from .options import HelpFormatter, settings_epilog
 
@@ -41,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Photo classifier: serve it, classify photos from the shell, carry weights to air-gapped hosts.",
         epilog=settings_epilog())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in (serve, classify, weights, info, settings_cmd):
+    for command in (serve, classify, weights, info, settings_cmd, warm, bundle):
         command.add_parser(sub)
     return parser
 
