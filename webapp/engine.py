@@ -5,8 +5,9 @@ folded into convs, int8 weights prepacked) and channels_last inputs (oneDNN's na
 for convs on x86), under ``torch.inference_mode()``, in one of three precisions:
 
 - ``fp32``: the reference.
-- ``bf16``: ``torch.autocast("cpu", bfloat16)`` around the compiled call; oneDNN runs convs and
-  matmuls in bf16 where the CPU has native bf16 (avx512_bf16, AMX), about 2x fp32 there.
+- ``bf16``: the bf16 policy of ``webapp/bf16.py`` (autocast inside the model, a few sensitive
+  layers and the logits in fp32); oneDNN runs the other convs and matmuls in bf16 where the CPU
+  has native bf16 (avx512_bf16, AMX).
 - ``int8``: static post-training quantization through PT2E: strict ``torch.export`` with a
   dynamic batch dimension (non-strict export of ResNet-18 trips the quantizer, pytorch/ao#4478,
   because BasicBlock reuses one ReLU module), torchao's ``X86InductorQuantizer`` (per-channel
@@ -36,6 +37,8 @@ from typing import Callable
 
 import torch
 from torch import nn
+
+from .bf16 import BF16_KEEP_FP32, bf16_policy
 
 log = logging.getLogger(__name__)
 
@@ -194,19 +197,6 @@ def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, inpu
     return program.module()
 
 
-class _Bf16(nn.Module):
-    """``module`` under bf16 autocast, logits back in fp32: the graph an AOTInductor package is built from."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = self.module(x)
-        return y.float()  # outside autocast: strict dtype checks in export trip over it inside
-
-
 def load_or_build_aoti(module: nn.Module, *, input_size: int, cache_dir: Path, key: str) -> Callable:
     """bf16 model as an AOTInductor package: built once into ``cache_dir`` (export + ahead-of-time
     compile with freezing, about the time one torch.compile takes), then loaded in well under a
@@ -220,7 +210,7 @@ def load_or_build_aoti(module: nn.Module, *, input_size: int, cache_dir: Path, k
         t0 = time.perf_counter()
         example = torch.zeros(2, 3, input_size, input_size).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
-            program = export(_Bf16(module), (example,), dynamic_shapes=({0: Dim("batch", min=1, max=1024)},),
+            program = export(bf16_policy(module), (example,), dynamic_shapes=({0: Dim("batch", min=1, max=1024)},),
                              strict=False)
             tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
             torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
@@ -262,7 +252,8 @@ class Engine:
         else:
             module = module.to(memory_format=torch.channels_last)
         self.module = module
-        self._fn: Callable[[torch.Tensor], torch.Tensor] = self.module
+        # bf16 runs the policy module (fp32 logits, some layers fp32): eager, compiled and packaged alike.
+        self._fn: Callable[[torch.Tensor], torch.Tensor] = bf16_policy(module) if precision == "bf16" else self.module
         self.backend = "eager"
         self.threads = torch.get_num_threads()
         if compile:
@@ -274,12 +265,12 @@ class Engine:
             if precision == "bf16" and cache_dir is not None:
                 try:
                     self._fn = load_or_build_aoti(module, input_size=input_size, cache_dir=cache_dir,
-                                                  key=cache_key(cache_id, "bf16", torch.backends.cpu.get_cpu_capability()))
+                                                  key=cache_key(cache_id, "bf16", BF16_KEEP_FP32, torch.backends.cpu.get_cpu_capability()))
                     self.backend = "aoti"
                 except Exception as exc:  # export or AOT compile failed for this model: JIT still works
                     log.warning("bf16 AOTInductor package failed (%s); using torch.compile", exc)
             if self.backend == "eager":
-                self._fn = torch.compile(self.module, backend="inductor")
+                self._fn = torch.compile(self._fn, backend="inductor")
                 self.backend = "inductor"
         self.warm_batch_sizes: list[int] = []
 
@@ -287,14 +278,9 @@ class Engine:
         """Call first on the thread that will run ``predict``: intra-op threads are per calling thread."""
         torch.set_num_threads(self.threads)
 
-    def _autocast(self):
-        if self.precision == "bf16" and self.backend != "aoti":  # the package has autocast inside
-            return torch.autocast("cpu", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def predict(self, batch: torch.Tensor) -> torch.Tensor:
         """``(N, 3, S, S) float32`` normalized images -> ``(N, C) float32`` logits."""
-        with torch.inference_mode(), self._autocast():
+        with torch.inference_mode():
             x = batch.contiguous(memory_format=torch.channels_last)
             return self._fn(x).float()
 

@@ -1,0 +1,197 @@
+"""bf16 as faithful as fp32: which layers run in bf16 (the policy), and how faithful it is (the judgement).
+
+**The policy** (``bf16_policy``): the model under ``torch.autocast("cpu", bfloat16)`` except the layer
+groups of ``BF16_KEEP_FP32``, which run in fp32, and logits always returned in fp32, so softmax and
+top-k never see two labels with exactly equal (bf16-rounded) probabilities. The groups were chosen
+with ``bench/fidelity_bench.py`` (``python -m bench --only fidelity``), a per-layer-group sweep of
+top-1 agreement and top-1 probability change against fp32 on real photos, with the speed each costs:
+the layers kept in fp32 are those where bf16 loses fidelity but that cost little time (the stem
+conv, which sees the raw normalized pixels; the depthwise convs, few FLOPs and memory-bound; the
+1x1 head conv and the classifier, which make the logits). The convs carrying most FLOPs stay bf16.
+Eager (``Engine(compile=False)``), ``torch.compile`` and the AOTInductor package all run this module.
+
+**The judgement** (``judge_bf16``): the start-up check behind ``auto`` where oneDNN claims native
+bf16. On the calibration photos (real photos shipped with the package, or the user's), eager: the
+policy's top-1 must agree with fp32's (at least ``MIN_TOP1_AGREE``, all of those fp32 is sure of),
+no top-1 probability may move more than ``MAX_PROB_CHANGE_PTS``, no top-3 may hold a tie, and it
+must be at least ``MIN_SPEEDUP`` as fast as fp32. ``fidelity`` computes those figures (the bench uses
+it too).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+# Layer groups the bf16 policy keeps in fp32 (see ``bf16_layers``), chosen by bench/fidelity_bench.py.
+BF16_KEEP_FP32 = ("stem", "head", "early_depthwise")
+
+
+def bf16_layers(module: nn.Module, group: str) -> list[str]:
+    """Names of ``module``'s layers in one group of the bf16 policy (empty where the model has none).
+
+    ``stem``: the first Conv2d. ``head``: the last Linear (the classifier) and, where the last Conv2d
+    is 1x1 (EfficientNet's ``conv_head``), that conv. ``depthwise``: Conv2d with groups == in_channels > 1.
+    ``early_depthwise``: the depthwise convs whose output is at 1/8 of the input's resolution or more
+    (EfficientNet-Lite0's first three stages, 112 to 28 px: where the sweep found bf16's losses).
+    ``se``: squeeze-excite modules (class name contains ``SqueezeExcite``). ``project``: timm's 1x1
+    projection convs (``conv_pwl``), which write the residual stream.
+
+    :raises ValueError: an unknown group.
+    """
+    mods = list(module.named_modules())
+    convs = [(n, m) for n, m in mods if isinstance(m, nn.Conv2d)]
+    if group == "stem":
+        return [n for n, _ in convs[:1]]
+    if group == "head":
+        linear = [n for n, m in mods if isinstance(m, nn.Linear)][-1:]
+        conv = [n for n, m in convs[-1:] if m.kernel_size == (1, 1) and n not in [c for c, _ in convs[:1]]]
+        return conv + linear
+    if group == "depthwise":
+        return [n for n, m in convs if m.groups > 1 and m.groups == m.in_channels]
+    if group == "early_depthwise":
+        early, stride = [], 1
+        for n, m in convs:
+            if m.kernel_size != (1, 1):  # the strides of a chain of kxk convs (1x1 ones are shortcuts' or pointwise)
+                stride *= m.stride[0]
+            if m.groups > 1 and m.groups == m.in_channels and stride <= 8:
+                early.append(n)
+        return early
+    if group == "se":
+        return [n for n, m in mods if "SqueezeExcite" in type(m).__name__]
+    if group == "project":
+        return [n for n, _ in convs if n.endswith("conv_pwl")]
+    raise ValueError(f"unknown bf16 layer group {group!r}")
+
+
+class _Fp32(nn.Module):
+    """One layer the bf16 policy keeps in fp32: autocast off, its input cast up (a bf16 activation is exact in fp32)."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return self.module(x.float())
+
+
+def _wrapped(module: nn.Module, names: list[str]) -> nn.Module:
+    """A copy of ``module``'s tree with the layers ``names`` in ``_Fp32``; the weights are shared, not copied
+    (``module`` itself is left as it was: an fp32 engine of the same model may use it)."""
+    if not names:
+        return module
+    new = copy.copy(module)
+    new._modules = dict(module._modules)
+    below: dict[str, list[str]] = {}
+    for name in names:
+        head, _, rest = name.partition(".")
+        below.setdefault(head, []).append(rest)
+    for head, rests in below.items():
+        child = module._modules[head]
+        new._modules[head] = _Fp32(child) if "" in rests else _wrapped(child, [r for r in rests if r])
+    return new
+
+
+class _Bf16(nn.Module):
+    """The bf16 policy: ``module`` under bf16 autocast except the layers of ``keep_fp32`` (``bf16_layers``),
+    logits back in fp32 (so softmax and top-k never see bf16 rounding ties): ``(N, 3, S, S) float32 ->
+    (N, C) float32``. The graph both the JIT path compiles and the AOTInductor package is built from."""
+
+    def __init__(self, module: nn.Module, keep_fp32: tuple[str, ...] = BF16_KEEP_FP32):
+        super().__init__()
+        self.keep_fp32 = tuple(keep_fp32)
+        self.module = _wrapped(module, [n for g in self.keep_fp32 for n in bf16_layers(module, g)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = self.module(x)
+        return y.float()  # outside autocast: strict dtype checks in export trip over it inside
+
+
+def bf16_policy(module: nn.Module, keep_fp32: tuple[str, ...] = BF16_KEEP_FP32) -> nn.Module:
+    """``module`` as bf16 runs it: ``(N, 3, S, S) float32 -> (N, C) float32`` logits, the layer groups
+    ``keep_fp32`` (see ``bf16_layers``) in fp32, the rest under bf16 autocast. Shares ``module``'s weights.
+
+    :raises ValueError: an unknown group.
+    """
+    return _Bf16(module, keep_fp32)
+
+
+# The fidelity bf16 must keep (issue #14 target 1) and the speed it must buy, for ``auto`` to choose it.
+MIN_TOP1_AGREE = 0.99         # share of photos whose top-1 equals fp32's (all of them where fp32 is >= 0.5 sure)
+SURE = 0.5                    # fp32 top-1 probability from which the top-1 must never change
+MAX_PROB_CHANGE_PTS = 2.0     # largest change of the fp32 top-1 class's probability, percentage points
+MIN_SPEEDUP = 1.3             # bf16 images/s over fp32's
+
+
+def ties(probs: torch.Tensor, k: int = 3, decimals: int = 6) -> int:
+    """How many rows of ``probs`` ``(N, C) float32`` have two equal probabilities among their top ``k``
+    once rounded to ``decimals`` (as ``models.encode`` answers them): the rounding ties bf16 logits make."""
+    top = torch.topk(probs.float(), k=min(k, probs.shape[1]), dim=1).values
+    rounded = torch.round(top * 10**decimals)
+    return int((rounded[:, 1:] == rounded[:, :-1]).any(dim=1).sum())
+
+
+def fidelity(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """How faithful logits ``got`` are to ``ref`` (both ``(N, C)``, any float dtype; ref = fp32).
+
+    Returns ``n``; ``top1_agree`` (share 0..1 whose argmax equals ref's); ``sure_n`` and
+    ``sure_agree`` (the same over rows where ref's top-1 probability is >= ``SURE``; 1.0 when none);
+    ``max_change_pts`` / ``mean_change_pts`` (change of the probability of ref's top-1 class,
+    percentage points); ``ties`` (rows of ``got`` with a top-3 tie, see ``ties``); ``logit_err``
+    (max |got - ref| / max |ref|).
+    """
+    ref, got = ref.float(), got.float()
+    p_ref, p_got = ref.softmax(1), got.softmax(1)
+    top = p_ref.argmax(1)
+    agree = (p_got.argmax(1) == top)
+    sure = p_ref.max(1).values >= SURE
+    change = (p_got.gather(1, top[:, None]) - p_ref.gather(1, top[:, None]))[:, 0].abs() * 100
+    return {"n": len(ref), "top1_agree": float(agree.float().mean()), "sure_n": int(sure.sum()),
+            "sure_agree": float(agree[sure].float().mean()) if sure.any() else 1.0,
+            "max_change_pts": float(change.max()), "mean_change_pts": float(change.mean()),
+            "ties": ties(p_got), "logit_err": float((got - ref).abs().max() / ref.abs().max())}
+
+
+def faithful(fig: dict) -> bool:
+    """Whether ``fidelity``'s figures meet the targets (``MIN_TOP1_AGREE``, all sure ones kept,
+    ``MAX_PROB_CHANGE_PTS``, no ties)."""
+    return (fig["top1_agree"] >= MIN_TOP1_AGREE and fig["sure_agree"] == 1.0
+            and fig["max_change_pts"] <= MAX_PROB_CHANGE_PTS and fig["ties"] == 0)
+
+
+def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_batch: int = 8) -> tuple[bool, str, dict]:
+    """The start-up check behind ``auto`` where oneDNN claims native bf16: is the bf16 policy faithful
+    and fast enough here?
+
+    Eager, on ``photos`` ``(N, 3, S, S) float32`` (the calibration photos): fidelity of
+    ``bf16_policy(module)`` against ``module`` in fp32 over all N (``fidelity``, judged by ``faithful``),
+    and speed on the first ``speed_batch`` photos: fp32 and bf16 alternate ``runs`` times after one
+    untimed call each (oneDNN creates its primitives then), median seconds; bf16 must be at least
+    ``MIN_SPEEDUP`` times as fast. Returns ``(ok, reason, figures)``: ``figures`` is ``fidelity``'s
+    dict plus ``speedup`` (fp32 s / bf16 s) and ``photos``; ``reason`` says the figures in words.
+    About 1-2 s on 2 cores for 28 photos at 224x224.
+    """
+    policy = bf16_policy(module)
+    with torch.inference_mode():
+        ref = torch.cat([module(photos[i:i + speed_batch]).float() for i in range(0, len(photos), speed_batch)])
+        got = torch.cat([policy(photos[i:i + speed_batch]) for i in range(0, len(photos), speed_batch)])
+        batch = photos[:speed_batch]
+        times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+        for _ in range(runs):
+            for kind, fn in (("fp32", module), ("bf16", policy)):
+                t0 = time.perf_counter()
+                fn(batch)
+                times[kind].append(time.perf_counter() - t0)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    fig = {**fidelity(ref, got), "speedup": med["fp32"] / med["bf16"], "photos": len(photos)}
+    fast = fig["speedup"] >= MIN_SPEEDUP
+    reason = (f"measured on {fig['photos']} calibration photos: bf16 {fig['speedup']:.2f}x fp32, "
+              f"top-1 agreement {100 * fig['top1_agree']:.1f}% ({100 * fig['sure_agree']:.0f}% of {fig['sure_n']} "
+              f"with fp32 >= {SURE:.0%}), top-1 probability change max {fig['max_change_pts']:.2f} points, "
+              f"{fig['ties']} ties")
+    return faithful(fig) and fast, reason, fig
