@@ -12,6 +12,9 @@ Parts, each a module here that also runs alone (``python bench/<part>_bench.py -
   the page scales in the browser vs the original photo.
 - overload: 2x overload, 12 MP and small photos: admission by time (``MAX_WAIT_MS``) vs the same
   server without it: refused and admitted latency, images/s, client timeouts.
+- fidelity: bf16 against fp32, layer group by layer group (eager autocast, the bf16 policy with each
+  set of layers kept in fp32, torch.compile, the AOTInductor package): top-1 agreement, top-1
+  probability change, ties, and speed as a ratio to fp32 of the same kind.
 
 Every timing is a ratio against a baseline measured in the same run (the machine may be shared).
 ``--cap-avx2`` runs the engine part as an old AVX2-only server would (``ONEDNN_MAX_CPU_ISA=AVX2
@@ -33,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 PARTS = {"engine": "bench.engine_bench", "preprocess": "bench.preprocess_bench",
          "e2e": "bench.e2e_bench", "ready": "bench.ready_bench", "page": "bench.page_bench",
-         "overload": "bench.overload_bench"}
+         "overload": "bench.overload_bench", "fidelity": "bench.fidelity_bench"}
 CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 
