@@ -109,6 +109,49 @@ def test_auto_picks_what_the_kernels_can_do_here():
         assert precision == ("bf16" if engine.native_bf16() else "fp32")
 
 
+def tiny_net() -> torch.nn.Module:
+    """A small net with the layer kinds of the served models (stem, depthwise, 1x1 head, classifier): compiles in seconds."""
+    from torch import nn
+
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU6(),
+                         nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.BatchNorm2d(16), nn.ReLU6(),
+                         nn.Conv2d(16, 32, 1), nn.BatchNorm2d(32), nn.ReLU(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10)).eval()
+
+
+@pytest.mark.slow  # three AOTInductor packages of a tiny net: ~1 min on 2 cores
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_a_warm_cache_starts_without_compiling(precision, tmp_path, monkeypatch):
+    """Every precision is packaged ahead of time on the first start; a later one loads the package (no
+    export, no compile, no quantization) and answers exactly as the first."""
+    from webapp import quantize
+
+    net, size = tiny_net(), 32
+    torch.manual_seed(3)
+    calibration = list(torch.randn(8, 3, size, size))
+    x = torch.randn(3, 3, size, size)
+    kwargs = dict(input_size=size, compile=True, precision=precision, calibration=calibration, cache_dir=tmp_path,
+                  cache_id="tiny")
+    first = Engine(net, **kwargs)
+    assert first.backend == "aoti" and len(list(tmp_path.glob(f"aoti-{precision}-*.pt2"))) == 1
+    first.warm_up(3)
+    got = first.predict(x)
+    with torch.inference_mode():
+        ref = net(x)
+    assert got.dtype == torch.float32 and (got - ref).abs().max() / ref.abs().max() < 0.1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a warm start compiled or quantized")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    monkeypatch.setattr(torch, "compile", refuse)
+    monkeypatch.setattr(quantize, "quantize_int8", refuse)
+    monkeypatch.setattr(torch.export, "load", refuse)  # int8: not even its program is loaded
+    again = Engine(net, **{**kwargs, "calibration": []})
+    assert again.backend == "aoti"
+    assert torch.equal(again.predict(x), got)
+
+
 @pytest.mark.slow  # AOTInductor packaging: ~50 s
 def test_bf16_is_packaged_ahead_of_time_and_reloaded(resnet, tmp_path):
     x = torch.randn(3, 3, 224, 224)

@@ -90,7 +90,7 @@ def test_the_int8_program_is_written_under_a_pt2_name(tmp_path, monkeypatch):
     """torch.export.save warns "Expect archive file to be a file ending in .pt2" for any other name."""
     import torch
 
-    from webapp import engine
+    from webapp import quantize
 
     written = []
     monkeypatch.setattr(torch.export, "save", lambda program, path: (written.append(path), path.write_bytes(b"x")))
@@ -99,8 +99,8 @@ def test_the_int8_program_is_written_under_a_pt2_name(tmp_path, monkeypatch):
         def module(self):
             return "module"
 
-    monkeypatch.setattr(engine, "quantize_int8", lambda *a, **k: Program())
-    engine.load_or_quantize(torch.nn.Identity(), [torch.zeros(3, 8, 8)], input_size=8, cache_dir=tmp_path,
-                            cache_key="k")
+    monkeypatch.setattr(quantize, "quantize_int8", lambda *a, **k: Program())
+    quantize.load_or_quantize(torch.nn.Identity(), [torch.zeros(3, 8, 8)], input_size=8, cache_dir=tmp_path,
+                              cache_key="k")
     assert len(written) == 1 and written[0].name.endswith(".pt2") and written[0].parent == tmp_path
     assert (tmp_path / "int8-k.pt2").is_file() and not written[0].exists()

@@ -8,15 +8,12 @@ for convs on x86), under ``torch.inference_mode()``, in one of three precisions:
 - ``bf16``: the bf16 policy of ``webapp/bf16.py`` (autocast inside the model, a few sensitive
   layers and the logits in fp32); oneDNN runs the other convs and matmuls in bf16 where the CPU
   has native bf16 (avx512_bf16, AMX).
-- ``int8``: static post-training quantization through PT2E: strict ``torch.export`` with a
-  dynamic batch dimension (non-strict export of ResNet-18 trips the quantizer, pytorch/ao#4478,
-  because BasicBlock reuses one ReLU module), torchao's ``X86InductorQuantizer`` (per-channel
-  int8 weights, per-tensor uint8 activations), calibration on real photos, ``convert_pt2e``,
-  then ``torch.compile`` which lowers the q/dq pattern to oneDNN int8 kernels. The quantized
-  program is saved to the cache directory, so later workers skip export and calibration.
+- ``int8``: static post-training quantization through PT2E, with the layers that lose answers
+  left in fp32 (``webapp/quantize.py``); inductor lowers the q/dq pattern to oneDNN int8 kernels.
 
-bf16 with a cache directory is compiled ahead of time instead (AOTInductor, see
-``load_or_build_aoti``): built once, loaded by later workers in well under a second.
+With a cache directory every precision is compiled ahead of time instead (AOTInductor,
+``webapp/aoti.py``): built once (about one ``torch.compile``), loaded by later workers in well under a
+second, same kernels and speed as the JIT. Without one, or where the package cannot be built, JIT.
 
 JIT compilation happens only in ``warm_up``, which runs every batch size 1..``max_batch_size`` once
 in the calling thread: under gunicorn's gevent worker that must be the worker's main thread
@@ -38,7 +35,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .aoti import cpu_tag, load_or_build_aoti, package_path
 from .bf16 import BF16_KEEP_FP32, bf16_policy
+from .quantize import INT8_KEEP_FP32, load_or_quantize, register_int8_lowering
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +100,6 @@ def choose_precision(requested: str) -> tuple[str, str]:
     return "fp32", "auto: no native bf16 in oneDNN on this CPU, so bf16 would be emulated and slower"
 
 
-class _Wrap(nn.Module):
-    """A thin module around ``module`` (see ``quantize_int8``)."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.module(x)
-
-
 def bf16_pays_off(module: nn.Module, batch: torch.Tensor, *, runs: int = 3) -> tuple[bool, str]:
     """The start-up check behind ``auto`` where oneDNN claims native bf16: is it really worth it here?
 
@@ -139,87 +127,6 @@ def bf16_pays_off(module: nn.Module, batch: torch.Tensor, *, runs: int = 3) -> t
     return speedup >= 1.1 and err < 0.05 and same_top1, measured
 
 
-def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
-                  reduce_range: bool = False) -> torch.export.ExportedProgram:
-    """PT2E static int8 quantization of ``module`` (see module docstring); returns the exported, converted program.
-
-    ``calibration``: normalized images ``(3, S, S) float32`` (real photos), run in batches of
-    up to 8 to collect activation ranges. ``reduce_range``: 7-bit activations (see ``choose_reduce_range``).
-
-    :raises ValueError: no calibration images.
-    """
-    from torch.export import Dim, export
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
-
-    if not calibration:
-        raise ValueError("int8 needs calibration images")
-    batch = Dim("batch", min=1, max=1024)  # any batch the batcher may form (max_batch_size <= 256)
-    example = (torch.zeros(2, 3, input_size, input_size),)
-    with torch.no_grad():
-        # A wrapper, not the model itself: strict export drops dynamo's compiled code for the class
-        # it traces, which would break other compiled engines of the same model in this process.
-        exported = export(_Wrap(module), example, dynamic_shapes=({0: batch},), strict=True)
-        config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
-        quantizer = xiq.X86InductorQuantizer().set_global(config)
-        prepared = prepare_pt2e(exported.module(), quantizer)
-        for i in range(0, len(calibration), 8):
-            prepared(torch.stack(calibration[i:i + 8]))
-        converted = convert_pt2e(prepared)
-        return export(converted, example, dynamic_shapes=({0: batch},), strict=True)
-
-
-def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
-                     cache_dir: Path | None, cache_key: str, reduce_range: bool = False) -> nn.Module:
-    """The int8 model, from ``cache_dir`` when a program for ``cache_key`` was saved there, else quantized now and saved."""
-    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401  registers the q/dq ops torch.export.load needs
-    # Registers the inductor passes that lower q/dq + conv to oneDNN int8 kernels; without it a
-    # program loaded from the cache compiles to dequantize + fp32 conv (measured 3-4x slower).
-    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
-
-    path = cache_dir / f"int8-{cache_key}.pt2" if cache_dir else None
-    if path and path.is_file():
-        try:
-            program = torch.export.load(path)
-            log.info("int8 program from cache %s", path)
-            return program.module()
-        except Exception as exc:  # a cache from another version: rebuild it
-            log.warning("ignoring int8 cache %s: %s", path, exc)
-    t0 = time.perf_counter()
-    program = quantize_int8(module, calibration, input_size=input_size, reduce_range=reduce_range)
-    log.info("int8: quantized with %d calibration images in %.1f s", len(calibration), time.perf_counter() - t0)
-    if path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Ends in .pt2 like the real name: torch.export.save warns about any other suffix.
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-        torch.export.save(program, tmp)
-        os.replace(tmp, path)  # atomic: workers starting together never read half a file
-    return program.module()
-
-
-def load_or_build_aoti(module: nn.Module, *, input_size: int, cache_dir: Path, key: str) -> Callable:
-    """bf16 model as an AOTInductor package: built once into ``cache_dir`` (export + ahead-of-time
-    compile with freezing, about the time one torch.compile takes), then loaded in well under a
-    second by every later worker start. Measured here: same speed and top-1 as torch.compile bf16;
-    for fp32 the package ran several times slower than torch.compile, so fp32 and int8 stay JIT.
-    """
-    from torch.export import Dim, export
-
-    path = cache_dir / f"aoti-bf16-{key}.pt2"
-    if not path.is_file():
-        t0 = time.perf_counter()
-        example = torch.zeros(2, 3, input_size, input_size).contiguous(memory_format=torch.channels_last)
-        with torch.no_grad():
-            program = export(bf16_policy(module), (example,), dynamic_shapes=({0: Dim("batch", min=1, max=1024)},),
-                             strict=False)
-            tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
-                                                     inductor_configs={"freezing": True})
-        os.replace(tmp, path)  # atomic: workers starting together never load half a file
-        log.info("bf16 AOTInductor package built in %.1f s: %s", time.perf_counter() - t0, path)
-    return torch._inductor.aoti_load_package(str(path))
-
-
 def cache_key(*parts) -> str:
     """A short stable key for a cached artefact: model, weights, torch version, calibration..."""
     return hashlib.sha256("|".join(map(str, (*parts, torch.__version__))).encode()).hexdigest()[:16]
@@ -229,14 +136,17 @@ class Engine:
     """Runs a model on batches: ``predict((N, 3, S, S) float32) -> (N, C) float32`` logits.
 
     ``precision`` is ``fp32``, ``bf16`` or ``int8`` (see module docstring); int8 needs
-    ``calibration`` images. ``compile=False`` runs eager (still channels_last, inference mode):
-    it starts in about a second, for unit tests; int8 without compile runs the reference
-    (simulated) quantized graph, slow, for tests only.
+    ``calibration`` images and leaves the layer groups ``int8_keep_fp32`` in fp32 (``webapp/quantize.py``).
+    ``compile=False`` runs eager (still channels_last, inference mode): it starts in about a second,
+    for unit tests; int8 without compile runs the reference (simulated) quantized graph, slow, for
+    tests only. With ``compile`` and a ``cache_dir``, ``backend`` is ``aoti`` (the package, see
+    ``webapp/aoti.py``), else ``inductor`` (JIT); without ``compile``, ``eager``.
     """
 
     def __init__(self, module: nn.Module, *, input_size: int, compile: bool, precision: str = "fp32",
                  calibration: list[torch.Tensor] | None = None, reduce_range: bool = False,
-                 cache_dir: Path | None = None, cache_id: str = ""):
+                 cache_dir: Path | None = None, cache_id: str = "",
+                 int8_keep_fp32: tuple[str, ...] = INT8_KEEP_FP32):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.input_size = input_size
@@ -246,14 +156,20 @@ class Engine:
         module = module.eval()
         for p in module.parameters():
             p.requires_grad_(False)
+        # What runs, as a function that makes it: int8 quantizes (or loads its program) only when no
+        # package is there to load. bf16 runs the policy module (fp32 logits, some layers fp32).
         if precision == "int8":
-            module = load_or_quantize(module, calibration or [], input_size=input_size, cache_dir=cache_dir,
-                                      cache_key=cache_key(cache_id, reduce_range), reduce_range=reduce_range)
+            register_int8_lowering()
+            variant = (reduce_range, int8_keep_fp32)
+            make = lambda: load_or_quantize(module, calibration or [], input_size=input_size,
+                                            cache_dir=cache_dir, cache_key=cache_key(cache_id, *variant),
+                                            reduce_range=reduce_range, keep_fp32=int8_keep_fp32)
         else:
             module = module.to(memory_format=torch.channels_last)
-        self.module = module
-        # bf16 runs the policy module (fp32 logits, some layers fp32): eager, compiled and packaged alike.
-        self._fn: Callable[[torch.Tensor], torch.Tensor] = bf16_policy(module) if precision == "bf16" else self.module
+            variant = BF16_KEEP_FP32 if precision == "bf16" else ()
+            ready = bf16_policy(module) if precision == "bf16" else module
+            make = lambda: ready
+        self._fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.backend = "eager"
         self.threads = torch.get_num_threads()
         if compile:
@@ -262,14 +178,16 @@ class Engine:
             inductor_config.freezing = True
             # CUDA builds of torch warn that no CUDA runtime exists on every CPU compile: noise here.
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-            if precision == "bf16" and cache_dir is not None:
+            if cache_dir is not None:  # every precision: a package loads in well under a second, JIT recompiles
+                path = package_path(cache_dir, precision, cache_key(cache_id, precision, variant, cpu_tag()))
                 try:
-                    self._fn = load_or_build_aoti(module, input_size=input_size, cache_dir=cache_dir,
-                                                  key=cache_key(cache_id, "bf16", BF16_KEEP_FP32, torch.backends.cpu.get_cpu_capability()))
+                    self._fn = load_or_build_aoti(make, input_size=input_size, path=path)
                     self.backend = "aoti"
                 except Exception as exc:  # export or AOT compile failed for this model: JIT still works
-                    log.warning("bf16 AOTInductor package failed (%s); using torch.compile", exc)
-            if self.backend == "eager":
+                    log.warning("%s AOTInductor package failed (%s); using torch.compile", precision, exc)
+        if self._fn is None:
+            self._fn = make()
+            if compile:
                 self._fn = torch.compile(self._fn, backend="inductor")
                 self.backend = "inductor"
         self.warm_batch_sizes: list[int] = []

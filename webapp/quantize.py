@@ -1,0 +1,136 @@
+"""int8: static post-training quantization through PT2E, with the layers that lose answers left in fp32.
+
+Strict ``torch.export`` with a dynamic batch dimension (non-strict export of ResNet-18 trips the
+quantizer, pytorch/ao#4478, because BasicBlock reuses one ReLU module), torchao's
+``X86InductorQuantizer`` (per-channel int8 weights, per-tensor uint8 activations), calibration on
+real photos, ``convert_pt2e``; inductor (``torch.compile`` or an AOTInductor package, with freezing)
+then lowers the q/dq pattern to oneDNN int8 kernels. The converted program is saved to the cache
+folder, so later workers skip export and calibration.
+
+**Mixed precision** (``INT8_KEEP_FP32``): the layer groups named there are left in fp32 (the
+quantizer's ``set_module_name_qconfig(name, None)``), the rest is int8. Chosen with
+``bench/int8_bench.py`` (top-1 agreement with fp32 on real photos, per group left out, and the speed
+each costs): on EfficientNet-Lite0 quantizing everything keeps only ~86% of top-1 answers, and the
+depthwise convs (one 3x3 filter per channel: per-tensor activation scales fit them badly) are where
+it is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+# Layer groups (see ``layer_names``) int8 leaves in fp32, chosen by bench/int8_bench.py.
+INT8_KEEP_FP32: tuple[str, ...] = ()
+GROUPS = ("stem", "head", "depthwise")
+
+
+class _Wrap(nn.Module):
+    """A thin module around ``module``: strict export drops dynamo's compiled code for the class it
+    traces, which would break other compiled engines of the same model in this process."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def layer_names(module: nn.Module, group: str) -> list[str]:
+    """Names of ``module``'s layers in one group (empty where the model has none).
+
+    ``stem``: the first Conv2d. ``head``: the last Linear and, where the last Conv2d is 1x1
+    (EfficientNet's ``conv_head``), that conv. ``depthwise``: Conv2d with groups == in_channels > 1.
+
+    :raises ValueError: an unknown group.
+    """
+    mods = list(module.named_modules())
+    convs = [(n, m) for n, m in mods if isinstance(m, nn.Conv2d)]
+    if group == "stem":
+        return [n for n, _ in convs[:1]]
+    if group == "head":
+        conv = [n for n, m in convs[1:][-1:] if m.kernel_size == (1, 1)]
+        return conv + [n for n, m in mods if isinstance(m, nn.Linear)][-1:]
+    if group == "depthwise":
+        return [n for n, m in convs if m.groups > 1 and m.groups == m.in_channels]
+    raise ValueError(f"unknown int8 layer group {group!r}; known: {', '.join(GROUPS)}")
+
+
+def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
+                  reduce_range: bool = False, keep_fp32: tuple[str, ...] = INT8_KEEP_FP32) -> torch.export.ExportedProgram:
+    """PT2E static int8 quantization of ``module`` (see module docstring); returns the exported, converted program
+    (input ``(N, 3, S, S) float32``, N = 1..1024, output the module's logits in float32).
+
+    ``calibration``: normalized images ``(3, S, S) float32`` (real photos), run in batches of up to 8
+    to collect activation ranges. ``reduce_range``: 7-bit activations (``engine.choose_reduce_range``).
+    ``keep_fp32``: layer groups left in fp32 (``layer_names``).
+
+    :raises ValueError: no calibration images, or an unknown group.
+    """
+    from torch.export import Dim, export
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    from torchao.quantization.pt2e.quantizer import x86_inductor_quantizer as xiq
+
+    if not calibration:
+        raise ValueError("int8 needs calibration images")
+    batch = Dim("batch", min=1, max=1024)  # any batch the batcher may form (max_batch_size <= 256)
+    example = (torch.zeros(2, 3, input_size, input_size),)
+    config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
+    quantizer = xiq.X86InductorQuantizer().set_global(config)
+    for group in keep_fp32:
+        for name in layer_names(module, group):
+            quantizer.set_module_name_qconfig(f"module.{name}", None)  # "module.": inside _Wrap
+    with torch.no_grad():
+        exported = export(_Wrap(module), example, dynamic_shapes=({0: batch},), strict=True)
+        prepared = prepare_pt2e(exported.module(), quantizer)
+        for i in range(0, len(calibration), 8):
+            prepared(torch.stack(calibration[i:i + 8]))
+        converted = convert_pt2e(prepared)
+        return export(converted, example, dynamic_shapes=({0: batch},), strict=True)
+
+
+def register_int8_lowering() -> None:
+    """Import what inductor needs for int8: torchao's q/dq ops (``torch.export.load`` needs them) and its
+    x86 passes that lower q/dq + conv to oneDNN int8 kernels (without them a program loaded from the
+    cache compiles to dequantize + fp32 conv: measured 3-4x slower)."""
+    import torchao.quantization.pt2e.quantize_pt2e  # noqa: F401
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
+
+
+def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
+                     cache_dir: Path | None, cache_key: str, reduce_range: bool = False,
+                     keep_fp32: tuple[str, ...] = INT8_KEEP_FP32) -> nn.Module:
+    """The int8 model (``quantize_int8``'s program as a module), from ``cache_dir`` when a program for
+    ``cache_key`` was saved there, else quantized now and saved (written to a temporary name, renamed).
+
+    :raises ValueError: it must be quantized and there are no calibration images.
+    """
+    register_int8_lowering()
+    path = cache_dir / f"int8-{cache_key}.pt2" if cache_dir else None
+    if path and path.is_file():
+        try:
+            program = torch.export.load(path)
+            log.info("int8 program from cache %s", path)
+            return program.module()
+        except Exception as exc:  # a cache from another version: rebuild it
+            log.warning("ignoring int8 cache %s: %s", path, exc)
+    t0 = time.perf_counter()
+    program = quantize_int8(module, calibration, input_size=input_size, reduce_range=reduce_range,
+                            keep_fp32=keep_fp32)
+    log.info("int8: quantized with %d calibration images in %.1f s (%s left in fp32)", len(calibration),
+             time.perf_counter() - t0, ", ".join(keep_fp32) or "nothing")
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Ends in .pt2 like the real name: torch.export.save warns about any other suffix.
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+        torch.export.save(program, tmp)
+        os.replace(tmp, path)  # atomic: workers starting together never read half a file
+    return program.module()
