@@ -123,3 +123,37 @@ def test_two_workers_one_precision_and_a_second_start_reuses_it(tmp_path):
     assert precision == record["precision"] and reason.startswith(record["reason"])
     assert f"decided once for this host and CPU: {records[0]}" in reason
     assert record["measured_by_pid"] in pids[0]  # one worker of the first start measured, for all
+
+
+def test_auto_is_judged_on_the_calibration_photos_and_the_record_keeps_the_figures(monkeypatch, tmp_path):
+    """The judgement sees every calibration photo (not one golden photo) and its figures land in the record."""
+    from webapp import assets, engine, imaging
+    from webapp.models import load_model
+    from webapp.settings import load
+
+    seen = []
+
+    def judge(module, photos):
+        seen.append(tuple(photos.shape))
+        return False, "measured on 28 calibration photos: bf16 1.40x fp32, top-1 agreement 96.4%", {"top1_agree": 0.964}
+
+    monkeypatch.setattr(engine, "native_bf16", lambda: True)
+    monkeypatch.setattr(startup, "judge_bf16", judge)
+    settings = load(environ={}, overrides={"MODEL": "resnet18_seeded"})
+    model = load_model(settings)
+    transform = imaging.build_transform(model.preprocessing)
+    precision, reason = startup.choose_engine_precision(settings, model, transform, cache=tmp_path, threads=1)
+    assert seen == [(len(assets.calibration_files()), 3, 224, 224)] and precision == "fp32"
+    assert reason.startswith("auto: oneDNN claims native bf16 but measured on 28 calibration photos: bf16 1.40x fp32, "
+                             "top-1 agreement 96.4%, so fp32 (decided once for this host and CPU: ")
+    record, = (json.loads(p.read_text()) for p in tmp_path.glob("precision-*.json"))
+    assert record["figures"] == {"top1_agree": 0.964} and record["precision"] == "fp32"
+    assert record["key"]["bf16_policy"] == list(startup.BF16_KEEP_FP32)
+    assert record["key"]["photos"] == startup.photos_id(assets.calibration_files())
+    # Other judged photos (CALIBRATION_DIR) are another key: judged again.
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "a.jpg").write_bytes(assets.GOLDEN.read_bytes())
+    other = load(environ={}, overrides={"MODEL": "resnet18_seeded", "CALIBRATION_DIR": str(own)})
+    startup.choose_engine_precision(other, model, transform, cache=tmp_path, threads=1)
+    assert seen[-1] == (1, 3, 224, 224) and len(list(tmp_path.glob("precision-*.json"))) == 2

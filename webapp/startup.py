@@ -27,7 +27,8 @@ from torchvision.transforms import v2
 from . import imaging
 from .assets import GOLDEN, calibration_files
 from .cpu import cpu_info
-from .engine import Engine, bf16_pays_off, choose_precision, choose_reduce_range, configure_threads, native_bf16
+from .bf16 import BF16_KEEP_FP32, judge_bf16
+from .engine import Engine, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
 from .quiet import quiet_third_party
@@ -91,15 +92,6 @@ def use_cache_dir(settings) -> Path:
     return cache
 
 
-def golden_batch(transform: v2.Compose) -> torch.Tensor:
-    """The golden photo and its mirror image, twice, preprocessed: ``(4, 3, S, S) float32`` for start-up checks."""
-    from PIL import ImageOps
-
-    img = imaging.decode(GOLDEN.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=GOLDEN.name).image
-    views = [img, ImageOps.mirror(img)] * 2
-    return torch.stack([imaging.preprocess(v, transform) for v in views])
-
-
 def calibration(settings, transform: v2.Compose) -> tuple[list[torch.Tensor], str]:
     """int8 calibration photos (``CALIBRATION_DIR`` or the shipped set), each ``(3, S, S) float32``,
     and an id of the set (names and byte sizes) for the int8 program's cache key.
@@ -117,30 +109,47 @@ def calibration(settings, transform: v2.Compose) -> tuple[list[torch.Tensor], st
     return tensors, "|".join(names)
 
 
-def decide_auto_precision(model: LoadedModel, transform: v2.Compose) -> tuple[str, str]:
-    """``auto`` resolved here and now: bf16 only where oneDNN claims native bf16 *and* a short eager
-    measurement on the golden photos shows it pays off (``engine.bf16_pays_off``, about a second).
-    Returns ``(precision, reason)``."""
+def judged_files(settings) -> list[Path]:
+    """The photos ``auto`` judges bf16 on: the calibration photos (``CALIBRATION_DIR``, else the shipped set)."""
+    return calibration_files(settings.CALIBRATION_DIR) or calibration_files()
+
+
+def photos_id(files: list[Path]) -> str:
+    """16 hex of the photos' names and byte sizes: a changed set of judged photos measures again."""
+    return hashlib.sha256("|".join(f"{f.name}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
+
+
+def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
+                          files: list[Path] | None = None) -> tuple[str, str, dict | None]:
+    """``auto`` resolved here and now: bf16 only where oneDNN claims native bf16 *and* the bf16 policy,
+    run eagerly on the calibration photos ``files`` (``bf16.judge_bf16``, 1-2 s), keeps fp32's answers
+    and is fast enough. Returns ``(precision, reason, figures)``; figures is None where nothing was measured."""
     precision, reason = choose_precision("auto")
-    if precision == "bf16":
-        ok, measured = bf16_pays_off(model.module, golden_batch(transform))
-        precision = "bf16" if ok else "fp32"
-        reason = f"{reason}; {measured}" if ok else f"auto: oneDNN claims native bf16 but {measured}, so fp32"
-    return precision, reason
+    if precision != "bf16":
+        return precision, reason, None
+    files = files if files is not None else calibration_files()
+    photos = torch.stack([imaging.preprocess(imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS,
+                                                             name=f.name).image, transform) for f in files])
+    ok, measured, figures = judge_bf16(model.module, photos)
+    if ok:
+        return "bf16", f"{reason}; {measured}", figures
+    return "fp32", f"auto: oneDNN claims native bf16 but {measured}, so fp32", figures
 
 
 # A worker waits this long (s) for another one's measurement (about a second) before measuring alone.
 RECORD_LOCK_TIMEOUT_S = 120.0
 
 
-def precision_key(model: LoadedModel, threads: int) -> dict:
+def precision_key(model: LoadedModel, threads: int, photos: str = "") -> dict:
     """What ``auto``'s decision depends on: torch's version, the model and its weights, the intra-op
-    threads it was measured with, and the CPU as this process runs it (its model name, the kernels
+    threads it was measured with, the CPU as this process runs it (its model name, the kernels
     torch picks and oneDNN's ISA cap, both of which the environment can lower, and whether oneDNN
-    claims native bf16). Any change of these measures again."""
+    claims native bf16), the bf16 policy (``bf16.BF16_KEEP_FP32``) and the judged photos (``photos_id``).
+    Any change of these measures again."""
     return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
             "cpu": cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
-            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16()}
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16(),
+            "bf16_policy": list(BF16_KEEP_FP32), "photos": photos}
 
 
 def precision_record_path(cache: Path, key: dict) -> Path:
@@ -163,9 +172,11 @@ def _read_record(path: Path, key: dict) -> dict | None:
     return record if ok else None
 
 
-def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple[str, str]]) -> tuple[str, str]:
+def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> tuple[str, str]:
     """``auto``'s decision made once per host and CPU: read from the record in ``cache``, or made by
-    ``decide()`` and recorded there (JSON, written to a temporary name and renamed) for every later worker.
+    ``decide()`` (``(precision, reason)`` or ``(precision, reason, figures)``, figures a JSON-able dict
+    such as ``bf16.judge_bf16``'s) and recorded there with its figures (JSON, written to a temporary
+    name and renamed) for every later worker.
 
     Under a file lock, so the workers of one server starting together wait for the first one's
     measurement instead of each measuring while the others load the CPU (which is how two workers
@@ -186,14 +197,16 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple[str, s
     try:
         lock.acquire()
     except (OSError, Timeout) as exc:
-        precision, reason = decide()
+        precision, reason = decide()[:2]
         return alone(exc)
     try:
         record = _read_record(path, key)
         if record is None:
-            precision, reason = decide()  # its errors are the start-up's, not the record's
+            decided = decide()  # its errors are the start-up's, not the record's
+            precision, reason = decided[:2]
             record = {"key": key, "precision": precision, "reason": reason, "measured_by_pid": os.getpid(),
-                      "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                      "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "figures": decided[2] if len(decided) > 2 else None}
             tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
             try:
                 tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
@@ -217,9 +230,11 @@ def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose,
     ``threads`` is part of its key). Returns ``(precision, reason)`` for the log and ``/healthz``."""
     if settings.PRECISION != "auto":
         return choose_precision(settings.PRECISION)
+    files = judged_files(settings)
     if cache is None:
-        return decide_auto_precision(model, transform)
-    return recorded_precision(cache, precision_key(model, threads), lambda: decide_auto_precision(model, transform))
+        return decide_auto_precision(model, transform, files)[:2]
+    return recorded_precision(cache, precision_key(model, threads, photos_id(files)),
+                              lambda: decide_auto_precision(model, transform, files))
 
 
 @quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)

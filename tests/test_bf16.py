@@ -1,0 +1,134 @@
+"""The bf16 policy (which layers stay fp32, fp32 logits) and the start-up judgement of its fidelity (webapp/bf16.py)."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torchvision
+
+from webapp import bf16
+from webapp.efficientnet_lite import create_model
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    torch.manual_seed(0)
+    return create_model().eval()
+
+
+def test_layer_groups_of_both_architectures(lite0):
+    assert bf16.bf16_layers(lite0, "stem") == ["conv_stem"]
+    assert bf16.bf16_layers(lite0, "head") == ["conv_head", "classifier"]
+    assert len(bf16.bf16_layers(lite0, "depthwise")) == 16
+    # The first three stages (112, 56, 28 px): 5 depthwise convs.
+    assert bf16.bf16_layers(lite0, "early_depthwise") == [
+        "blocks.0.0.conv_dw", "blocks.1.0.conv_dw", "blocks.1.1.conv_dw", "blocks.2.0.conv_dw", "blocks.2.1.conv_dw"]
+    resnet = torchvision.models.resnet18()
+    assert bf16.bf16_layers(resnet, "stem") == ["conv1"] and bf16.bf16_layers(resnet, "head") == ["fc"]
+    assert bf16.bf16_layers(resnet, "depthwise") == [] and bf16.bf16_layers(resnet, "se") == []
+    with pytest.raises(ValueError, match="unknown bf16 layer group 'fc'"):
+        bf16.bf16_layers(resnet, "fc")
+
+
+def test_policy_runs_kept_layers_in_fp32_and_returns_fp32_logits(lite0):
+    dtypes = {}
+
+    def record(name):
+        return lambda module, args, out: dtypes.__setitem__(name, out.dtype)
+
+    for name in ("conv_stem", "blocks.1.0.conv_dw", "blocks.1.0.conv_pw", "blocks.5.0.conv_dw", "conv_head",
+                 "classifier"):
+        lite0.get_submodule(name).register_forward_hook(record(name))
+    policy = bf16.bf16_policy(lite0)
+    with torch.inference_mode():
+        out = policy(torch.randn(2, 3, 224, 224))
+    assert out.dtype == torch.float32 and out.shape == (2, 1000)
+    assert dtypes == {"conv_stem": torch.float32, "blocks.1.0.conv_dw": torch.float32, "conv_head": torch.float32,
+                      "classifier": torch.float32,  # kept in fp32...
+                      "blocks.1.0.conv_pw": torch.bfloat16, "blocks.5.0.conv_dw": torch.bfloat16}  # ...the rest bf16
+    # The model itself is untouched (an fp32 engine may share it) and the weights are shared, not copied.
+    assert not any(isinstance(m, bf16._Fp32) for m in lite0.modules())
+    assert policy.module.conv_stem.module.weight is lite0.conv_stem.weight
+
+
+def test_ties_count_equal_probabilities_at_the_answers_6_decimals():
+    probs = torch.tensor([[0.371, 0.371, 0.1, 0.158],         # a tie at the top
+                          [0.5, 0.2, 0.2, 0.1],               # a tie at 2nd/3rd
+                          [0.5, 0.3, 0.1, 0.1],               # a tie at 3rd/4th: outside the top 3
+                          [0.4, 0.3999999, 0.1, 0.1000001]])  # 1e-7 apart: equal once rounded
+    assert bf16.ties(probs) == 3
+
+
+def test_fidelity_figures():
+    ref = torch.tensor([[4.0, 1.0, 0.0], [0.0, 1.0, 1.2], [2.0, 0.0, -0.5]])
+    got = torch.tensor([[4.0, 1.0, 0.0], [0.0, 1.3, 1.2], [2.1, 0.0, -0.5]])
+    fig = bf16.fidelity(ref, got)
+    p_ref, p_got = ref.softmax(1), got.softmax(1)
+    assert fig["n"] == 3 and fig["top1_agree"] == pytest.approx(2 / 3)
+    assert fig["sure_n"] == 2 and fig["sure_agree"] == 1.0  # row 2 (fp32 at 0.42) is the one that changed
+    changes = [0.0, abs(p_got[1, 2] - p_ref[1, 2]) * 100, abs(p_got[2, 0] - p_ref[2, 0]) * 100]
+    assert fig["max_change_pts"] == pytest.approx(float(max(changes)), abs=1e-4)
+    assert fig["mean_change_pts"] == pytest.approx(float(sum(changes) / 3), abs=1e-4)
+    assert fig["ties"] == 0 and fig["logit_err"] == pytest.approx(0.3 / 4)
+    assert not bf16.faithful(fig) and bf16.faithful(bf16.fidelity(ref, ref + 1e-3))
+
+
+class Scripted(torch.nn.Module):
+    """A model whose run times (on a fake clock) and logits are set per precision: fp32, or under bf16 autocast.
+
+    Input row i (its first value) gets logits row i; only the timed batch (3 rows) costs time."""
+
+    def __init__(self, clock: list, times: dict, logits: dict):
+        super().__init__()
+        self.clock, self.times, self.logits, self.calls = clock, {k: list(v) for k, v in times.items()}, logits, []
+
+    def forward(self, x):
+        kind = "bf16" if torch.is_autocast_enabled("cpu") else "fp32"
+        self.calls.append(kind)
+        if len(x) == 3 and self.calls.count(kind) > 1:  # the first batch of 3 is the fidelity pass's
+            self.clock[0] += self.times[kind].pop(0)
+        return self.logits[kind][x[:, 0, 0, 0].long()].clone()
+
+
+# Rows 1, 2, 4: fp32 is sure (>= 0.5); row 3: a near tie in fp32 (0.6 points apart).
+REF = torch.tensor([[10.0, 2.0, -3.0, 0.0], [1.0, 9.0, 7.0, -2.0], [0.0, 5.0, 5.012, 0.0], [3.0, 0.0, -1.0, 0.5]])
+
+
+@pytest.mark.parametrize("fp32_s, bf16_s, bf16_logits, ok, words", [
+    ([30, 31, 90], [20, 20, 60], REF + 0.01, True, ("bf16 1.55x fp32, top-1 agreement 100.0% (100% of 3 with fp32 >= 50%), "
+                                                    "top-1 probability change max 0.00 points, 0 ties")),
+    ([13, 13, 13], [10, 10, 10], REF, True, "bf16 1.30x fp32"),
+    ([12, 12, 12], [10, 10, 10], REF, False, "bf16 1.20x fp32"),
+    ([30, 30, 30], [10, 10, 10], REF + torch.tensor([[0.0, 0, 0, 0], [0, 0, 0.3, 0], [0, 0, 0, 0], [0, 0, 0, 0]]), False,
+     "top-1 probability change max 3.52 points"),
+    ([30, 30, 30], [10, 10, 10], REF + torch.tensor([[0.0, 0, 0, 0], [0, 0, 0, 0], [0, 0.02, 0, 0], [0, 0, 0, 0]]), False,
+     "top-1 agreement 75.0% (100% of 3 with fp32 >= 50%)"),
+    ([30, 30, 30], [10, 10, 10], REF + torch.tensor([[0.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 4.5, 0]]), False,
+     "top-1 agreement 75.0% (67% of 3"),
+    ([30, 30, 30], [10, 10, 10], torch.tensor([[10.0, 2.0, 2.0, 0.0]]).expand(4, 4), False, "4 ties"),
+], ids=["faithful-fast", "exactly-1.3x-is-enough", "1.2x-too-slow", "probability-moved", "a-near-tie-flipped",
+        "a-sure-one-flipped", "ties"])
+def test_judge_bf16_on_agreement_probability_ties_and_median_speed(monkeypatch, fp32_s, bf16_s, bf16_logits, ok, words):
+    clock = [0.0]
+    monkeypatch.setattr(bf16, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    module = Scripted(clock, {"fp32": fp32_s, "bf16": bf16_s}, {"fp32": REF, "bf16": bf16_logits})
+    photos = torch.arange(4.0)[:, None, None, None].expand(4, 3, 8, 8)  # photo i's values are all i
+    got_ok, reason, fig = bf16.judge_bf16(module, photos, runs=3, speed_batch=3)
+    assert got_ok is ok and words in reason, reason
+    assert reason.startswith("measured on 4 calibration photos: ") and fig["photos"] == 4
+    # Batches of 3: rows 0-2 (primitives: untimed), row 3 (a short batch: untimed), then rows 0-2 timed 3
+    # times; fp32 and bf16 take turns at going first.
+    assert module.calls == ["fp32", "bf16", "bf16", "fp32"] * 2 + ["fp32", "bf16"]
+    assert module.times == {"fp32": [], "bf16": []}
+
+
+def test_judge_bf16_on_a_real_model_reports_the_documented_figures():
+    torch.manual_seed(0)
+    ok, reason, fig = bf16.judge_bf16(torchvision.models.resnet18().eval(), torch.randn(3, 3, 64, 64), runs=1)
+    assert isinstance(ok, bool) and fig["photos"] == fig["n"] == 3
+    assert re.fullmatch(r"measured on 3 calibration photos: bf16 \d+\.\d\dx fp32, top-1 agreement \d+\.\d% "
+                        r"\(\d+% of \d+ with fp32 >= 50%\), top-1 probability change max \d+\.\d\d points, \d+ ties",
+                        reason), reason
