@@ -1,7 +1,8 @@
 """gunicorn configuration: ``gunicorn -c gunicorn.conf.py wsgi:app``.
 
 Every value comes from the settings table (``CLASSIFIER_*`` env vars, see README); gunicorn's
-own command-line flags still override it (``-b``, ``-w``). The master imports no torch: each
+own command-line flags still override it (``-b``, ``-w``). The master imports torch and the
+other libraries once it listens (``webapp/preload.py``: shared pages, no model, no thread pool); each
 worker pins itself to its cores, then builds, compiles and warms up its own model after fork.
 """
 
@@ -115,6 +116,16 @@ def when_ready(server):
             needed=lambda: not state.any_ready(),
             stopped=lambda: lifecycle.stopping(server) or [id(lst) for lst in server.LISTENERS] != first)
         state.responder.start()
+    if _s.PRELOAD_LIBRARIES:  # while the port answers 503: the libraries every worker would import (#7)
+        from webapp import preload
+
+        done = preload.import_shared(compiler=_s.COMPILE)
+        server.log.info("master imported %s in %.1f s (shared by the workers: %.0f MB); threads %d -> %d",
+                        ", ".join(done["seconds"]), sum(done["seconds"].values()),
+                        sum(done["private_mb"].values()), done["threads_before"], done["threads_after"])
+        if done["threads_after"] > done["threads_before"]:
+            server.log.warning("importing the libraries started %d thread(s) in the master: forked workers "
+                               "inherit none of them", done["threads_after"] - done["threads_before"])
 
 
 def pre_fork(server, worker):
@@ -196,6 +207,9 @@ def post_worker_init(worker):
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
+    from webapp import preload
+
+    preload.trim()  # the compile's freed heap back to the OS: ~40 MB less private per worker (#7)
     lifecycle.report_ready(worker.pid)
 
 

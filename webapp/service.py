@@ -18,7 +18,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from . import imaging, startup
+from . import imaging, preload, startup
 from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
 from .concurrency import Offloader, keep_alive, peer_closed, peer_sending
@@ -308,7 +308,8 @@ class Classifier:
                       start=start, decode_ms=decode_ms)
 
     def health(self) -> dict:
-        """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue."""
+        """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue, and
+        ``memory_mb`` (``preload.memory`` in MB = 2**20 bytes: ``private``, ``pss``, ``rss``, ...)."""
         b, engine = self.batcher, self.engine
         return {
             "status": "ok",
@@ -329,6 +330,8 @@ class Classifier:
             "batches": b.batches if b else 0,
             "images": b.images if b else 0,
             "admission": self.admission.describe() if self.admission else None,
+            # This process's memory (MB = 2**20 bytes): private (Private_Dirty, what each worker adds), pss, rss.
+            "memory_mb": {k[:-len("_bytes")]: round(v / 2**20, 1) for k, v in preload.memory().items()},
         }
 
 

@@ -282,6 +282,10 @@ SETTINGS: tuple[Setting, ...] = (
             low=0, high=1024, commands=SERVERS),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
             "before gunicorn treats it as hung and replaces it.", low=10, high=86_400, commands=SERVERS),
+    Setting("PRELOAD_LIBRARIES", _bool, True, "Import torch, torchvision, timm and the service's code in gunicorn's "
+            "master before it forks the workers (never the model or a thread pool), so every worker shares those "
+            "pages instead of holding its own ~400 MB copy. Off: each worker imports them itself (the old way, for "
+            "benchmarks).", commands=(SERVE,)),
     Setting("LOG_LEVEL", _str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
 )
 # fmt: on
