@@ -20,9 +20,17 @@ with the same settings as ours and as many model replicas (1 CPU each by default
 workers, under the same load in the same turns: what the Ray path costs on one box (its
 proxy, HTTP replica and object store hop), as a ratio to ours.
 
+Before: ours as it was before the batch loop waited only for company and the master shared the
+libraries (``BATCH_WAIT=fixed``, ``PRELOAD_LIBRARIES=0``), in the same turns: the same-run baseline of
+(c) and (d).
+
 Targets: (a) at saturation ours serves >= 8x the baseline's images/s (peak vs peak);
 (b) our p99 at half load (half the lowest concurrency that reaches 95% of our peak) is <= 1.5x
 our unloaded p50 (concurrency 1). A half-load level not in the sweep is measured after it.
+(c) no idle wait: our unloaded p50 >= 4 ms below before's, our peak images/s not below before's,
+our p99 at half load <= 2x our unloaded p50. (d) memory: every worker of ours holds <= 150 MB
+private (``Private_Dirty``; ``/healthz``'s ``memory_mb``, read at ready and after the load), with its
+Pss and the master's, against before's.
 
     python bench/e2e_bench.py [--quick] [--json out.json] [--levels 1 2 4 8 16] [--seconds 20]
 """
@@ -45,6 +53,10 @@ from bench.servers import Gunicorn, http_json, ours_plan, parse_settings, ray_av
 
 TARGET_THROUGHPUT_X = 8.0
 TARGET_P99_X = 1.5
+TARGET_P50_SAVED_MS = 4.0  # (c)
+TARGET_HALF_P99_X = 2.0  # (c)
+TARGET_WORKER_PRIVATE_MB = 150.0  # (d)
+BEFORE = {"BATCH_WAIT": "fixed", "PRELOAD_LIBRARIES": "0"}  # ours before (c) and (d)
 SATURATION_FRACTION = 0.95
 
 
@@ -59,8 +71,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--set", dest="settings", action="append", default=[], metavar="NAME=VALUE",
                         help="another CLASSIFIER_ setting of our server, e.g. --set PRECISION=fp32 (repeatable)")
     parser.add_argument("--baseline-workers", type=int, default=0, help="baseline sync workers (0: one per core)")
-    parser.add_argument("--servers", nargs="+", choices=("baseline", "ours", "ray"), default=None,
-                        help="which servers to measure (default: baseline ours, and ray where Ray is installed)")
+    parser.add_argument("--servers", nargs="+", choices=("baseline", "ours", "before", "ray"), default=None,
+                        help="which servers to measure (default: baseline ours before, and ray where Ray is "
+                             "installed; before = ours with " + " ".join(f"{k}={v}" for k, v in BEFORE.items()) + ")")
     parser.add_argument("--no-open-loop", action="store_true",
                         help="skip the extra open-loop run of ours at half its peak rate (Poisson arrivals)")
     parser.add_argument("--log-dir", help="where the servers' logs go (default: a new temp dir)")
@@ -86,7 +99,31 @@ def _record(srv: Gunicorn, health: dict[int, dict], *, per_worker: bool) -> dict
     rec["max_batch_size"] = h["max_batch_size"]
     if per_worker:
         rec["startup_s"] = {str(p): x["startup_s"] for p, x in health.items()}
+        rec["memory_ready"] = {"workers": {str(p): x.get("memory_mb", {}) for p, x in health.items()},
+                               "master": master_memory(srv)}
     return rec
+
+
+def master_memory(srv: Gunicorn) -> dict:
+    """The master's memory in MB (2**20 bytes) from its ``/proc/PID/smaps_rollup``: private, pss, rss...."""
+    from webapp.preload import memory
+
+    return {k.removesuffix("_bytes"): round(v / 2**20, 1) for k, v in memory(srv.proc.pid).items()}
+
+
+def memory_now(srv: Gunicorn, workers: int, timeout: float = 20.0) -> dict:
+    """Every worker's ``/healthz`` ``memory_mb`` (by pid; fresh connections until all ``workers`` answered or
+    ``timeout`` s passed) and the master's (``master_memory``)."""
+    seen: dict[str, dict] = {}
+    end = time.monotonic() + timeout
+    while len(seen) < workers and time.monotonic() < end:
+        try:
+            status, h = http_json(srv.port, "/healthz", headers={"Connection": "close"})
+        except OSError:
+            status, h = 0, None
+        if status == 200 and isinstance(h, dict) and h.get("memory_mb"):
+            seen[str(h["pid"])] = h["memory_mb"]
+    return {"workers": seen, "master": master_memory(srv)}
 
 
 def run(args) -> dict:
@@ -106,7 +143,7 @@ def run(args) -> dict:
         f"{seconds:g} s per run, logs in {log_dir}")
 
     if args.servers is None:
-        args.servers = ["baseline", "ours"] + (["ray"] if ray_available() else [])
+        args.servers = ["baseline", "ours", "before"] + (["ray"] if ray_available() else [])
     servers: dict[str, Gunicorn] = {}
     result: dict = {"photo": path.name, "body_bytes": len(body), "levels": levels, "seconds": seconds,
                     "warmup_s": warmup, "cores": os.cpu_count(), "servers": {}, "log_dir": str(log_dir)}
@@ -118,6 +155,13 @@ def run(args) -> dict:
             servers["ours"] = start_ours(log_dir / "ours.log", settings=ours_settings)
             result["servers"]["ours"] = _record(servers["ours"], servers["ours"].wait_ready(workers), per_worker=True)
             log(f"ours ready in {result['servers']['ours']['ready_s']:.1f} s: {result['servers']['ours']}")
+        if "before" in args.servers:
+            workers = ours_plan(ours_settings).workers
+            log(f"starting before ({BEFORE}, {workers} workers)...")
+            servers["before"] = start_ours(log_dir / "before.log", settings={**ours_settings, **BEFORE}, name="before")
+            result["servers"]["before"] = _record(servers["before"], servers["before"].wait_ready(workers),
+                                                  per_worker=True)
+            log(f"before ready in {result['servers']['before']['ready_s']:.1f} s")
         if "baseline" in args.servers:
             workers = default_workers(args.baseline_workers)
             log(f"starting baseline ({workers} sync workers)...")
@@ -164,7 +208,8 @@ def run(args) -> dict:
             half = max(1, sat // 2)
             if half not in rows["ours"]:
                 log(f"ours saturates at c={sat}: measuring half load c={half}")
-                measure("ours", half)
+                for name in [n for n in ("ours", "before") if n in rows]:
+                    measure(name, half)
             if not args.no_open_loop:  # half load as half the utilization: arrivals at half the peak rate
                 _, peak = saturation(rows["ours"], levels)
                 srv = servers["ours"]
@@ -174,6 +219,8 @@ def run(args) -> dict:
                 result["servers"]["ours"]["open_loop_half"] = o
                 log(f"  ours     open loop {peak / 2:.2f}/s: {o['images_per_s']:.2f} img/s  p50 {o['p50_ms']:.1f}  "
                     f"p99 {o['p99_ms']:.1f} ms  errors {o['errors']}")
+        for name in [n for n in ("ours", "before") if n in servers]:  # (d) after the load
+            result["servers"][name]["memory_loaded"] = memory_now(servers[name], result["servers"][name]["workers"])
     finally:
         for name, srv in servers.items():
             code = srv.stop()
@@ -183,6 +230,7 @@ def run(args) -> dict:
     for name in rows:
         result["servers"][name]["levels"] = {str(c): r for c, r in sorted(rows[name].items())}
     result["targets"] = targets(rows, levels, result["servers"].get("ours", {}).get("open_loop_half"))
+    result["targets"].update(memory_targets(result["servers"]))
     print(report(result))
     return result
 
@@ -208,6 +256,25 @@ def targets(rows: dict[str, dict[int, dict]], levels: list[int], open_half: dict
             out["b_open_p99_ms"] = open_half["p99_ms"]
             out["b_open_ratio"] = ratio(open_half["p99_ms"], p50_1)
             out["b_open_met"] = bool(out["b_open_ratio"] == out["b_open_ratio"] and out["b_open_ratio"] <= TARGET_P99_X)
+    if "ours" in rows and "before" in rows:  # (c): the same levels, the same turns
+        ours, before = rows["ours"], rows["before"]
+        half = out["b_half_load_concurrency"]
+        p50_before = before.get(1, {}).get("p50_ms", float("nan"))
+        _, before_peak = saturation(before, levels)
+        out["c_p50_unloaded_before_ms"] = p50_before
+        out["c_p50_saved_ms"] = p50_before - out["b_p50_unloaded_ms"]
+        out["c_p50_ratio"] = ratio(out["b_p50_unloaded_ms"], p50_before)
+        out["c_queue_ms_unloaded"] = ours.get(1, {}).get("server_ms_median", {}).get("queue")
+        out["c_queue_ms_unloaded_before"] = before.get(1, {}).get("server_ms_median", {}).get("queue")
+        out["c_peak_before_images_per_s"] = before_peak
+        out["c_peak_ratio"] = ratio(out["ours_peak_images_per_s"], before_peak)
+        out["c_cpu_ratio"] = ratio(before[max(levels)]["server_cpu_ms_per_image"],
+                                   ours[max(levels)]["server_cpu_ms_per_image"])
+        out["c_half_ratio"] = out["b_ratio"]
+        out["c_half_ratio_before"] = ratio(before.get(half, {}).get("p99_ms", float("nan")), p50_before)
+        out["c_met"] = {"p50": bool(out["c_p50_saved_ms"] >= TARGET_P50_SAVED_MS),
+                        "peak": bool(out["c_peak_ratio"] >= 1.0),
+                        "half_p99": bool(out["c_half_ratio"] <= TARGET_HALF_P99_X)}
     if "ours" in rows and "ray" in rows:  # the Ray path's cost on one box: ratios to ours, same load
         rsat, rpeak = saturation(rows["ray"], levels)
         out["ray_saturation_concurrency"] = rsat
@@ -232,10 +299,49 @@ def targets(rows: dict[str, dict[int, dict]], levels: list[int], open_half: dict
     return out
 
 
+def memory_targets(servers: dict) -> dict:
+    """(d): the largest worker private MB and Pss MB of ours and before (at ready and after the load), the
+    masters' Pss, each server's total Pss (master + workers: what the whole server costs)."""
+    out: dict = {}
+    for name in ("ours", "before"):
+        for when in ("ready", "loaded"):
+            mem = servers.get(name, {}).get(f"memory_{when}")
+            if not mem or not mem.get("workers"):
+                continue
+            ws = list(mem["workers"].values())
+            out[f"d_{name}_{when}_worker_private_mb"] = max(w.get("private", float("nan")) for w in ws)
+            out[f"d_{name}_{when}_worker_pss_mb"] = max(w.get("pss", float("nan")) for w in ws)
+            out[f"d_{name}_{when}_master_pss_mb"] = mem["master"].get("pss", float("nan"))
+            out[f"d_{name}_{when}_total_pss_mb"] = sum(w.get("pss", 0.0) for w in ws) + mem["master"].get("pss", 0.0)
+    worst = [out[k] for k in ("d_ours_ready_worker_private_mb", "d_ours_loaded_worker_private_mb") if k in out]
+    if worst:
+        out["d_met"] = bool(max(worst) <= TARGET_WORKER_PRIVATE_MB)
+    return out
+
+
+def memory_table(servers: dict) -> str:
+    """(d)'s table: per worker private and Pss MB of ours and before, at ready and after the load, and the master."""
+    rows = []
+    for name in ("before", "ours"):
+        for when in ("ready", "loaded"):
+            mem = servers.get(name, {}).get(f"memory_{when}")
+            if not mem:
+                continue
+            for pid, w in sorted(mem.get("workers", {}).items()):
+                rows.append([f"{name} {when}", f"worker {pid}", num(w.get("private")), num(w.get("pss")),
+                             num(w.get("rss"))])
+            m = mem.get("master", {})
+            rows.append([f"{name} {when}", "master", num(m.get("private")), num(m.get("pss")), num(m.get("rss"))])
+    return table(["server", "process", "private MB", "Pss MB", "RSS MB"], rows,
+                 title="memory per process (MB = 2**20 bytes; private = Private_Dirty of /proc/PID/smaps_rollup, what "
+                       "each process alone costs; Pss = its share with shared pages split; ready = after start-up, "
+                       "loaded = after the sweep)")
+
+
 def report(result: dict) -> str:
     """The fixed-width text report of a ``run`` result: the load table, where the time goes, the targets."""
     servers = result["servers"]
-    names = [n for n in ("baseline", "ours", "ray") if "levels" in servers.get(n, {})]
+    names = [n for n in ("baseline", "ours", "before", "ray") if "levels" in servers.get(n, {})]
     levels = sorted({int(c) for n in names for c in servers[n]["levels"]})
     perf, cost = [], []
     for c in levels:
@@ -277,6 +383,8 @@ def report(result: dict) -> str:
                          f"{num(result['warmup_s'])} s warm-up + {num(result['seconds'])} s window per run, "
                          f"{result['cores']} cores; servers take turns per level\n" + "\n".join(desc) +
                          "\n(latency = client-side, successful answers; batch = mean batch_size of our answers)")]
+    if any(servers.get(n, {}).get("memory_ready") for n in ("ours", "before")):
+        lines += ["", memory_table(servers)]
     lines += ["", table(["server / clients", "dec ms", "queue ms", "infer ms", "total ms", "cpu ms/img",
                          "x base", "cap img/s", "cpu split %", "client %", "server %", "others %"], cost,
                         title="where the time goes: dec/queue/infer/total = medians of the answers' timing_ms; "
@@ -306,6 +414,27 @@ def report(result: dict) -> str:
         lines.append(f"(b') same, half load as half the peak rate (open loop, Poisson {num(t['b_open_rate_per_s'], 2)}/s): "
                      f"p99 {num(t['b_open_p99_ms'])} ms = {num(b, 2)}x; " + ("MET" if t["b_open_met"] else "NOT MET") +
                      f" ({num(b / TARGET_P99_X, 2)} of the limit)")
+    if "c_met" in t:
+        m = t["c_met"]
+        lines.append(f"(c) no idle wait, vs before ({', '.join(f'{k}={v}' for k, v in BEFORE.items())}): unloaded p50 "
+                     f"{num(t['b_p50_unloaded_ms'])} ms vs {num(t['c_p50_unloaded_before_ms'])} ms = "
+                     f"{num(t['c_p50_saved_ms'])} ms less ({num(t['c_p50_ratio'], 2)}x; queue median "
+                     f"{num(t['c_queue_ms_unloaded'], 2)} vs {num(t['c_queue_ms_unloaded_before'], 2)} ms); target "
+                     f">= {TARGET_P50_SAVED_MS:g} ms less: " + ("MET" if m["p50"] else "NOT MET"))
+        lines.append(f"    peak {num(t['ours_peak_images_per_s'], 2)} vs {num(t['c_peak_before_images_per_s'], 2)} img/s "
+                     f"= {num(t['c_peak_ratio'], 2)}x (CPU per image at c={max(levels)}: before/ours "
+                     f"{num(t['c_cpu_ratio'], 2)}x); target not lower: " + ("MET" if m["peak"] else "NOT MET"))
+        lines.append(f"    p99 at half load (c={t['b_half_load_concurrency']}) / unloaded p50: {num(t['c_half_ratio'], 2)}x "
+                     f"(before {num(t['c_half_ratio_before'], 2)}x); target <= {TARGET_HALF_P99_X:g}x: " +
+                     ("MET" if m["half_p99"] else "NOT MET"))
+    if "d_met" in t:
+        lines.append(f"(d) memory: largest worker private {num(t.get('d_ours_ready_worker_private_mb'))} MB at ready, "
+                     f"{num(t.get('d_ours_loaded_worker_private_mb'))} MB loaded (before "
+                     f"{num(t.get('d_before_ready_worker_private_mb'))} / {num(t.get('d_before_loaded_worker_private_mb'))} MB); "
+                     f"Pss {num(t.get('d_ours_loaded_worker_pss_mb'))} MB (before {num(t.get('d_before_loaded_worker_pss_mb'))}); "
+                     f"whole server Pss {num(t.get('d_ours_loaded_total_pss_mb'))} MB (before "
+                     f"{num(t.get('d_before_loaded_total_pss_mb'))}); target <= {TARGET_WORKER_PRIVATE_MB:g} MB "
+                     "private per worker: " + ("MET" if t["d_met"] else "NOT MET"))
     if "ray_peak_ratio" in t:
         lines.append(f"(ray) Ray Serve on this box: peak {num(t['ray_peak_images_per_s'], 2)} img/s "
                      f"(c={t['ray_saturation_concurrency']}) = {num(t['ray_peak_ratio'], 2)}x ours; unloaded p50 "
