@@ -2,7 +2,7 @@
 
 Every value comes from the settings table (``CLASSIFIER_*`` env vars, see README); gunicorn's
 own command-line flags still override it (``-b``, ``-w``). The master imports torch and the
-other libraries once it listens (``webapp/preload.py``: shared pages, no model, no thread pool); each
+other libraries before it listens (``webapp/preload.py``: shared pages, no model, no thread pool); each
 worker pins itself to its cores, then builds, compiles and warms up its own model after fork.
 """
 
@@ -102,6 +102,39 @@ def on_starting(server):
     if server.cfg.workers != _plan.workers:
         server.log.warning("-w %d overrides the plan's %d workers; slots wrap around the cores",
                            server.cfg.workers, _plan.workers)
+    if _s.PRELOAD_LIBRARIES:
+        _import_shared(server)
+
+
+def _import_shared(server):
+    """The libraries every worker would import, imported once here and shared by all of them (#7).
+
+    Before listening, not once the 503 responder runs: loading libtorch holds the GIL for up to a second
+    on a busy box, and the responder's answers would wait for it. gunicorn's own signal handlers come
+    only after ``on_starting``: a stop signal during these seconds ends the master at once, exit 0.
+    """
+    import signal
+
+    from webapp import preload
+
+    def stop(signum, _frame):
+        server.log.info("stopped while starting (%s)", signal.Signals(signum).name)
+        if server.pidfile is not None:
+            server.pidfile.unlink()
+        lifecycle.exit_now(0)  # SystemExit: the metrics folder's cleanup runs
+
+    before = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)}
+    try:
+        done = preload.import_shared(compiler=_s.COMPILE)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    server.log.info("master imported %s in %.1f s (shared by the workers: %.0f MB); threads %d -> %d",
+                    ", ".join(done["seconds"]), sum(done["seconds"].values()),
+                    sum(done["private_mb"].values()), done["threads_before"], done["threads_after"])
+    if done["threads_after"] > done["threads_before"]:
+        server.log.warning("importing the libraries started %d thread(s) in the master: forked workers "
+                           "inherit none of them", done["threads_after"] - done["threads_before"])
 
 
 def when_ready(server):
@@ -116,16 +149,6 @@ def when_ready(server):
             needed=lambda: not state.any_ready(),
             stopped=lambda: lifecycle.stopping(server) or [id(lst) for lst in server.LISTENERS] != first)
         state.responder.start()
-    if _s.PRELOAD_LIBRARIES:  # while the port answers 503: the libraries every worker would import (#7)
-        from webapp import preload
-
-        done = preload.import_shared(compiler=_s.COMPILE)
-        server.log.info("master imported %s in %.1f s (shared by the workers: %.0f MB); threads %d -> %d",
-                        ", ".join(done["seconds"]), sum(done["seconds"].values()),
-                        sum(done["private_mb"].values()), done["threads_before"], done["threads_after"])
-        if done["threads_after"] > done["threads_before"]:
-            server.log.warning("importing the libraries started %d thread(s) in the master: forked workers "
-                               "inherit none of them", done["threads_after"] - done["threads_before"])
 
 
 def pre_fork(server, worker):
