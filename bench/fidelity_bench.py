@@ -229,6 +229,8 @@ def measure_model(model_name: str, *, quick: bool, compile: bool, rounds: int, i
     variants = build_variants(module, loaded.preprocessing.crop, quick=quick, compile=compile, real=real,
                               workdir=workdir)
     ref = logits(variants["eager fp32"][1], x)
+    top2 = ref.softmax(1).topk(2, dim=1).values
+    margin = ((top2[:, 0] - top2[:, 1]) * 100).tolist()
     rows: dict[str, dict] = {}
     for name, (kind, fn, error, build_s) in variants.items():
         row: dict = {"kind": kind, "build_s": round(build_s, 1)}
@@ -239,7 +241,8 @@ def measure_model(model_name: str, *, quick: bool, compile: bool, rounds: int, i
         row.update(bf16.fidelity(ref, got))
         row["shared_max_change_pts"] = bf16.fidelity(ref[:n_shared], got[:n_shared])["max_change_pts"]
         flips = (got.argmax(1) != ref.argmax(1)).nonzero()[:, 0].tolist()
-        row["flipped"] = [names[i] for i in flips] if real else []
+        # Each changed input with fp32's own margin between its top two (points): near-ties flip on any noise.
+        row["flipped"] = [f"{names[i]} ({margin[i]:.2f})" for i in flips] if real else []
         if kind != "eager":
             row["batch_change_pts"] = batch_change(fn, x[:n_shared])
         rows[name] = row
@@ -286,7 +289,7 @@ def format_table(result: dict) -> str:
                                              f"the shared photos){'' if real else ', seeded weights: logit error and speed only'}"))
         flips = [f"  {name}: {', '.join(r['flipped'])}" for name, r in m["rows"].items() if r.get("flipped")]
         if flips:
-            out.append("top-1 changed on:\n" + "\n".join(flips))
+            out.append("top-1 changed on (fp32's margin between its top two, points):\n" + "\n".join(flips))
     return "\n\n".join(out)
 
 
@@ -317,6 +320,7 @@ def run(args: argparse.Namespace) -> dict:
         for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:
             result["models"][model_name] = measure_model(model_name, quick=args.quick, compile=not args.no_compile,
                                                          rounds=rounds, iters=args.iters, workdir=Path(tmp))
+            log("done:\n" + format_table({"models": {model_name: result["models"][model_name]}}))  # before the next model
     result["load_avg_end"] = os.getloadavg()[0]
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["table"] = format_table(result)
