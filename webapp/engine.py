@@ -24,7 +24,6 @@ can ever pay for, or hang in, a compile.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -98,33 +97,6 @@ def choose_precision(requested: str) -> tuple[str, str]:
     if native_bf16():
         return "bf16", "auto: oneDNN has native bf16 on this CPU (avx512_bf16 or AMX)"
     return "fp32", "auto: no native bf16 in oneDNN on this CPU, so bf16 would be emulated and slower"
-
-
-def bf16_pays_off(module: nn.Module, batch: torch.Tensor, *, runs: int = 3) -> tuple[bool, str]:
-    """The start-up check behind ``auto`` where oneDNN claims native bf16: is it really worth it here?
-
-    Eager, on ``batch`` ``(N, 3, S, S) float32`` (real photos): bf16 autocast must be at least 1.1x
-    as fast as fp32 (median of ``runs``) and keep every top-1 with logits within 5% of fp32.
-    Returns ``(ok, reason)``. About a second: eager, one batch size, a few runs.
-    """
-    def timed(ctx) -> tuple[float, torch.Tensor]:
-        times, out = [], None
-        with torch.inference_mode():
-            for i in range(runs + 1):  # the first call creates oneDNN primitives: not timed
-                t0 = time.perf_counter()
-                with ctx():
-                    out = module(batch).float()
-                if i:
-                    times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2], out
-
-    t32, ref = timed(contextlib.nullcontext)
-    t16, got = timed(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
-    speedup = t32 / t16
-    err = float((got - ref).abs().max() / ref.abs().max())
-    same_top1 = bool((got.argmax(1) == ref.argmax(1)).all())
-    measured = f"measured bf16 {speedup:.2f}x fp32, logit error {100 * err:.1f}%, top-1 {'kept' if same_top1 else 'changed'}"
-    return speedup >= 1.1 and err < 0.05 and same_top1, measured
 
 
 def cache_key(*parts) -> str:
