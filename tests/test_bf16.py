@@ -26,6 +26,7 @@ def test_layer_groups_of_both_architectures(lite0):
     # The first three stages (112, 56, 28 px): 5 depthwise convs.
     assert bf16.bf16_layers(lite0, "early_depthwise") == [
         "blocks.0.0.conv_dw", "blocks.1.0.conv_dw", "blocks.1.1.conv_dw", "blocks.2.0.conv_dw", "blocks.2.1.conv_dw"]
+    assert len(bf16.bf16_layers(lite0, "bn")) == 49  # stem, head, 2 in the first block, 3 in each of the other 15
     resnet = torchvision.models.resnet18()
     assert bf16.bf16_layers(resnet, "stem") == ["conv1"] and bf16.bf16_layers(resnet, "head") == ["fc"]
     assert bf16.bf16_layers(resnet, "depthwise") == [] and bf16.bf16_layers(resnet, "se") == []
@@ -113,7 +114,7 @@ REF = torch.tensor([[10.0, 2.0, -3.0, 0.0], [1.0, 9.0, 7.0, -2.0], [0.0, 5.0, 5.
         "a-sure-one-flipped", "ties"])
 def test_judge_bf16_on_agreement_probability_ties_and_median_speed(monkeypatch, fp32_s, bf16_s, bf16_logits, ok, words):
     clock = [0.0]
-    monkeypatch.setattr(bf16, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(bf16, "time", SimpleNamespace(perf_counter=lambda: clock[0], thread_time=lambda: clock[0]))
     module = Scripted(clock, {"fp32": fp32_s, "bf16": bf16_s}, {"fp32": REF, "bf16": bf16_logits})
     photos = torch.arange(4.0)[:, None, None, None].expand(4, 3, 8, 8)  # photo i's values are all i
     got_ok, reason, fig = bf16.judge_bf16(module, photos, runs=3, speed_batch=3)
