@@ -6,7 +6,9 @@ Parts, each a module here that also runs alone (``python bench/<part>_bench.py -
   ONNX Runtime and OpenVINO at their precisions; logit error and top-1 agreement with fp32.
 - preprocess: full vs fast (reduced-scale) decode of the 12 MP phone photo.
 - e2e: our gunicorn server vs a baseline server (sync workers, full decode, eager fp32, no
-  batching) under the same closed-loop load of 12 MP uploads: images/s, p50/p95/p99.
+  batching) under the same closed-loop load of 12 MP uploads: images/s, p50/p95/p99; and vs ours
+  before (batches always waiting the batch timeout, libraries imported by each worker): the
+  unloaded p50 (paired requests), peak images/s, p99 at half load, each worker's private memory and Pss.
 - ready: time to ready with a cold and a warm compile cache.
 - page: the page path, 12 MP photo: our server's images/s at saturation when uploads are the JPEG
   the page scales in the browser vs the original photo.
