@@ -6,16 +6,19 @@ top-k never see two labels with exactly equal (bf16-rounded) probabilities. The 
 with ``bench/fidelity_bench.py`` (``python -m bench --only fidelity``), a per-layer-group sweep of
 top-1 agreement and top-1 probability change against fp32 on real photos, with the speed each costs:
 the layers kept in fp32 are those where bf16 loses fidelity but that cost little time (the stem
-conv, which sees the raw normalized pixels; the depthwise convs, few FLOPs and memory-bound; the
-1x1 head conv and the classifier, which make the logits). The convs carrying most FLOPs stay bf16.
+conv, which sees the raw normalized pixels; the depthwise convs of the first three stages, few
+FLOPs; the 1x1 head conv and the classifier, which make the logits; BatchNorm, applied in fp32 to
+the bf16 convs' outputs as eager autocast does, where inductor's freezing would otherwise fold it
+into bf16 conv weights and a bf16 bias, which cost EfficientNet-Lite0 more than autocast itself).
+The convs carrying most FLOPs stay bf16.
 Eager (``Engine(compile=False)``), ``torch.compile`` and the AOTInductor package all run this module.
 
 **The judgement** (``judge_bf16``): the start-up check behind ``auto`` where oneDNN claims native
 bf16. On the calibration photos (real photos shipped with the package, or the user's), eager: the
 policy's top-1 must agree with fp32's (at least ``MIN_TOP1_AGREE``, all of those fp32 is sure of),
-no top-1 probability may move more than ``MAX_PROB_CHANGE_PTS``, no top-3 may hold a tie, and it
-must be at least ``MIN_SPEEDUP`` as fast as fp32. ``fidelity`` computes those figures (the bench uses
-it too).
+no top-1 probability may move more than ``MAX_PROB_CHANGE_PTS``, no top-3 may hold a tie, and bf16
+kernels must be at least ``MIN_NATIVE_SPEEDUP`` as fast as fp32. ``fidelity`` computes those figures
+(the bench uses it too, with ``MIN_SPEEDUP`` for the compiled policy).
 """
 
 from __future__ import annotations
@@ -129,7 +132,8 @@ def bf16_policy(module: nn.Module, keep_fp32: tuple[str, ...] = BF16_KEEP_FP32) 
 MIN_TOP1_AGREE = 0.99         # share of photos whose top-1 equals fp32's (all of them where fp32 is >= 0.5 sure)
 SURE = 0.5                    # fp32 top-1 probability from which the top-1 must never change
 MAX_PROB_CHANGE_PTS = 2.0     # largest change of the fp32 top-1 class's probability, percentage points
-MIN_SPEEDUP = 1.3             # bf16 images/s over fp32's
+MIN_SPEEDUP = 1.3             # the policy's compiled images/s over compiled fp32's (the bench's target)
+MIN_NATIVE_SPEEDUP = 1.1      # eager bf16 autocast over eager fp32 at start-up: bf16 kernels native and fast here
 
 
 def ties(probs: torch.Tensor, k: int = 3, decimals: int = 6) -> int:
@@ -169,44 +173,42 @@ def faithful(fig: dict) -> bool:
 
 
 def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_batch: int = 8) -> tuple[bool, str, dict]:
-    """The start-up check behind ``auto`` where oneDNN claims native bf16: is the bf16 policy faithful
-    and fast enough here?
+    """The start-up check behind ``auto`` where oneDNN claims native bf16: is the bf16 policy faithful here,
+    and are bf16 kernels really fast here?
 
-    Eager, on ``photos`` ``(N, 3, S, S) float32`` (the calibration photos), in batches of ``speed_batch``,
-    fp32 and bf16 taking turns (who goes first alternates): fidelity of ``bf16_policy(module)`` against
-    ``module`` in fp32 over all N (``fidelity``, judged by ``faithful``), and speed from the same calls:
-    every full batch after the first is timed (the first creates oneDNN's primitives), topped up with
-    calls on the first batch to ``runs`` timings each (CPU time of this thread with one intra-op
-    thread, else wall time); bf16's median must be ``MIN_SPEEDUP`` times faster. Returns ``(ok, reason, figures)``: ``figures`` is ``fidelity``'s dict plus ``speedup``
-    (fp32 s / bf16 s) and ``photos``; ``reason`` says the figures in words.
-    About 2 s on 2 quiet cores for 28 photos at 224x224 (3-4 s under load).
+    Eager, in batches of ``speed_batch`` of ``photos`` ``(N, 3, S, S) float32`` (the calibration photos):
+    the fidelity of ``bf16_policy(module)`` against ``module`` in fp32 over all N (``fidelity``, judged
+    by ``faithful``); then speed on the last batch, plain bf16 autocast against fp32, ``runs`` times
+    each, taking turns, after one untimed call each (oneDNN creates its primitives then): the median
+    must be ``MIN_NATIVE_SPEEDUP`` times faster. Autocast and not the policy, because eager speed does
+    not predict compiled speed for the policy (its fp32 layers cost casts that inductor fuses away:
+    EfficientNet-Lite0 measured 0.88x eager, 1.42x compiled); what this catches is a host where bf16
+    is emulated or slow. The policy's compiled speed is the bench's to measure (``MIN_SPEEDUP``).
+    Times are this thread's CPU time with one intra-op thread (a pinned worker's usual setting; a busy
+    host does not stretch it), else wall time.
+
+    Returns ``(ok, reason, figures)``: ``figures`` is ``fidelity``'s dict plus ``native_speedup`` (fp32
+    s / bf16 s) and ``photos``; ``reason`` says the figures in words. About 2-3 s of CPU for 28 photos
+    at 224x224.
     """
-    policy = bf16_policy(module)
-    kinds = {"fp32": module, "bf16": policy}
-    outs: dict[str, list[torch.Tensor]] = {"fp32": [], "bf16": []}
-    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    fns = {"fp32": module, "policy": bf16_policy(module), "bf16": bf16_policy(module, ())}
     batches = [photos[i:i + speed_batch] for i in range(0, len(photos), speed_batch)]
-    # One intra-op thread (a pinned worker's usual setting) works on this thread: its CPU time is the
-    # cost, and other processes on a busy host do not stretch it as they stretch wall time.
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
     with torch.inference_mode():
-        for k, batch in enumerate(batches + [batches[0]] * runs):
-            timed = 0 < k and len(batch) == len(batches[0])
-            if k >= len(batches) and min(len(t) for t in times.values()) >= runs:
-                break
+        ref = torch.cat([fns["fp32"](b).float() for b in batches])
+        got = torch.cat([fns["policy"](b) for b in batches])
+        timed = batches[-1]  # the smallest batch (28 photos: 4) is enough with CPU time, and half the cost
+        fns["bf16"](timed)  # its primitives; fp32's were made above
+        for k in range(runs):
             for kind in (("fp32", "bf16") if k % 2 == 0 else ("bf16", "fp32")):
                 t0 = clock()
-                out = kinds[kind](batch).float()
-                if timed:
-                    times[kind].append(clock() - t0)
-                if k < len(batches):
-                    outs[kind].append(out)
+                fns[kind](timed)
+                times[kind].append(clock() - t0)
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-    fig = {**fidelity(torch.cat(outs["fp32"]), torch.cat(outs["bf16"])), "speedup": med["fp32"] / med["bf16"],
-           "photos": len(photos)}
-    fast = fig["speedup"] >= MIN_SPEEDUP
-    reason = (f"measured on {fig['photos']} calibration photos: bf16 {fig['speedup']:.2f}x fp32, "
-              f"top-1 agreement {100 * fig['top1_agree']:.1f}% ({100 * fig['sure_agree']:.0f}% of {fig['sure_n']} "
-              f"with fp32 >= {SURE:.0%}), top-1 probability change max {fig['max_change_pts']:.2f} points, "
-              f"{fig['ties']} ties")
-    return faithful(fig) and fast, reason, fig
+    fig = {**fidelity(ref, got), "native_speedup": med["fp32"] / med["bf16"], "photos": len(photos)}
+    reason = (f"measured on {fig['photos']} calibration photos: top-1 agreement {100 * fig['top1_agree']:.1f}% "
+              f"({100 * fig['sure_agree']:.0f}% of {fig['sure_n']} with fp32 >= {SURE:.0%}), top-1 probability "
+              f"change max {fig['max_change_pts']:.2f} points, {fig['ties']} ties; bf16 kernels "
+              f"{fig['native_speedup']:.2f}x fp32")
+    return faithful(fig) and fig["native_speedup"] >= MIN_NATIVE_SPEEDUP, reason, fig
