@@ -8,12 +8,21 @@ warm-up, self-test: from ``post_worker_init`` on, so without the imports before 
 ``--rounds N`` the warm start is repeated N times (median). The warm/cold ratio is the answer
 (both measured in this run); the target is <= 10 s per worker warm.
 
+Then **per precision** (``--precisions``, default fp32, bf16, int8 and fp32 with the CPU capped to
+AVX2, as an old server runs it, also with the package refused: torch.compile, the baseline): the worker's start-up path alone, ``python -m webapp warm`` (weights,
+precision, compile or AOTInductor package, warm-up of every batch size, self-test) in a fresh process
+on an empty cache folder (cold), then again on the cache it filled (warm); seconds from launch to
+done, imports included, and the warm/cold ratio. Target <= ``TARGET_ENGINE_WARM_S`` warm on every one.
+
     python bench/ready_bench.py [--quick] [--json out.json] [--model resnet18_seeded] [--precision auto]
 """
 
 from __future__ import annotations
 
+import re
+import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -22,10 +31,16 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import log, main, median, num, ratio, table
-from bench.servers import ours_plan, parse_settings, start_ours
+from bench import ROOT, log, main, median, num, ratio, table
+from bench.servers import classifier_env, ours_plan, parse_settings, start_ours
 
 TARGET_WARM_S = 10.0
+TARGET_ENGINE_WARM_S = 5.0
+CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# `python -m webapp warm` with the package refused: the engine's fallback, torch.compile (the baseline).
+JIT_ONLY = ("import sys, webapp.engine as e\n"
+            "def refuse(*a, **k):\n    raise RuntimeError('baseline: JIT only')\n"
+            "e.load_or_build_aoti = refuse\nfrom webapp.cli import main\nsys.exit(main(['warm']))")
 
 
 def add_arguments(parser) -> None:
@@ -39,6 +54,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--only-classifier-cache", action="store_true",
                         help="set only CLASSIFIER_CACHE_DIR (not TORCHINDUCTOR_CACHE_DIR): checks the service "
                              "puts inductor's cache under it by itself")
+    parser.add_argument("--precisions", default="fp32,bf16,int8,fp32-avx2,fp32-avx2-jit",
+                        help="per-precision start-up timing (cold and warm) of these ('-avx2': CPU capped to AVX2; "
+                             "'-jit': the package refused, torch.compile as before, the baseline; '' skips it)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (caches and logs)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
 
@@ -77,6 +95,63 @@ def start_once(label: str, tmp: Path, settings: dict, env: dict, workers: int) -
     return out
 
 
+def warm_command(label: str, cache: Path, settings: dict, log_path: Path) -> dict:
+    """``python -m webapp warm`` once with ``label``'s precision ('-avx2': under the AVX2 cap; '-jit': the
+    AOTInductor package refused, so the engine compiles with torch.compile, as fp32 and int8 did before) and cache
+    folder ``cache`` (its own inductor cache inside); returns ``{"s": launch to exit, "cpu_s": its CPU
+    time (user + system, children included), "built": bool, "backend": str, "exit_code": int}`` (seconds).
+    On a shared box the CPU time is the steadier figure: a start that waits for a core grows in wall time only."""
+    precision, *flags = label.split("-")
+    cap = "avx2" in flags
+    env = classifier_env({**settings, "PRECISION": precision, "CACHE_DIR": str(cache)}, CAP if cap else {},
+                         drop=("TORCHINDUCTOR_CACHE_DIR", *(() if cap else tuple(CAP))))
+    argv = ["-m", "webapp", "warm"]
+    if "jit" in flags:
+        argv = ["-c", JIT_ONLY]
+    t0, before = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log_path, "wb") as f:
+        code = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, stdout=f,
+                              stderr=subprocess.STDOUT, check=False).returncode
+    took, after = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    text = log_path.read_text(errors="replace")
+    backend = re.search(r"backend (\w+)", text)
+    return {"s": took, "cpu_s": cpu, "built": "caches built" in text, "backend": backend.group(1) if backend else None,
+            "exit_code": code, **({"log_tail": text[-400:]} if code else {})}
+
+
+def engine_starts(labels: list[str], settings: dict, tmp: Path, rounds: int) -> dict:
+    """Per precision label: one cold ``warm_command`` on an empty folder, then ``rounds`` warm ones on it."""
+    out = {}
+    for label in labels:
+        cache = tmp / f"engine-{label}"
+        cold = warm_command(label, cache, settings, tmp / f"engine-{label}-cold.log")
+        warm = [warm_command(label, cache, settings, tmp / f"engine-{label}-warm{i}.log") for i in range(rounds)]
+        w, wc = median([r["s"] for r in warm]), median([r["cpu_s"] for r in warm])
+        out[label] = {"cold": cold, "warm_runs": warm, "warm_s": w, "warm_over_cold": ratio(w, cold["s"]),
+                      "warm_cpu_s": wc, "warm_over_cold_cpu": ratio(wc, cold["cpu_s"]),
+                      "target_met": w <= TARGET_ENGINE_WARM_S and all(r["exit_code"] == 0 for r in warm),
+                      "target_met_cpu": wc <= TARGET_ENGINE_WARM_S}
+        log(f"  engine start {label}: cold {cold['s']:.1f} s, warm {w:.1f} s ({out[label]['warm_over_cold']:.2f}x), "
+            f"CPU cold {cold['cpu_s']:.1f} s warm {wc:.1f} s, "
+            f"backend {warm[-1]['backend'] if warm else '-'}")
+    return out
+
+
+def engine_report(out: dict) -> str:
+    """The per-precision start-up table of ``engine_starts``."""
+    rows = [[label, num(r["cold"]["s"]), num(r["warm_s"]), num(r["warm_over_cold"], 2), num(r["cold"]["cpu_s"]),
+             num(r["warm_cpu_s"]), num(r["warm_over_cold_cpu"], 2),
+             (r["warm_runs"] or [r["cold"]])[-1]["backend"] or "-",
+             f"wall {'yes' if r['target_met'] else 'NO'}, CPU {'yes' if r['target_met_cpu'] else 'NO'}",
+             "" if r["cold"]["exit_code"] == 0 else f"cold exit {r['cold']['exit_code']}"] for label, r in out.items()]
+    return table(["precision", "cold s", "warm s", "x cold", "cold CPU s", "warm CPU s", "x cold", "backend",
+                  f"warm <= {TARGET_ENGINE_WARM_S:g} s", "notes"],
+                 rows, title="start-up per precision: `python -m webapp warm` in a fresh process, launch to ready "
+                             "(imports, weights, compile or package load, warm-up, self-test), cold vs warm cache;\n"
+                             "CPU s: its CPU time (steadier than wall time on a shared box)")
+
+
 def run(args) -> dict:
     """One cold start, then ``rounds`` warm ones, on fresh cache folders; print the report; return every number (s)."""
     settings = {"MODEL": args.model, "PRECISION": args.precision, **parse_settings(args.settings)}
@@ -92,6 +167,9 @@ def run(args) -> dict:
         out["cold"] = start_once("cold", tmp, settings, env, workers)
         out["cache_files"], out["cache_bytes"] = _dir_size(tmp)
         out["warm_runs"] = [start_once(f"warm{i + 1}", tmp, settings, env, workers) for i in range(rounds)]
+        labels = [p.strip() for p in args.precisions.split(",") if p.strip()]
+        base = {k: v for k, v in settings.items() if k not in ("PRECISION", "CACHE_DIR")}
+        out["engine_starts"] = engine_starts(labels, base, tmp, rounds) if labels else {}
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -133,6 +211,8 @@ def report(out: dict) -> str:
                  + f" ({num(out['warm_max_startup_s_median'] / TARGET_WARM_S, 2)}x the target); launch-to-ready "
                  + ("MET" if out["target_met_ready"] else "NOT MET")
                  + f" ({num(out['warm_ready_s_median'] / TARGET_WARM_S, 2)}x)")
+    if out.get("engine_starts"):
+        lines += ["", engine_report(out["engine_starts"])]
     for label, r in [("cold", cold)] + [(f"warm {i + 1}", w) for i, w in enumerate(out["warm_runs"])]:
         if r["log_problems"] or r["exit_code"] != 0:
             lines.append(f"{label}: exit {r['exit_code']}, log: {r['log_problems'][:2]}")
