@@ -149,7 +149,8 @@ def engine_report(out: dict) -> str:
                   f"warm <= {TARGET_ENGINE_WARM_S:g} s", "notes"],
                  rows, title="start-up per precision: `python -m webapp warm` in a fresh process, launch to ready "
                              "(imports, weights, compile or package load, warm-up, self-test), cold vs warm cache;\n"
-                             "CPU s: its CPU time (steadier than wall time on a shared box)")
+                             "CPU s: its CPU time (steadier than wall time on a shared box; a cold start's leaves out inductor's "
+                             "compile worker processes)")
 
 
 def run(args) -> dict:
