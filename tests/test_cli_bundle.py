@@ -18,6 +18,8 @@ import pytest
 from webapp.cli import build_parser, bundle, kit
 
 ROOT = Path(__file__).resolve().parents[1]
+# Tests on a real (small) kit: pip download, install.sh, a venv: tens of seconds, so not in the `-m unit` subset.
+SMALL_KIT = pytest.mark.slow
 
 
 def _fake_wheel(folder: Path, name: str, size: int = 10) -> Path:
@@ -105,6 +107,7 @@ def small_kit(tmp_path_factory):
     return base / "kit", proc
 
 
+@SMALL_KIT
 def test_bundle_writes_a_hash_pinned_lock_and_a_manifest_sha256sum_checks(small_kit):
     out, proc = small_kit
     assert proc.stdout.split() == [str(out), f"{out}.tar"]
@@ -128,6 +131,7 @@ def test_bundle_writes_a_hash_pinned_lock_and_a_manifest_sha256sum_checks(small_
     assert "kit/MANIFEST.sha256" in names and f"kit/wheels/{wheels[0].name}" in names
 
 
+@SMALL_KIT
 def test_bundle_refuses_a_folder_that_is_not_empty(small_kit, tmp_path):
     out, _ = small_kit
     proc = _bundle(out, tmp_path / "unused.txt")
@@ -165,6 +169,7 @@ def _remanifest(kit_dir: Path) -> None:
     (kit_dir / kit.MANIFEST).write_text(kit.manifest_text(kit_dir))
 
 
+@SMALL_KIT
 def test_install_stops_on_a_tampered_wheel_naming_it(kit_copy):
     wheel = next((kit_copy / "wheels").glob("*.whl"))
     with open(wheel, "r+b") as fh:  # one byte changed, same size
@@ -177,6 +182,7 @@ def test_install_stops_on_a_tampered_wheel_naming_it(kit_copy):
     assert not (kit_copy / "venv").exists()  # nothing was installed
 
 
+@SMALL_KIT
 def test_install_stops_on_a_tampered_weights_file_naming_it(kit_copy):
     weights = kit_copy / "weights" / "resnet18-f37072fd.pth"
     weights.parent.mkdir()
@@ -188,12 +194,14 @@ def test_install_stops_on_a_tampered_weights_file_naming_it(kit_copy):
     assert not (kit_copy / "venv").exists()
 
 
+@SMALL_KIT
 def test_install_stops_on_a_file_slipped_into_wheels(kit_copy):
     shutil.copy(next((kit_copy / "wheels").glob("tqdm-*.whl")), kit_copy / "wheels" / "tqdm-9.9.9-py3-none-any.whl")
     proc = _install(kit_copy, "--no-warm")
     assert proc.returncode == 1 and "wheels/tqdm-9.9.9-py3-none-any.whl is not in MANIFEST.sha256" in proc.stderr
 
 
+@SMALL_KIT
 def test_install_refuses_the_wrong_python_naming_what_it_needs(kit_copy, tmp_path):
     fake = tmp_path / "python3.9"
     fake.write_text("#!/bin/sh\necho 3.9 cpython Linux x86_64 2.36\n")
@@ -210,6 +218,7 @@ def test_install_refuses_the_wrong_python_naming_what_it_needs(kit_copy, tmp_pat
     assert proc.returncode == 1 and "this host has glibc 2.12" in proc.stderr and "glibc >= " in proc.stderr
 
 
+@SMALL_KIT
 def test_install_checks_weights_against_their_name_and_installs_offline(kit_copy, tmp_path):
     """A listed weights file whose sha256 does not start with its name's prefix is refused; without it the
     one wheel installs with --no-index (pip's own configuration of this host is ignored)."""

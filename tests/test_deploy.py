@@ -60,7 +60,8 @@ def test_the_unit_has_what_the_issue_asks():
 def test_the_containerfile_installs_from_the_kit_as_non_root():
     text = (DEPLOY / "Containerfile").read_text()
     steps = {m[1]: m[2] for m in re.finditer(r"^(ARG|FROM|USER|VOLUME|STOPSIGNAL|HEALTHCHECK|RUN|CMD) (.*)$", text, re.M)}
-    assert "install.sh" in steps["RUN"] and steps["USER"] not in ("root", "0")
+    run = text.split("\nRUN ", 1)[1].split("\n\n", 1)[0]
+    assert "--mount=type=bind" in run and "install.sh" in run and steps["USER"] not in ("root", "0")
     assert steps["STOPSIGNAL"] == "SIGTERM" and "/readyz" in text.split("HEALTHCHECK", 1)[1]
     cache = re.search(r"CLASSIFIER_CACHE_DIR=(\S+)", text)[1]
     assert steps["VOLUME"] == cache and "--cpuset-cpus" in text and "--network=none" in text

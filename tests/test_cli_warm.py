@@ -1,0 +1,41 @@
+"""``python -m webapp warm``: the worker's start-up run once, at install time (a subprocess: it pins itself).
+
+The compile caches it builds and finds again are checked end to end by tests/test_kit.py (``-m kit``);
+here, without compiling: what it prints, and how it fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _warm(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_")}
+    return subprocess.run([sys.executable, "-m", "webapp", "warm", "--cache-dir", str(tmp_path / "cache"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**env, "TORCH_HOME": str(tmp_path / "torch")})
+
+
+def test_warm_runs_the_workers_start_up_and_says_where_the_cache_is(tmp_path):
+    proc = _warm(tmp_path, "--model", "efficientnet_lite0", "--precision", "fp32", "--no-compile",
+                 "--max-batch-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "model efficientnet_lite0, fp32" in out and "batch 1..2 warmed" in out
+    assert "self-test: passed" in out
+    assert f"compile is off (CLASSIFIER_COMPILE=0): nothing to cache but the precision record; cache {tmp_path / 'cache'}" in out
+    # the layout of every usable core (gunicorn's plan), not of the one core set warm then pins itself to
+    assert "warming up as gunicorn's worker 0 would start" in proc.stderr
+    assert f"on {len(os.sched_getaffinity(0))} core" in proc.stderr
+    assert (tmp_path / "cache").is_dir()
+
+
+def test_warm_fails_like_a_worker_start_naming_the_problem(tmp_path):
+    proc = _warm(tmp_path, "--weights", str(tmp_path / "missing.pth"), "--no-compile")
+    assert proc.returncode == 1 and f"CLASSIFIER_WEIGHTS={tmp_path / 'missing.pth'} does not exist" in proc.stderr
+    proc = _warm(tmp_path, "--max-batch-size", "0")
+    assert proc.returncode == 2 and "--max-batch-size" in proc.stderr
