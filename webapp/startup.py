@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torchvision.transforms import v2
 
-from . import imaging
+from . import catalog, imaging
 from .assets import GOLDEN, calibration_files
 from .cpu import cpu_info
 from .bf16 import BF16_KEEP_FP32, judge_bf16
@@ -121,12 +121,16 @@ def photos_id(files: list[Path]) -> str:
 
 def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
                           files: list[Path] | None = None) -> tuple[str, str, dict | None]:
-    """``auto`` resolved here and now: bf16 only where oneDNN claims native bf16 *and* the bf16 policy,
-    run eagerly on the calibration photos ``files`` (``bf16.judge_bf16``, 1-2 s), keeps fp32's answers
-    and is fast enough. Returns ``(precision, reason, figures)``; figures is None where nothing was measured."""
+    """``auto`` resolved here and now: bf16 only where oneDNN claims native bf16, the model's catalog entry
+    does not rule it out (``bf16_auto_off``: a target of the fidelity bench it misses) *and* the bf16
+    policy, run eagerly on the calibration photos ``files`` (``bf16.judge_bf16``, 2-4 s of CPU), keeps
+    fp32's answers and bf16 kernels are fast here. Returns ``(precision, reason, figures)``; figures is None where nothing was measured."""
     precision, reason = choose_precision("auto")
     if precision != "bf16":
         return precision, reason, None
+    off = catalog.BY_NAME[model.name].bf16_auto_off if model.name in catalog.BY_NAME else ""
+    if off:
+        return "fp32", f"auto: fp32 for {model.name}: {off}", None
     files = files if files is not None else calibration_files()
     photos = torch.stack([imaging.preprocess(imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS,
                                                              name=f.name).image, transform) for f in files])
@@ -149,7 +153,8 @@ def precision_key(model: LoadedModel, threads: int, photos: str = "") -> dict:
     return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
             "cpu": cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16(),
-            "bf16_policy": list(BF16_KEEP_FP32), "photos": photos}
+            "bf16_policy": list(BF16_KEEP_FP32), "photos": photos,
+            "bf16_auto_off": bool(catalog.BY_NAME[model.name].bf16_auto_off) if model.name in catalog.BY_NAME else False}
 
 
 def precision_record_path(cache: Path, key: dict) -> Path:
