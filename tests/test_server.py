@@ -119,3 +119,26 @@ def test_concurrent_requests_each_get_their_own_answer(server):
                 assert abs(g["probability"] - r["probability"]) < 2e-3, (name, got, ref)
         batched += answer["results"][0]["batch_size"] > 1
     assert batched > 0  # concurrent requests really were batched together
+
+
+def test_default_precision_gives_fp32s_answers_on_every_shared_photo(server, tmp_path):
+    """Over HTTP, the default precision (``auto``: bf16 where the host judged it faithful, else fp32) against a
+    one-worker fp32 server (eager, as fast to start as it is exact): the same top-1 on every shared photo,
+    its probability within 2 points, and no top-3 holding two equal probabilities (bf16 logits used to
+    make such rounding ties)."""
+    ref = Server(tmp_path / "fp32.log", MODEL="efficientnet_lite0", COMPILE=0, PRECISION="fp32", WORKERS=1,
+                 THREADS=1, MAX_BATCH_SIZE=1)
+    ref.wait_ready(workers=1)
+    try:
+        for path in sorted(SHARED_IMAGES.glob("*.jpg")):
+            data = path.read_bytes()
+            want = predict(ref, data, path.name)["results"][0]["predictions"]
+            answer = predict(server, data, path.name)
+            got = answer["results"][0]["predictions"]
+            where = (path.name, answer["model"]["precision"], got, want)
+            assert got[0]["index"] == want[0]["index"], where
+            assert abs(got[0]["probability"] - want[0]["probability"]) * 100 <= 2.0, where
+            probs = [p["probability"] for p in got]
+            assert len(set(probs)) == len(probs), where
+    finally:
+        ref.stop_cleanly()
