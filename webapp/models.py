@@ -66,13 +66,14 @@ class Preprocessing:
 class LoadedModel:
     """A ready-to-compile model and everything a caller needs to feed it and read it.
 
-    ``module`` maps ``(N, 3, crop, crop) float32`` to logits ``(N, len(categories)) float32``.
+    ``module`` maps ``(N, 3, crop, crop) float32`` to logits ``(N, len(categories)) float32``; None once
+    AOTInductor packages serve the model (``startup.load_engine``: they hold their own weights).
     ``fallback_reason`` is set when this model serves in place of the one asked for.
     """
 
     name: str
     title: str
-    module: nn.Module
+    module: nn.Module | None
     preprocessing: Preprocessing
     categories: list[str]
     weights: str
