@@ -4,7 +4,7 @@ It runs the very start-up a gunicorn worker runs (``startup.load_engine``: weigh
 compile/AOTInductor -> warm-up of every batch size, then the self-test), pinned as the first worker
 of gunicorn's layout would be (``cpu.plan``: same cores, so the same intra-op thread count, which
 keys the per-host precision record). What that writes under ``CLASSIFIER_CACHE_DIR`` (the precision
-record, inductor's kernels, the bf16 AOTInductor package, the int8 program) is what a worker then
+record, the AOTInductor packages and inductor's kernels, whatever engine.py builds) is what a worker then
 loads. Safe to run again: the second run finds it all and says so.
 """
 
