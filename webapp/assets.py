@@ -1,7 +1,8 @@
 """Photos the package ships, and the functions that cut them out of ``../shared/images``.
 
 - ``golden/dog.jpg``: the self-test photo; every ImageNet model should call it a dog breed.
-- ``calibration/*.jpg``: real photos for int8 calibration (activation ranges), 256x256 crops
+- ``calibration/*.jpg``: real photos for int8 calibration (activation ranges) and for ``auto``'s
+  start-up judgement of bf16's fidelity (``bf16.judge_bf16``), 256x256 crops
   and mirror images of the seven shared scene photos; ``CLASSIFIER_CALIBRATION_DIR`` can
   point at a user's own photos instead (better for a narrow domain, e.g. one factory line).
 
