@@ -9,7 +9,8 @@ Parts, each a module here that also runs alone (``python bench/<part>_bench.py -
   batching) under the same closed-loop load of 12 MP uploads: images/s, p50/p95/p99; and vs ours
   before (batches always waiting the batch timeout, libraries imported by each worker): the
   unloaded p50 (paired requests), peak images/s, p99 at half load, each worker's private memory and Pss.
-- ready: time to ready with a cold and a warm compile cache.
+- ready: time to ready with a cold and a warm compile cache; then, per precision (fp32, bf16,
+  int8, fp32 capped to AVX2), the worker's start-up alone (``python -m webapp warm``), cold and warm.
 - page: the page path, 12 MP photo: our server's images/s at saturation when uploads are the JPEG
   the page scales in the browser vs the original photo.
 - overload: 2x overload, 12 MP and small photos: admission by time (``MAX_WAIT_MS``) vs the same
@@ -17,6 +18,8 @@ Parts, each a module here that also runs alone (``python bench/<part>_bench.py -
 - fidelity: bf16 against fp32, layer group by layer group (eager autocast, the bf16 policy with each
   set of layers kept in fp32, torch.compile, the AOTInductor package): top-1 agreement, top-1
   probability change, ties, and speed as a ratio to fp32 of the same kind.
+- int8: int8 mixed precision (layer groups left in fp32) against fp32: top-1 agreement, top-1
+  probability change, logit error, and speed as ratios to our fp32 and bf16.
 
 Every timing is a ratio against a baseline measured in the same run (the machine may be shared).
 ``--cap-avx2`` runs the engine part as an old AVX2-only server would (``ONEDNN_MAX_CPU_ISA=AVX2
@@ -38,7 +41,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 PARTS = {"engine": "bench.engine_bench", "preprocess": "bench.preprocess_bench",
          "e2e": "bench.e2e_bench", "ready": "bench.ready_bench", "page": "bench.page_bench",
-         "overload": "bench.overload_bench", "fidelity": "bench.fidelity_bench"}
+         "overload": "bench.overload_bench", "fidelity": "bench.fidelity_bench",
+         "int8": "bench.int8_bench"}
 CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 
 

@@ -9,7 +9,8 @@ warm-up, self-test: from ``post_worker_init`` on, so without the imports before 
 (both measured in this run); the target is <= 10 s per worker warm.
 
 Then **per precision** (``--precisions``, default fp32, bf16, int8 and fp32 with the CPU capped to
-AVX2, as an old server runs it, also with the package refused: torch.compile, the baseline): the worker's start-up path alone, ``python -m webapp warm`` (weights,
+AVX2, as an old server runs it, also with the package refused: torch.compile, the baseline): the
+worker's start-up path alone, ``python -m webapp warm`` (weights,
 precision, compile or AOTInductor package, warm-up of every batch size, self-test) in a fresh process
 on an empty cache folder (cold), then again on the cache it filled (warm); seconds from launch to
 done, imports included, and the warm/cold ratio. Target <= ``TARGET_ENGINE_WARM_S`` warm on every one.

@@ -1,0 +1,215 @@
+"""int8 mixed precision: which layers to leave in fp32 so that int8 keeps the model's answers, and what it costs.
+
+For each int8 configuration (``--configs``: layer groups of ``webapp.quantize.layer_names`` left in
+fp32, ``none`` = everything int8), our compiled int8 ``Engine`` (as served: AOTInductor package with a
+cache folder) is compared with eager fp32 of the same real weights (EfficientNet-Lite0) on:
+
+* **top-1 agreement** with fp32 over the fidelity photos: the shared photos, each also centre-cropped
+  (60 %), mirrored and at half size, the shipped calibration photos, and deterministic random
+  crops/flips/rescales up to ``--photos`` in all; also on the photos that are not calibration photos;
+* **max change of the top-1 probability** (fp32's top-1 class, softmax, percentage points) and the
+  logit error (max |logits - fp32| / max |fp32|);
+* **speed**: bs1 latency and bs8 throughput, timed round-robin in the same run as our compiled fp32
+  and bf16, as ratios to both. With one intra-op thread (the default, as each worker of a 2-core
+  server runs) each call is timed in the CPU time of the calling thread, which a busy shared box
+  does not stretch; with more threads, in wall time.
+
+ResNet-18 (seeded weights: no meaningful top-1) gets its int8 logit error and speed only.
+``INT8_KEEP_FP32`` in ``webapp/quantize.py`` is what the service uses; the target is >= 98 % top-1
+agreement, and int8 >= 1.3x bf16's speed for ``auto`` to consider it.
+
+    python bench/int8_bench.py [--quick] [--json out.json] [--configs none,depthwise,depthwise+stem+head]
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import ImageOps
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import log, main, num, table  # noqa: E402
+from bench.inputs import BATCH, Inputs, augmented, make_inputs, shared_photos  # noqa: E402
+from bench.runtimes import Runner, short_error  # noqa: E402
+from webapp import models, settings  # noqa: E402
+from webapp.engine import Engine, choose_reduce_range, configure_threads  # noqa: E402
+from webapp.quantize import INT8_KEEP_FP32  # noqa: E402
+
+TARGET_TOP1 = 0.98
+TARGET_X_BF16 = 1.3
+DEFAULT_CONFIGS = "none,depthwise,project,depthwise+project,depthwise+stem+head"
+
+
+def add_arguments(parser) -> None:
+    """The benchmark's options (``run`` reads them)."""
+    parser.add_argument("--quick", action="store_true", help="the served configuration and 'none' only, few rounds")
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated int8 configurations, each '+'-joined groups left in fp32 or 'none' "
+                             f"(default {DEFAULT_CONFIGS}; --quick: none and the served one)")
+    parser.add_argument("--photos", type=int, default=256, help="fidelity photos in all (at least the fixed views)")
+    parser.add_argument("--rounds", type=int, default=0, help="round-robin timing rounds (0: 8, --quick 3)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (0: the cores this process may use; 1: timed in thread CPU time)")
+    parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "photo-classifier"),
+                        help="where the engines' packages and int8 programs are kept across runs, as the service keeps them")
+
+
+def fidelity_views(photos: list) -> list:
+    """Each shared photo centre-cropped (60 % of its short side), mirrored and at half size: ``3 x len(photos)`` images."""
+    def centre(img):
+        w, h = img.size
+        s = 0.6 * min(w, h)
+        return img.crop((round((w - s) / 2), round((h - s) / 2), round((w + s) / 2), round((h + s) / 2)))
+    return ([centre(i) for i in photos] + [ImageOps.mirror(i) for i in photos]
+            + [i.resize((max(1, i.width // 2), max(1, i.height // 2))) for i in photos])
+
+
+def compare(got: torch.Tensor, ref: torch.Tensor, n_own: int) -> dict:
+    """Fidelity of logits ``got`` (N, C) against ``ref`` (N, C): top-1 agreement (all rows, and the first ``n_own``,
+    which are not calibration photos), max top-1 probability change (points), logit error."""
+    top = ref.argmax(1)
+    same = got.argmax(1) == top
+    p_ref = ref.softmax(1).gather(1, top[:, None])
+    p_got = got.softmax(1).gather(1, top[:, None])
+    return {"top1_agree": float(same.float().mean()), "top1_agree_not_calibration": float(same[:n_own].float().mean()),
+            "top1_n": len(top), "max_top1_prob_change_pts": float(100 * (p_got - p_ref).abs().max()),
+            "rel_err": float((got - ref).abs().max() / ref.abs().max())}
+
+
+def build(loaded, precision: str, keep: tuple[str, ...], inputs: Inputs, cache_dir: Path | None) -> Runner:
+    """Our compiled ``Engine`` at ``precision`` (int8 with ``keep`` left in fp32), warmed up to ``BATCH``."""
+    key = f"ours-{precision}" + (f"[{'+'.join(keep) or 'none'}]" if precision == "int8" else "")
+    t0 = time.perf_counter()
+    try:
+        torch.compiler.set_stance("default")  # a previous Engine's warm-up left "fail_on_recompile" on
+        engine = Engine(copy.deepcopy(loaded.module), input_size=loaded.preprocessing.crop, compile=True,
+                        precision=precision, calibration=inputs.calibration,
+                        reduce_range=choose_reduce_range("auto"), cache_dir=cache_dir,
+                        cache_id=f"int8_bench|{loaded.name}|{loaded.weights}", int8_keep_fp32=keep)
+        engine.warm_up(BATCH)
+    except Exception as exc:  # reported in the table, the others still run
+        log(f"  {key} FAILED: {short_error(exc)}")
+        return Runner(key=key, runtime="ours", precision=precision, error=short_error(exc))
+    log(f"  {key}: built in {time.perf_counter() - t0:.0f} s, backend {engine.backend}")
+    return Runner(key=key, runtime="ours", precision=precision, predict=lambda x: engine.predict(x).numpy(),
+                  keep=engine, build_s=time.perf_counter() - t0, config={"backend": engine.backend, "keep_fp32": keep})
+
+
+def timing(runners: dict[str, Runner], inputs: Inputs, *, rounds: int, iters1: int, iters8: int) -> dict[str, dict]:
+    """Round-robin medians by key: ``bs1_ms`` (ms per bs1 call) and ``bs8_img_s`` (images/s at bs8). Each round
+    every runner makes one untimed call then ``iters1`` bs1 and ``iters8`` bs8 timed ones, in an order rotated
+    each round. One intra-op thread: CPU time of this thread (``time.thread_time``); else wall time."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    live = list(runners.values())
+    samples: dict[str, dict[int, list[float]]] = {r.key: {1: [], BATCH: []} for r in live}
+    for rnd in range(rounds):
+        for runner in live[rnd % len(live):] + live[:rnd % len(live)]:
+            for bs, x, iters in ((1, inputs.bs1, iters1), (BATCH, inputs.bs8, iters8)):
+                runner.predict(x)
+                for _ in range(iters):
+                    t0 = clock()
+                    runner.predict(x)
+                    samples[runner.key][bs].append(clock() - t0)
+        log(f"  timing round {rnd + 1}/{rounds}")
+    return {k: {"bs1_ms": 1e3 * statistics.median(v[1]), "bs8_img_s": BATCH / statistics.median(v[BATCH])}
+            for k, v in samples.items()}
+
+
+def logits(runner: Runner, x: torch.Tensor) -> torch.Tensor:
+    """``runner``'s logits for ``x`` (N, 3, S, S), in chunks of ``BATCH``."""
+    return torch.from_numpy(np.concatenate([runner.predict(x[i:i + BATCH]) for i in range(0, len(x), BATCH)]))
+
+
+def measure(name: str, configs: list[tuple[str, ...]], photos: list, extra: list, args, rounds: int) -> dict:
+    """One model: fp32, bf16 and every int8 configuration built, compared with eager fp32, timed round-robin."""
+    loaded = models.load_model(settings.load(environ={}, overrides={"MODEL": name}))
+    inputs = make_inputs(loaded, photos, extra)
+    x = torch.cat([inputs.fidelity, torch.stack(inputs.calibration)])
+    with torch.inference_mode():
+        ref = torch.cat([loaded.module(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+    cache = Path(args.cache_dir) if args.cache_dir else None
+    runners = {r.key: r for r in [build(loaded, "fp32", (), inputs, cache), build(loaded, "bf16", (), inputs, cache)]
+               + [build(loaded, "int8", keep, inputs, cache) for keep in configs]}
+    rows = {}
+    for key, r in runners.items():
+        rows[key] = {"error": r.error} if r.error else {**compare(logits(r, x), ref, len(inputs.fidelity)),
+                                                        "build_s": r.build_s, **r.config}
+    live = {k: r for k, r in runners.items() if r.predict is not None}
+    speed = timing(live, inputs, rounds=rounds, iters1=6, iters8=3)
+    for key, t in speed.items():
+        rows[key].update(t)
+    for key, row in rows.items():
+        for base in ("fp32", "bf16"):
+            b = rows.get(f"ours-{base}", {})
+            if "bs1_ms" in row and "bs1_ms" in b:
+                row[f"bs1_x_{base}"] = b["bs1_ms"] / row["bs1_ms"]
+                row[f"bs8_x_{base}"] = row["bs8_img_s"] / b["bs8_img_s"]
+    return {"photos": len(x), "not_calibration": len(inputs.fidelity), "rows": rows}
+
+
+def run(args) -> dict:
+    """Both models, every configuration; print the tables; return every number."""
+    configure_threads(args.threads)
+    served = tuple(INT8_KEEP_FP32)
+    spec = args.configs or ("none," + "+".join(served) if args.quick else DEFAULT_CONFIGS)
+    configs = [tuple(g for g in c.split("+") if g and g != "none") for c in spec.split(",") if c.strip()]
+    if served not in configs:
+        configs.append(served)
+    rounds = args.rounds or (3 if args.quick else 8)
+    photos = shared_photos()
+    imgs = [img for _, img in photos]
+    views = fidelity_views(imgs)
+    extra = views + augmented(imgs[:7], max(0, args.photos - len(photos) - len(views) - 28), seed=0)
+    out = {"served": list(served), "target_top1": TARGET_TOP1, "target_x_bf16": TARGET_X_BF16,
+           "threads": torch.get_num_threads(), "clock": "thread CPU time" if torch.get_num_threads() == 1 else "wall",
+           "models": {}}
+    for name in ("efficientnet_lite0", "resnet18_seeded"):
+        log(f"int8_bench: {name}")
+        real = name == "efficientnet_lite0"
+        out["models"][name] = measure(name, configs if real else list(dict.fromkeys([(), served])), photos,
+                                      extra if real else [], args, rounds)
+    print(report(out))
+    return out
+
+
+def report(out: dict) -> str:
+    """The fixed-width tables of a ``run`` result, and the verdict on the targets."""
+    lines = []
+    for name, m in out["models"].items():
+        cells = []
+        for key, r in m["rows"].items():
+            if r.get("error"):
+                cells.append([key, "FAILED: " + r["error"][:60]] + [""] * 8)
+                continue
+            cells.append([key, f"{100 * r['top1_agree']:.1f}%", f"{100 * r['top1_agree_not_calibration']:.1f}%",
+                          num(r["max_top1_prob_change_pts"]), f"{100 * r['rel_err']:.2f}%", num(r.get("bs1_ms"), 2),
+                          num(r.get("bs8_img_s")), num(r.get("bs8_x_fp32"), 2), num(r.get("bs8_x_bf16"), 2),
+                          num(r.get("bs1_x_bf16"), 2)])
+        real = name == "efficientnet_lite0"
+        lines += ["", table(["engine", "top1", "top1 not calib", "max dp pts", "logit err", "bs1 ms", "bs8 img/s",
+                             "bs8 x fp32", "bs8 x bf16", "bs1 x bf16"], cells,
+                            title=f"{name}: vs eager fp32 on {m['photos']} photos ({m['not_calibration']} not calibration); "
+                                  f"speed on {out['threads']} thread(s), {out['clock']}"
+                                  + ("" if real else " (seeded weights: top-1 is not meaningful, logit error is)"))]
+    lite = out["models"].get("efficientnet_lite0", {}).get("rows", {})
+    served = lite.get(f"ours-int8[{'+'.join(out['served']) or 'none'}]", {})
+    if "top1_agree" in served:
+        ok_top1 = served["top1_agree"] >= out["target_top1"]
+        ok_speed = (served.get("bs8_x_bf16") or 0) >= out["target_x_bf16"]
+        lines.append(f"\nserved int8 ({'+'.join(out['served']) or 'nothing'} left in fp32): top-1 "
+                     f"{100 * served['top1_agree']:.1f}% ({'MET' if ok_top1 else 'NOT MET'}, target "
+                     f">= {100 * out['target_top1']:.0f}%), bs8 {num(served.get('bs8_x_bf16'), 2)}x bf16 "
+                     f"({'MET' if ok_speed else 'NOT MET'}, >= {out['target_x_bf16']}x for auto to consider int8)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main(__doc__, add_arguments, run)
