@@ -5,8 +5,8 @@ The one home of a model's name, title, description and input sizes. The settings
 the page read it; ``webapp/models.py`` builds each entry (architecture, weights, preprocessing).
 Adding a model: one ``ModelEntry`` here and one builder in ``models.BUILDERS``.
 
-Torch-free and cheap to import: ``gunicorn.conf.py`` reads the settings in the master, where torch
-must never be imported. The sizes of the torchvision model are torchvision's own
+Torch-free and cheap to import: ``gunicorn.conf.py`` reads the settings in the master first thing
+(before ``webapp/preload.py`` imports torch there). The sizes of the torchvision model are torchvision's own
 (``ResNet18_Weights.IMAGENET1K_V1.transforms()``: resize 256, crop 224); a test checks that the
 numbers here equal what each builder's preprocessing really uses.
 """

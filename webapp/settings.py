@@ -5,8 +5,9 @@ table and ``/healthz`` all read this table; nothing else defines a default. Valu
 parsed and checked once, at start-up, and a bad value stops the start with a message that
 names the variable, the value and what is allowed (Datasette's settings table is the model).
 
-This module must stay cheap to import: ``gunicorn.conf.py`` reads it in the master, where
-torch must never be imported (forking after OpenMP starts hangs workers).
+This module must stay cheap to import: ``gunicorn.conf.py`` reads it in the master first thing
+(torch comes later there, in ``on_starting``, and never starts its thread pools: forking after
+OpenMP starts hangs workers; ``webapp/preload.py``).
 """
 
 from __future__ import annotations
