@@ -100,8 +100,14 @@ def choose_precision(requested: str) -> tuple[str, str]:
 
 
 def cache_key(*parts) -> str:
-    """A short stable key for a cached artefact: model, weights, torch version, calibration..."""
-    return hashlib.sha256("|".join(map(str, (*parts, torch.__version__))).encode()).hexdigest()[:16]
+    """A short stable key for a cached artefact: model, weights, torch version, calibration..., and the
+    source of the modules that decide what a package or program holds (the bf16 policy, int8
+    quantization, packaging), so a changed policy never loads an artefact made by the old one."""
+    from . import aoti, bf16, quantize
+
+    code = b"".join(Path(m.__file__).read_bytes() for m in (aoti, bf16, quantize))
+    text = "|".join(map(str, (*parts, torch.__version__, hashlib.sha256(code).hexdigest())))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Engine:
