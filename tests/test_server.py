@@ -17,6 +17,7 @@ import requests
 from PIL import Image, ImageOps
 
 from conftest import DOG_BREEDS, SHARED_IMAGES, shared_image
+from fleet import NO_TIME_LIMIT
 from serving import Server
 
 pytestmark = pytest.mark.server
@@ -26,8 +27,10 @@ pytestmark = pytest.mark.server
 def server(tmp_path_factory):
     if not SHARED_IMAGES.is_dir():
         pytest.skip(f"{SHARED_IMAGES} is absent")
+    # Admission by time off (tests/test_admission.py covers it): the 48-request burst below is about each
+    # request getting its own answer, and on a loaded 2-core box the 1 s budget refused some of it (429).
     srv = Server(tmp_path_factory.mktemp("gunicorn") / "server.log", MODEL="efficientnet_lite0", COMPILE=1,
-                 MAX_BATCH_SIZE=4, WORKERS=2, THREADS=1)
+                 MAX_BATCH_SIZE=4, WORKERS=2, THREADS=1, MAX_WAIT_MS=NO_TIME_LIMIT)
     srv.health = srv.wait_ready(workers=2)
     yield srv
     srv.stop_cleanly()
