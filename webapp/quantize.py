@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .bf16 import bf16_layers
+
 log = logging.getLogger(__name__)
 
 # Layer groups (see ``layer_names``) int8 leaves in fp32, chosen by bench/int8_bench.py.
@@ -48,26 +50,16 @@ class _Wrap(nn.Module):
 
 
 def layer_names(module: nn.Module, group: str) -> list[str]:
-    """Names of ``module``'s layers in one group (empty where the model has none).
+    """Names of ``module``'s layers in one of int8's groups (``GROUPS``; empty where the model has none).
 
-    ``stem``: the first Conv2d. ``head``: the last Linear and, where the last Conv2d is 1x1
-    (EfficientNet's ``conv_head``), that conv. ``depthwise``: Conv2d with groups == in_channels > 1.
-    ``project``: timm's 1x1 projection convs (``conv_pwl``), which write the residual stream.
+    The same layer groups as the bf16 policy's (``bf16.bf16_layers``: ``stem``, ``head``, ``depthwise``,
+    ``project``), picked by that one function so that both precisions mean the same layers by a name.
 
-    :raises ValueError: an unknown group.
+    :raises ValueError: a group int8 does not know.
     """
-    mods = list(module.named_modules())
-    convs = [(n, m) for n, m in mods if isinstance(m, nn.Conv2d)]
-    if group == "stem":
-        return [n for n, _ in convs[:1]]
-    if group == "head":
-        conv = [n for n, m in convs[1:][-1:] if m.kernel_size == (1, 1)]
-        return conv + [n for n, m in mods if isinstance(m, nn.Linear)][-1:]
-    if group == "depthwise":
-        return [n for n, m in convs if m.groups > 1 and m.groups == m.in_channels]
-    if group == "project":
-        return [n for n, _ in convs if n.endswith("conv_pwl")]
-    raise ValueError(f"unknown int8 layer group {group!r}; known: {', '.join(GROUPS)}")
+    if group not in GROUPS:
+        raise ValueError(f"unknown int8 layer group {group!r}; known: {', '.join(GROUPS)}")
+    return bf16_layers(module, group)
 
 
 def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
