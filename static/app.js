@@ -6,7 +6,7 @@
 // sent and the timing. The language switch applies in place.
 // Strings and Chinese labels come from /i18n/<lang>.json (labels by ImageNet class index).
 
-import { prepare, scalingOn, sendShortSide } from "./scale.js";
+import { prepare, scalingOn, sendSize } from "./scale.js";
 
 const MAX_PARALLEL = 4;     // photos in flight at once
 const MAX_RETRIES = 2;      // automatic retries of a 429/503 that asks to wait at most RETRY_MAX_S
@@ -24,7 +24,7 @@ const topk = document.getElementById("topk");
 const pickers = [document.getElementById("file"), document.getElementById("camera")];
 
 doc.classList.replace("no-js", "js");
-if (scalingOn) sendShortSide(body.dataset.models);   // fetched once, before the first photo needs it
+if (scalingOn) sendSize(body.dataset.models);     // fetched once, before the first photo needs it
 else document.getElementById("privacy").hidden = true;   // ?scale=0 (a diagnostic): originals go up
 
 const state = { lang: body.dataset.lang, i18n: null, items: [], queue: [], running: 0, batch: null };
@@ -136,8 +136,8 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 
 // The upload (scaled copy or original) and the preview, from one decode of the photo.
 async function prepareItem(item) {
-  const short = scalingOn ? await sendShortSide(body.dataset.models) : null;
-  item.sent = await prepare(item.file, short);
+  const send = scalingOn ? await sendSize(body.dataset.models) : null;
+  item.sent = await prepare(item.file, send);
   item.thumb = item.sent.thumb;
   item.card.dataset.sent = item.sent.why;
   render(item);

@@ -1,32 +1,41 @@
 // Make each photo's upload and preview from one decode: the photo scaled in the browser to what the
-// model needs, so a 3 MB phone photo goes up as a ~70 KB JPEG without its EXIF (no GPS position,
-// no camera serial), or, whenever that cannot be done or gains nothing, the original bytes.
+// model needs, so a 3 MB phone photo goes up as a ~130 KB lossless copy without its EXIF (no GPS
+// position, no camera serial), or, whenever that cannot be done or gains nothing, the original bytes.
 //
-// The size comes from GET /api/v1/models (`send_short_side` of the serving model: twice the short
-// side the server resizes to, so its own antialiased resize still has margin). The decode applies
-// the EXIF orientation (createImageBitmap's default), so the copy is upright and needs no EXIF.
-// Originals go up when: scaling is off (`?scale=0`, a diagnostic), the size is unknown, the file is
-// not a format we recognise (the server names it in its 415), the browser cannot decode it (HEIC
-// outside Safari, TIFF...), the photo is at or below the size already, the copy does not at least
-// halve the bytes (MIN_SAVING), or anything fails on the way: the optimisation never loses a photo.
+// The copy is the very image the server's own first step would make from the original: scaled to
+// `send_short_side` (the serving model's resize size, from GET /api/v1/models) with Pillow's
+// resampling reproduced pixel for pixel (static/resample.js, the filter named by `send_resample`),
+// and encoded losslessly (WebP, else PNG; decoded back and compared before it is sent). So the
+// model answers the copy as it answers the original, to the pixel: a lossy or differently resampled
+// copy moved its top-1 probability by up to 15 points (JPEG q0.9 at 2x size: 5-12 points here).
+// The decode applies the EXIF orientation (createImageBitmap's default), so the copy is upright and
+// needs no EXIF; colours are taken as stored (no ICC conversion), as the server takes them.
+// Originals go up when: scaling is off (`?scale=0`, a diagnostic), the size or filter is unknown, the
+// file is not a format we recognise (the server names it in its 415), the browser cannot decode it
+// (HEIC outside Safari, TIFF...), the photo is at or below the size already, the copy is no smaller,
+// or anything fails on the way: the optimisation never loses a photo.
 
-const JPEG_QUALITY = 0.9;   // bench/page_bench.py encodes its stand-in for this copy with Pillow quality=90
-// A copy must be at most 1/MIN_SAVING of the original's bytes to be sent instead: a copy changes the
-// pixels the model sees, and one that saves little is not worth it (dog.jpg, 768x576, 164 KB -> 95 KB
-// moved the offline model's top-1 probability by 9.8 points, 40.2% -> 50.0%, in the browser test).
-const MIN_SAVING = 2;
+import { FILTERS, resize, resizedSize } from "./resample.js";
+
+const THUMB_QUALITY = 0.9;  // the preview's JPEG (only shown on the page, never sent)
 const THUMB_PX = 320;       // preview size (long side), drawn to a canvas: the CSP allows data: images only
+const LOSSLESS = ["image/webp", "image/png"];   // WebP at quality 1 is lossless in Chromium; checked anyway
 
 export const scalingOn = new URLSearchParams(location.search).get("scale") !== "0";
 
 let target = null;
-/** The short side (px) worth sending, from GET /api/v1/models; null where it cannot be had. */
-export function sendShortSide(url) {
+/**
+ * What to scale to, from GET /api/v1/models: { short, resample } of the serving model (short side in
+ * px, and the name of the resampling filter), or null where it cannot be had or the filter is not one
+ * this page reproduces (then originals go up).
+ */
+export function sendSize(url) {
   target ??= fetch(url, { headers: { Accept: "application/json" } })
     .then((r) => (r.ok ? r.json() : null))
     .then((j) => {
       const m = j?.models?.find((x) => x.serving) ?? j?.models?.find((x) => x.name === j.requested);
-      return Number.isInteger(m?.send_short_side) && m.send_short_side > 0 ? m.send_short_side : null;
+      const short = m?.send_short_side, resample = m?.send_resample;
+      return Number.isInteger(short) && short > 0 && Object.hasOwn(FILTERS, resample) ? { short, resample } : null;
     })
     .catch(() => null);
   return target;
@@ -52,19 +61,6 @@ export async function sniff(file) {
   return null;
 }
 
-// Whether createImageBitmap knows `resizeQuality`: a browser reads every dictionary member it knows,
-// so the getter runs only where the option is understood (elsewhere it would be silently ignored).
-let highQuality = null;
-async function resizeQualityKnown() {
-  if (highQuality === null) {
-    let read = false;
-    const probe = { resizeWidth: 1, resizeHeight: 1, get resizeQuality() { read = true; return "high"; } };
-    try { (await createImageBitmap(new ImageData(1, 1), probe)).close(); } catch { /* read stays as it is */ }
-    highQuality = read;
-  }
-  return highQuality;
-}
-
 function canvas(w, h) {
   if (typeof OffscreenCanvas !== "undefined") return new OffscreenCanvas(w, h);
   return Object.assign(document.createElement("canvas"), { width: w, height: h });
@@ -82,30 +78,62 @@ function draw(src, w, h) {
   return c;
 }
 
-// bmp scaled to w x h: createImageBitmap's high-quality resize where the browser has it, else halving
-// steps on a canvas (one bilinear step from far above the size would alias: every step at most 2x).
-async function resize(bmp, w, h) {
-  if (await resizeQualityKnown()) {
-    return createImageBitmap(bmp, { resizeWidth: w, resizeHeight: h, resizeQuality: "high" });
-  }
-  let src = bmp, sw = bmp.width, sh = bmp.height;
-  while (sw / 2 >= w && sh / 2 >= h) {
-    sw = Math.round(sw / 2);
-    sh = Math.round(sh / 2);
-    src = draw(src, sw, sh);
-  }
-  return draw(src, w, h);
+async function encode(c, type, quality) {
+  if (c.convertToBlob) return c.convertToBlob({ type, quality });
+  return new Promise((ok, fail) => c.toBlob((b) => (b ? ok(b) : fail(new Error("toBlob"))), type, quality));
 }
 
-async function jpeg(c) {
-  if (c.convertToBlob) return c.convertToBlob({ type: "image/jpeg", quality: JPEG_QUALITY });
-  return new Promise((ok, fail) => c.toBlob((b) => (b ? ok(b) : fail(new Error("toBlob"))), "image/jpeg", JPEG_QUALITY));
+// The RGBA bytes (ImageData.data) of the w x h region at (x, y) of a drawable, unscaled, on white (the
+// server turns transparency white; every pixel is then opaque), colours as stored.
+function pixels(src, w, h, x = 0, y = 0) {
+  const c = canvas(w, h);
+  const ctx = c.getContext("2d", { willReadFrequently: true });   // read back, not drawn on a GPU
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, w, h);
+  ctx.drawImage(src, -x, -y);
+  return ctx.getImageData(0, 0, w, h).data;
+}
+
+// The part of a w x h photo the server resizes: all of it, or of a strip over 2:1 its central 2:1
+// (webapp/imaging.py center_limit, which crops before the resize). Returns [x, y, width, height].
+function serverView(w, h) {
+  const short = Math.min(w, h), long = Math.max(w, h);
+  if (long <= 2 * short) return [0, 0, w, h];
+  const keep = 2 * short, off = Math.floor((long - keep) / 2);
+  return w > h ? [off, 0, keep, h] : [0, off, w, keep];
+}
+
+async function samePixels(blob, want, w, h) {
+  const back = await createImageBitmap(blob, { colorSpaceConversion: "none", premultiplyAlpha: "none" });
+  try {
+    if (back.width !== w || back.height !== h) return false;
+    const got = pixels(back, w, h);
+    for (let i = 0; i < want.length; i += 4) {
+      if (got[i] !== want[i] || got[i + 1] !== want[i + 1] || got[i + 2] !== want[i + 2]) return false;
+    }
+    return true;
+  } finally {
+    back.close();
+  }
+}
+
+// `rgba` (w x h, opaque) as a lossless file: the first of LOSSLESS this browser encodes and that decodes
+// back to the same pixels (a browser whose WebP at quality 1 is lossy, or that writes PNG for an encoder
+// it lacks, is caught here). Throws where none does.
+async function lossless(rgba, w, h) {
+  const c = canvas(w, h);
+  c.getContext("2d").putImageData(new ImageData(rgba, w, h), 0, 0);
+  for (const type of LOSSLESS) {
+    const blob = await encode(c, type, 1);
+    if (blob.type === type && (await samePixels(blob, rgba, w, h))) return { blob, canvas: c };
+  }
+  throw new Error("no lossless encoder");
 }
 
 async function thumbnail(src) {
   const s = Math.min(1, THUMB_PX / Math.max(src.width, src.height));
   const c = draw(src, Math.max(1, Math.round(src.width * s)), Math.max(1, Math.round(src.height * s)));
-  const blob = await jpeg(c);
+  const blob = await encode(c, "image/jpeg", THUMB_QUALITY);
   return new Promise((ok) => {
     const r = new FileReader();
     r.onload = () => ok(r.result);
@@ -115,39 +143,39 @@ async function thumbnail(src) {
 }
 
 /**
- * What to send for `file`, and its preview, from one decode.
+ * What to send for `file`, and its preview, from one decode. `send` is sendSize()'s { short, resample }.
  * Resolves to { blob, original, thumb, why }: `blob` the bytes to upload (the file itself, or the
- * scaled JPEG); `original` {width, height, format, bytes} of the photo when `blob` is a scaled copy
- * (the page sends it as the original_* fields), else null; `thumb` a data: URL or null (not
- * decodable here); `why` a word for tests and the console: scaled | off | unknown | undecodable |
- * small | larger (the copy would not halve the bytes) | failed. Never rejects.
+ * scaled lossless copy); `original` {width, height, format, bytes} of the photo when `blob` is a
+ * scaled copy (the page sends it as the original_* fields), else null; `thumb` a data: URL or null
+ * (not decodable here); `why` a word for tests and the console: scaled | off | unknown | undecodable |
+ * small | larger (the copy would be no smaller) | failed. Never rejects.
  */
-export async function prepare(file, short) {
+export async function prepare(file, send) {
   const plain = (why, thumb = null) => ({ blob: file, original: null, thumb, why });
   const format = await sniff(file).catch(() => null);
   let bmp;
   try {
-    bmp = await createImageBitmap(file);   // EXIF orientation applied: width/height are upright
+    // EXIF orientation applied: width/height are upright. Colours as stored: the server applies no ICC profile.
+    bmp = await createImageBitmap(file, { colorSpaceConversion: "none" });
   } catch {
     return plain(format ? "undecodable" : "unknown");   // the server may still read it, or says why not
   }
-  let scaled = null;
   try {
     const thumbFrom = async (src) => thumbnail(src).catch(() => null);
     if (!scalingOn) return plain("off", await thumbFrom(bmp));
-    if (!format || !short) return plain("unknown", await thumbFrom(bmp));
-    const s = short / Math.min(bmp.width, bmp.height);
-    if (s >= 1) return plain("small", await thumbFrom(bmp));
-    const w = Math.max(1, Math.round(bmp.width * s)), h = Math.max(1, Math.round(bmp.height * s));
-    scaled = await resize(bmp, w, h);
-    const [blob, thumb] = await Promise.all([jpeg(draw(scaled, w, h)), thumbFrom(scaled)]);
-    if (blob.size * MIN_SAVING > file.size) return plain("larger", thumb);
-    return { blob, thumb, why: "scaled",
-             original: { width: bmp.width, height: bmp.height, format, bytes: file.size } };
+    if (!format || !send) return plain("unknown", await thumbFrom(bmp));
+    const { width, height } = bmp;
+    if (Math.min(width, height) <= send.short) return plain("small", await thumbFrom(bmp));
+    const [x, y, vw, vh] = serverView(width, height);
+    const [w, h] = resizedSize(vw, vh, send.short);
+    const rgba = resize(pixels(bmp, vw, vh, x, y), vw, vh, w, h, send.resample);
+    const { blob, canvas: copy } = await lossless(rgba, w, h);
+    const thumb = await thumbFrom(copy);
+    if (blob.size >= file.size) return plain("larger", thumb);
+    return { blob, thumb, why: "scaled", original: { width, height, format, bytes: file.size } };
   } catch {
     return plain("failed", await thumbnail(bmp).catch(() => null));
   } finally {
-    scaled?.close?.();
     bmp.close();
   }
 }

@@ -21,6 +21,8 @@ def test_catalog_says_what_the_builder_builds(entry, tmp_path, monkeypatch):
     assert built.name == entry.name and built.title == entry.title and built.fallback_reason is None
     assert built.preprocessing.crop == entry.input_size and built.preprocessing.resize == entry.resize_size
     assert len(built.categories) == entry.categories and built.untrained == entry.untrained
+    # The filter a client must scale with to hand the server its own pixels (the page's static/resample.js)
+    assert built.preprocessing.interpolation.value == entry.send_resample == "bilinear"
 
 
 def test_resnet18_sizes_are_torchvisions_own():
@@ -50,9 +52,10 @@ def test_api_lists_the_catalog(client):
     body = client.get("/api/v1/models").get_json()
     assert [(m["name"], m["input_size"], m["categories"]) for m in body["models"]] == \
         [(m.name, m.input_size, m.categories) for m in catalog.MODELS]
-    # The size worth sending (the page scales photos to it in the browser): twice the resize size.
-    assert [m["send_short_side"] for m in body["models"]] == [2 * m.resize_size for m in catalog.MODELS] == \
-        [512, 512, 512]
+    # The size worth sending (the page scales photos to it in the browser) and the filter to scale with:
+    # the model's own resize, so that the copy is the image the server itself would make.
+    assert [(m["send_short_side"], m["send_resample"]) for m in body["models"]] == \
+        [(m.resize_size, "bilinear") for m in catalog.MODELS] == [(256, "bilinear")] * 3
     titles = {m["name"]: m["title"] for m in body["models"] if not m["serving"]}
     assert titles == {m.name: m.title for m in catalog.MODELS if m.name in titles}
 

@@ -40,6 +40,7 @@ def models():
     for m in catalog.MODELS:
         entry = {"name": m.name, "title": m.title, "description": m.description,
                  "categories": m.categories, "input_size": m.input_size, "send_short_side": m.send_short_side,
+                 "send_resample": m.send_resample,
                  "precision": serving.get("precision", clf.settings.PRECISION) if serving else clf.settings.PRECISION,
                  "serving": False}
         if serving is not None and serving["name"] == m.name:

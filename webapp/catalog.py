@@ -38,15 +38,25 @@ class ModelEntry:
 
     @property
     def send_short_side(self) -> int:
-        """px: the short side worth sending for this model, 2x ``resize_size``.
+        """px: the short side worth sending for this model: ``resize_size``, the size its preprocessing
+        resizes to first.
 
-        A photo scaled to it before upload (the page does so in the browser; scripts can with
-        Pillow, see README) gives the same labels as the full photo: the server still resizes
-        it with antialiasing, from twice the size it needs. Anything larger only costs upload
-        time and server decode time (a 12 MP JPEG takes ~35 ms to decode even at 1/8 scale).
+        A copy scaled to exactly this size with the server's own filter (``send_resample``: Pillow's
+        antialiased resize, which the server's ``Resize`` is) and sent losslessly is the very image
+        the server would make from the original, so the model answers it alike (the page does this in
+        the browser, ``static/resample.js``; scripts with Pillow, see README). Anything larger only
+        costs upload and decode time (a 12 MP JPEG takes ~35 ms to decode even at 1/8 scale). A lossy
+        or differently resampled copy is not alike: JPEG at quality 0.9 and twice this size moved the
+        offline model's top-1 probability by 5-12 points on the shared photos (tests/test_browser.py).
         """
-        return 2 * self.resize_size
+        return self.resize_size
 
+    @property
+    def send_resample(self) -> str:
+        """The filter a client scaling to ``send_short_side`` must use to give the server its own pixels:
+        Pillow's name for it (``Image.Resampling``, lower case). Every model here resizes bilinear
+        (torchvision's default; a test checks each builder's preprocessing against it)."""
+        return "bilinear"
 
 # fmt: off
 MODELS: tuple[ModelEntry, ...] = (

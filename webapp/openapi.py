@@ -210,20 +210,20 @@ SCHEMAS: dict[str, Any] = {
     },
     "ModelEntry": {
         "type": "object",
-        "required": ["name", "title", "description", "categories", "input_size", "send_short_side", "precision",
-                     "serving"],
+        "required": ["name", "title", "description", "categories", "input_size", "send_short_side",
+                     "send_resample", "precision", "serving"],
         "properties": {
             "name": {"type": "string", "enum": list(catalog.NAMES)},
             "title": _STR,
             "description": _STR,
             "categories": {"type": "integer", "minimum": 1},
             "input_size": {"type": "integer", "minimum": 1},
-            "send_short_side": {"type": "integer", "minimum": 1,
-                                "description": "px: the short side worth sending for this model (2x the size it "
-                                               "resizes to). A photo scaled down to it before upload (JPEG, no EXIF "
-                                               "needed once it is upright) gets the same labels as the full photo, "
-                                               "with far fewer bytes and less server time; larger photos gain "
-                                               "nothing. The page scales to it in the browser."},
+            "send_short_side": {"type": "integer", "minimum": 1, "description": "px: the short side worth "
+                                "sending (the size the model resizes to first). A copy scaled to it with `send_resample` "
+                                "and sent lossless (PNG, WebP) with no EXIF is the image the server itself would make "
+                                "from the photo: the same answer, far fewer bytes. The page does so in the browser."},
+            "send_resample": {"type": "string", "enum": ["bilinear"], "description": "The filter for that: "
+                              "Pillow's antialiased `Image.resize` filter of this name, which the server uses."},
             "precision": {"type": "string", "description": "The arithmetic it runs in on this server: the "
                                                            "serving engine's (`auto` resolved); `CLASSIFIER_PRECISION` "
                                                            "as set before a model is loaded."},
