@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import random
 import subprocess
 import sys
 import threading
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import ROOT, SHARED_IMAGES, shared_image
+from conftest import ROOT, SHARED_IMAGES, encode, shared_image
 from serving import Server, free_port
 from webapp.cli import remote
 from webapp.settings import PREFIX
@@ -230,18 +231,48 @@ def test_retries_are_bounded_and_end_in_an_error(tmp_path, monkeypatch):
 # -- local scaling ----------------------------------------------------------------------------------------
 def test_big_photos_are_scaled_upright_and_described_as_the_original():
     data = shared_image("phone-12mp-exif-rotated.jpg").read_bytes()
-    body, info = remote.scaled(data, 512)
+    body, info = remote.scaled(data, 256)
     assert info == {"width": 4032, "height": 3024, "format": "JPEG"}  # upright, as the server reports it
-    assert len(body) < len(data) / 2
-    with Image.open(io.BytesIO(body)) as im:  # the server's own 1/4 DCT scale (>= 512 px), upright, lossless
-        assert im.format == "PNG" and im.size == (1008, 756) and "exif" not in im.info
-    kite = shared_image("kite.jpg").read_bytes()  # 1352x900: its 1/2 scale (676x450) is under 512 px
-    assert remote.scaled(kite, 512)[0] == kite
+    assert len(body) < len(data) / 20
+    with Image.open(io.BytesIO(body)) as im:  # the server's resize of its own 1/4 DCT scale, upright, lossless
+        assert im.format == "WEBP" and im.size == (341, 256) and "exif" not in im.info
+        mine = im.convert("RGB")
+    # The server's own first steps on the original (fast decode, then its Resize): the very same pixels.
+    from webapp import imaging
+    theirs = imaging.decode(data, max_pixels=10**8, min_side=256).image
+    theirs = theirs.resize((341, 256), Image.Resampling.BILINEAR)
+    assert mine.tobytes() == theirs.tobytes()
+    kite = shared_image("kite.jpg").read_bytes()  # 1352x900: no DCT scale keeps 512 px; resized from full size
+    body, _ = remote.scaled(kite, 256)
+    with Image.open(io.BytesIO(body)) as im:
+        assert im.size == (384, 256) and im.convert("RGB").tobytes() == \
+            Image.open(io.BytesIO(kite)).convert("RGB").resize((384, 256), Image.Resampling.BILINEAR).tobytes()
+
+
+def test_a_strip_is_sent_as_the_part_the_server_keeps():
+    """Over 2:1, the server keeps the central 2:1 (imaging.center_limit) before its resize: so does the copy,
+    and the model's input from the copy is the original's, value for value."""
+    rng = random.Random(1)
+    noise = Image.frombytes("RGB", (300, 60), bytes(rng.randrange(256) for _ in range(300 * 60 * 3)))
+    strip = encode(noise.resize((3000, 600), Image.Resampling.BICUBIC), "JPEG", quality=95)
+    body, info = remote.scaled(strip, 256)
+    assert info == {"width": 3000, "height": 600, "format": "JPEG"}
+    with Image.open(io.BytesIO(body)) as im:
+        assert im.format == "WEBP" and im.size == (512, 256)
+        copy = im.convert("RGB")
+    from webapp import imaging, models
+    transform = imaging.build_transform(models.LITE0_PREPROCESSING)
+    want = imaging.preprocess(imaging.decode(strip, max_pixels=10**8, min_side=256).image, transform)
+    assert (imaging.preprocess(copy, transform) == want).all()
 
 
 def test_small_or_unreadable_files_are_sent_as_they_are():
-    dog = shared_image("dog.jpg").read_bytes()  # 768x576: its 1/2 scale as PNG would be larger than the JPEG
-    assert remote.scaled(dog, 512) == (dog, {"width": 768, "height": 576, "format": "JPEG"})
-    scream = shared_image("scream.jpg").read_bytes()  # 352x448: under 512
-    assert remote.scaled(scream, 512) == (scream, {"width": 352, "height": 448, "format": "JPEG"})
-    assert remote.scaled(b"not a photo", 512) == (b"not a photo", None)
+    scream = shared_image("scream.jpg").read_bytes()  # 352x448: at or under the size already
+    assert remote.scaled(scream, 352) == (scream, {"width": 352, "height": 448, "format": "JPEG"})
+    rng = random.Random(0)  # noise at JPEG quality 10: a lossless copy of it would be larger than the file
+    noisy = Image.frombytes("RGB", (600, 400), bytes(rng.randrange(256) for _ in range(600 * 400 * 3)))
+    small = encode(noisy, "JPEG", quality=10)
+    assert remote.scaled(small, 256) == (small, {"width": 600, "height": 400, "format": "JPEG"})
+    png = encode(noisy, "PNG")  # not a JPEG: the server's decode has no reduced scale to mirror
+    assert remote.scaled(png, 256) == (png, {"width": 600, "height": 400, "format": "PNG"})
+    assert remote.scaled(b"not a photo", 256) == (b"not a photo", None)

@@ -5,12 +5,14 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
 ``POST /api/v1/predict``. What makes it fit for a big folder and a busy server:
 
 - **Scaled locally first** (unless ``--no-scale``): a JPEG whose short side is over what
-  ``GET /api/v1/models`` says is worth sending for the serving model (``send_short_side``, 2x its
-  resize size) is decoded at reduced scale (Pillow ``draft``: libjpeg's DCT scaling) exactly as the
-  server's fast decode would, turned upright (EXIF) and sent as lossless PNG, under that short side:
-  the same pixels reach the model, so the same answers (``scaled``). A 3.2 MB 12 MP phone photo is
-  sent as ~1.4 MB (its 1/4 DCT scale, 1008x756). The results still report the original's upright size and format, as local
-  ``classify`` does. Any other file is sent as it is (the server says what is wrong, if anything).
+  ``GET /api/v1/models`` says is worth sending for the serving model (``send_short_side``: its resize
+  size) goes through the server's own first steps here (decoded at reduced scale with Pillow ``draft``
+  exactly as the server's fast decode would, turned upright (EXIF), resized with the model's filter
+  ``send_resample`` to that short side) and is sent as lossless WebP: the server's resize of it is then
+  the identity, so the very same pixels reach the model, and the same answers (``scaled``). A 3.2 MB
+  12 MP phone photo is sent as ~130 KB (341x256). The results still report the original's upright size
+  and format, as local ``classify`` does. Any other file is sent as it is (the server says what is wrong,
+  if anything).
 - **N concurrent connections** (``--jobs``, default ``DEFAULT_JOBS``): a thread pool
   (``concurrency.client_pool``) over one urllib3 pool of keep-alive connections.
 - **Back-pressure honoured**: a 429 (``overloaded``, ``rate_limited``) or 503 (``not_ready``) is
@@ -115,17 +117,21 @@ def _reason(exc: Exception) -> str:
     return text.split(": ", 1)[-1] if "Failed to establish a new connection" in text else text
 
 
-def scaled(data: bytes, short_side: int) -> tuple[bytes, dict | None]:
+def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[bytes, dict | None]:
     """The bytes worth sending for a photo, and its original's upright ``{"width", "height", "format"}``.
 
-    ``short_side`` is ``send_short_side`` (px, 2x the model's resize size). A JPEG whose short side
-    is over it is decoded at reduced scale exactly as the server's fast decode would (Pillow
-    ``draft``: the smallest libjpeg DCT scale keeping the short side >= ``short_side``, 2x the
-    resize size), turned upright and sent as lossless PNG: the server then sees the very pixels
-    it would have decoded from the original, and answers the same labels and probabilities (a
-    resize to exactly ``short_side`` and a JPEG re-encode moved close third places on the shared
-    photos). Anything else (not JPEG, CMYK, a result no smaller) is ``data`` itself. The dict is
-    None where Pillow cannot read the file (then the server's answer describes it).
+    ``short_side`` is ``send_short_side`` (px, the model's resize size) and ``resample`` the model's
+    filter (``send_resample``, a Pillow filter name). A JPEG whose short side is over ``short_side``
+    goes through the server's own first steps (``imaging.decode`` with its fast path, then the
+    ``Resize`` of the model's preprocessing, which is Pillow's ``resize``): decoded at the smallest
+    libjpeg DCT scale keeping the short side >= 2x ``short_side`` (``draft``), box-reduced where even
+    1/8 leaves it >= 4x, turned upright, cropped to its central 2:1 where it is a longer strip
+    (``imaging.center_limit``), resized to torchvision's size for ``short_side`` and sent as
+    lossless WebP (no EXIF). The server's resize of it is then the identity: the model sees the very
+    pixels it would have from the original, and answers the same labels and probabilities (a resize
+    with another filter or a lossy re-encode moved top-1 probabilities by up to 15 points). Anything
+    else (not JPEG, CMYK, a result no smaller) is ``data`` itself. The dict is None where Pillow
+    cannot read the file (then the server's answer describes it).
     """
     from PIL import Image
 
@@ -140,17 +146,25 @@ def scaled(data: bytes, short_side: int) -> tuple[bytes, dict | None]:
         return data, None
     turned = orientation in (5, 6, 7, 8)  # the orientations that swap width and height
     info = {"width": height if turned else width, "height": width if turned else height, "format": fmt}
-    keep = short_side  # 2x the resize size: what the server's fast decode keeps (imaging.decode)
     if fmt != "JPEG" or img.mode not in ("RGB", "L") or min(width, height) <= short_side:
         return data, info
     try:
+        keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft, imaging._reduce)
         factor = keep / min(width, height)
-        img.draft(img.mode, (math.ceil(width * factor), math.ceil(height * factor)))  # as imaging._draft asks
-        img.load()
-        if img.size == (width, height):
-            return data, info
+        img.draft(img.mode, (math.ceil(width * factor), math.ceil(height * factor)))
+        img = exif.turn(img, orientation)
+        if min(img.size) // keep >= 2:
+            img = img.reduce(min(img.size) // keep)
+        img = img.convert("RGB")
+        w, h = img.size
+        if max(w, h) > 2 * min(w, h):  # a strip over 2:1: its central 2:1, as the server's center_limit keeps
+            keep = int(2 * min(w, h))
+            off = (max(w, h) - keep) // 2
+            img = img.crop((off, 0, off + keep, h) if w > h else (0, off, w, off + keep))
+            w, h = img.size  # torchvision's Resize(short_side): the long side is int(short * long / short_side)
+        size = (short_side, int(short_side * h / w)) if w <= h else (int(short_side * w / h), short_side)
         out = io.BytesIO()
-        exif.turn(img, orientation).save(out, format="PNG", compress_level=1)  # fast; still ~0.4x a phone JPEG
+        img.resize(size, Image.Resampling[resample.upper()]).save(out, format="WEBP", lossless=True)
     except Exception:  # damaged data: the server says so for the original
         return data, info
     return (out.getvalue(), info) if out.tell() < len(data) else (data, info)
@@ -160,7 +174,8 @@ def _error(code: str, message: str) -> dict:
     return {"code": code, "message": message}
 
 
-def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None) -> dict:
+def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None,
+                 resample: str = "bilinear") -> dict:
     """One file's result: ``{"width", "height", "format", "predictions", "batch_size", "retries"}`` or
     ``{"error": {"code", "message"}, "retries"}``. Never raises for a file, a server's refusal or a
     dropped connection (see the module docstring for the retries)."""
@@ -170,7 +185,7 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
         data = path.read_bytes()
     except OSError as exc:
         return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}"), "retries": 0}
-    body, info = scaled(data, short_side) if short_side else (data, None)
+    body, info = scaled(data, short_side, resample) if short_side else (data, None)
     waited, tries = 0.0, 0
     while True:
         tries += 1
@@ -233,14 +248,21 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"error: {exc}")
         return EXIT_FAILED
     short_side = None if args.no_scale else model.get("send_short_side")
+    from PIL import Image
+
+    resample = model.get("send_resample", "bilinear")  # a server from before the field: bilinear, as all here
+    if str(resample).upper() not in Image.Resampling.__members__:  # a filter Pillow lacks: send originals
+        short_side = None
     if not args.quiet:
         scale = "sent as they are" if short_side is None else f"over {short_side} px scaled locally first"
         err(f"classifying with {client.url}: {model.get('title', model['name'])}, {model.get('precision', '?')}; "
             f"{plural(jobs, 'connection')}, photos {scale}")
-    return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, jobs=jobs)
+    return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, resample=resample,
+                jobs=jobs)
 
 
-def _run(args, client: Client, model: str, items: list, *, topk: int, short_side: int | None, jobs: int) -> int:
+def _run(args, client: Client, model: str, items: list, *, topk: int, short_side: int | None, resample: str,
+         jobs: int) -> int:
     from concurrent.futures import as_completed
 
     from tqdm import tqdm
@@ -259,7 +281,8 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
     bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet, dynamic_ncols=True,
                desc="classify", mininterval=0.2)
     try:
-        futures = {pool.submit(classify_one, client, results[i]["_path"], topk=topk, short_side=short_side): i
+        futures = {pool.submit(classify_one, client, results[i]["_path"], topk=topk, short_side=short_side,
+                               resample=resample): i
                    for i in todo}
         for future in as_completed(futures):
             result = results[futures[future]]
