@@ -16,7 +16,7 @@ import pytest
 import requests
 from PIL import Image, ImageOps
 
-from conftest import DOG_BREEDS, SHARED_IMAGES, shared_image
+from conftest import DOG_BREEDS, ROOT, SHARED_IMAGES, shared_image
 from fleet import NO_TIME_LIMIT
 from serving import Server
 
@@ -83,6 +83,32 @@ def test_curl_like_multipart_upload(server):
 
     answer = json.loads(out.stdout)
     assert answer["model"]["name"] == "efficientnet_lite0" and set(top3(answer)) & DOG_BREEDS
+
+
+@pytest.mark.parametrize("photo", ["phone-12mp.jpg", "phone-12mp-exif-rotated.jpg", "kite.jpg"])
+def test_readme_scaling_snippet_gives_the_originals_answer(server, photo, tmp_path):
+    """The README's Pillow snippet for scripts ("Scripts gain from scaling too"), run as written against
+    this server: its lossless copy gets the original's answer (the same probabilities: the server's own
+    first steps, done by the client) for ~1/25 of the bytes, described as the original."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python", readme.index("Scripts gain from scaling too"))
+    code = readme[start + len("```python"):readme.index("```", start + 9)]
+    code = code.replace('"http://localhost:8000"', repr(server.url)).replace(
+        '"../shared/images/phone-12mp.jpg"', repr(str(shared_image(photo))))
+    code = code.replace("print(requests.post(", "answer = (requests.post(")
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    sent = scope["buf"].getvalue()
+    (got,) = scope["answer"]["results"]
+    (want,) = predict(server, shared_image(photo).read_bytes(), photo)["results"]
+    assert (got["width"], got["height"], got["format"], got["bytes"]) == \
+        (want["width"], want["height"], want["format"], want["bytes"])
+    assert got["scaled_by_client"]["format"] == "WEBP" and min(got["scaled_by_client"]["width"],
+                                                               got["scaled_by_client"]["height"]) == 256
+    assert len(sent) * 10 < want["bytes"]
+    assert [p["index"] for p in got["predictions"]] == [p["index"] for p in want["predictions"]]
+    for g, w in zip(got["predictions"], want["predictions"]):
+        assert g["probability"] == pytest.approx(w["probability"], abs=1e-4), (g, w)
 
 
 def distinct_photos() -> dict[str, bytes]:
