@@ -7,6 +7,11 @@ server), ``cluster`` (Ray), ``browser`` (Chromium) and ``slow`` (in-process, but
 quantizes a model: minutes on a small box) are set by the test module (``pytestmark``) or the test; a
 test with none of them is ``unit`` (``pytest_collection_modifyitems`` below adds the mark). The fast
 subset is ``python -m pytest -m unit``; a plain ``python -m pytest`` runs every kind.
+
+``extended`` is not a kind but a tier, set beside a test's kind (``slow``, ``server`` or ``cluster``): the
+expensive checks of rare paths (more precisions, more signals, repeated runs of a once-seen race) that
+would push the plain run past ~10 minutes on 2 cores. The plain run skips them, saying how to run them:
+``python -m pytest -m extended`` (CI runs that as its own step, so every test still runs in CI).
 """
 
 from __future__ import annotations
@@ -31,25 +36,34 @@ def shared_image(name: str) -> Path:
     return path
 
 
-KINDS = ("unit", "slow", "server", "cluster", "browser", "kit")  # registered in pytest.ini
+KINDS = ("unit", "slow", "server", "cluster", "browser", "kit")  # registered in pytest.ini (so is extended: a tier)
 
 
 def pytest_collection_modifyitems(config, items):
     """Give each test its kind: ``unit`` where none of the others is set; two kinds on one test is an error.
 
     ``kit`` tests (tests/test_kit.py: builds and installs the multi-GB air-gapped kit) run only when
-    the ``-m`` expression names ``kit``; in every other run they are skipped, saying how to run them.
+    the ``-m`` expression names ``kit``; ``extended`` tests only when it names ``extended``; in every
+    other run they are skipped, saying how to run them. ``extended`` on a test with no expensive kind
+    is an error: ``unit`` stays the fast in-process subset, and a quick test has no reason to leave the plain run.
     """
-    kit_asked = "kit" in (config.getoption("markexpr", "") or "")
+    markexpr = config.getoption("markexpr", "") or ""
+    kit_asked, extended_asked = "kit" in markexpr, "extended" in markexpr
     for item in items:
         kinds = {m.name for m in item.iter_markers() if m.name in KINDS}
+        extended = item.get_closest_marker("extended") is not None
         if not kinds:
+            if extended:
+                raise pytest.UsageError(f"{item.nodeid} is marked extended but has no kind (slow, server, cluster)")
             item.add_marker(pytest.mark.unit)
         elif len(kinds) > 1:
             raise pytest.UsageError(f"{item.nodeid} is marked {sorted(kinds)}: one kind per test")
         elif kinds == {"kit"} and not kit_asked:
             item.add_marker(pytest.mark.skip(reason="builds and installs the ~3 GB air-gapped kit (minutes): "
                                                     "run it with `python -m pytest -m kit`"))
+        elif extended and not extended_asked:
+            item.add_marker(pytest.mark.skip(reason="an extended check of a rare path, out of the plain run: "
+                                                    "run it with `python -m pytest -m extended`"))
 
 
 # ImageNet class indices 151..268: the dog breeds (the shared dog.jpg's top-1 is one of them).

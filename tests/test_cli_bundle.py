@@ -18,8 +18,10 @@ import pytest
 from webapp.cli import build_parser, bundle, kit
 
 ROOT = Path(__file__).resolve().parents[1]
-# Tests on a real (small) kit: pip download, install.sh, a venv: tens of seconds, so not in the `-m unit` subset.
-SMALL_KIT = pytest.mark.slow
+# Tests on a real (small) kit: pip download, install.sh, a venv: tens of seconds, so not in the `-m unit` subset;
+# and an air-gapped install is a rare path, so they run with `-m extended` (CI's own step), not in the plain run.
+def SMALL_KIT(test):
+    return pytest.mark.extended(pytest.mark.slow(test))
 
 
 def _fake_wheel(folder: Path, name: str, size: int = 10) -> Path:

@@ -336,6 +336,7 @@ def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
         assert row["error"] and row["labels"] == [] and row["probabilities"] == []
 
 
+@pytest.mark.extended  # a misconfigured job, ~13 s of actors failing on 2 cores: with `-m extended`
 def test_bulk_classify_says_why_the_model_cannot_start(ray_address, tmp_path):
     """No weights and no fallback: one line saying what to do, exit 2 (configuration), not a job that hangs or a
     traceback last."""

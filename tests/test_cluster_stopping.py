@@ -122,9 +122,14 @@ def _said(r) -> str:
     return f"{r.status_code} {r.text[:200]}" if isinstance(r, requests.Response) else repr(r)
 
 
-@pytest.mark.parametrize("sig, target", [("SIGTERM", "the command"), ("SIGTERM", "its group"),
-                                         ("SIGINT", "its group"), ("SIGTERM", "every process")],
-                         ids=["SIGTERM-command", "SIGTERM-group", "SIGINT-group", "SIGTERM-every-process"])
+# Each case starts its own Ray (~30 s on 2 cores). SIGTERM to the group is in the plain run: the command
+# gets it and passes it on as in the other cases, and the group signal must not reach Ray (the old hang);
+# the other three run with `-m extended` (CI runs that step too).
+@pytest.mark.parametrize("sig, target", [
+    pytest.param("SIGTERM", "the command", id="SIGTERM-command", marks=pytest.mark.extended),
+    pytest.param("SIGTERM", "its group", id="SIGTERM-group"),
+    pytest.param("SIGINT", "its group", id="SIGINT-group", marks=pytest.mark.extended),
+    pytest.param("SIGTERM", "every process", id="SIGTERM-every-process", marks=pytest.mark.extended)])
 def test_stop_is_bounded_and_leaves_nothing_running(local_serve, sig, target):
     phone = shared_image("phone-12mp.jpg").read_bytes()
     assert _post(local_serve.url, "phone-12mp.jpg", phone).status_code == 200  # serving: one request answered
