@@ -36,3 +36,30 @@ def test_call_with_timeout_stops_waiting_at_the_timeout():
     assert call_with_timeout(never.wait, 0.2) == (False, None)
     assert call_with_timeout(never.wait, 0.2, give_up=lambda: False) == (False, None)
     never.set()
+
+
+def test_lower_this_thread_lowers_only_the_calling_thread():
+    """Niceness is per thread on Linux: the thread that asks runs lower, its caller does not."""
+    import _thread
+    import os
+    import threading
+
+    from webapp.concurrency import lower_this_thread
+
+    me = os.getpriority(os.PRIO_PROCESS, _thread.get_native_id())
+    seen = {}
+
+    def worker():
+        tid = _thread.get_native_id()
+        lower_this_thread(5)
+        seen["after"] = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_this_thread(0)  # 0: nothing
+        seen["zero"] = os.getpriority(os.PRIO_PROCESS, tid)
+        lower_this_thread(40)  # never past 19
+        seen["most"] = os.getpriority(os.PRIO_PROCESS, tid)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert seen == {"after": min(19, me + 5), "zero": min(19, me + 5), "most": 19}
+    assert os.getpriority(os.PRIO_PROCESS, _thread.get_native_id()) == me

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -34,6 +36,32 @@ def server(tmp_path_factory):
     srv.health = srv.wait_ready(workers=2)
     yield srv
     srv.stop_cleanly()
+
+
+def thread_nices(pid: int) -> dict[int, int]:
+    """Native thread id -> niceness, for every thread of process ``pid`` (``/proc/PID/task/TID/stat``, field 19)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        out[int(task.name)] = int(stat[stat.rindex(")") + 2:].split()[16])
+    return out
+
+
+def test_decode_and_inference_threads_run_below_the_hub(server):
+    """CLASSIFIER_WORK_NICE (default 10): each worker's main thread (the gevent hub: connections, refusals,
+    /healthz) keeps its priority; its inference thread, and the decode threads once a photo has been decoded,
+    run 10 steps lower (webapp/concurrency.py)."""
+    for i in range(8):  # both workers decode something
+        predict(server, shared_image("dog.jpg").read_bytes(), f"dog{i}.jpg")
+    lowered = 0
+    for pid in server.health:
+        nices = thread_nices(pid)
+        base = nices[pid]
+        assert base == os.getpriority(os.PRIO_PROCESS, os.getpid()), nices  # the hub: as started
+        low = [tid for tid, n in nices.items() if n == min(19, base + 10)]
+        assert low, f"worker {pid}: no thread runs 10 steps lower: {nices}"
+        lowered += len(low)
+    assert lowered >= 3, "the two inference threads and at least one decode thread"
 
 
 def predict(server, data: bytes, name: str, topk: int = 3) -> dict:

@@ -14,6 +14,7 @@ import contextvars
 import logging
 import os
 import time
+from functools import partial
 from typing import Callable, Mapping
 
 import torch
@@ -21,7 +22,7 @@ import torch
 from . import imaging, preload, startup
 from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
-from .concurrency import Offloader, keep_alive, peer_closed, peer_sending
+from .concurrency import Offloader, keep_alive, lower_this_thread, peer_closed, peer_sending
 from .contract import Upload
 from .errors import ClientGone, NotReady, ServiceError, StartupError
 from .imaging import Prepared
@@ -106,9 +107,10 @@ class Classifier:
             self.batcher = InferenceBatcher(started.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
                                             batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
                                             request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died,
-                                            thread_init=started.engine.thread_init, wait=s.BATCH_WAIT)
+                                            thread_init=partial(_inference_thread_init, started.engine,
+                                                                s.WORK_NICE), wait=s.BATCH_WAIT)
             self.batcher.start()
-            self.offloader = Offloader(max_threads=max(2, started.threads))
+            self.offloader = Offloader(max_threads=max(2, started.threads), nice=s.WORK_NICE)
             self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=self.offloader.max_threads,
                                        image_ms=lambda: self.batcher.image_ms,
                                        queued=lambda: self.batcher.queue_depth + self.batcher.running_images)
@@ -333,6 +335,13 @@ class Classifier:
             # This process's memory (MB = 2**20 bytes): private (Private_Dirty, what each worker adds), pss, rss.
             "memory_mb": {k[:-len("_bytes")]: round(v / 2**20, 1) for k, v in preload.memory().items()},
         }
+
+
+def _inference_thread_init(engine, nice: int) -> None:
+    """First thing on the batcher's inference thread: below the hub by ``nice`` steps (``CLASSIFIER_WORK_NICE``,
+    see ``concurrency``), then the engine's own per-thread set-up (intra-op threads)."""
+    lower_this_thread(nice)
+    engine.thread_init()
 
 
 def _timed_prepare(data: bytes, *, gone: Callable[[], bool] | None = None, **kwargs) -> tuple[Prepared, float]:

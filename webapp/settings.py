@@ -217,6 +217,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BATCH_WAIT", _str, "company", "When a batch waits BATCH_TIMEOUT_MS for more images. company: only while "
             "other requests' photos are being decoded (a lone request runs at once); fixed: always (the old way, "
             "for benchmarks).", choices=("company", "fixed"), commands=(SERVE, CLASSIFY)),
+    Setting("WORK_NICE", _int, 10, "How many niceness steps below a worker's request-handling thread its decode "
+            "and inference threads run, so new connections, refusals and /healthz are answered at once while photos "
+            "are being worked on (at 2x overload: refusals in 8 ms p99 instead of 70). 0: the same priority.",
+            low=0, high=19, commands=(SERVE,)),
     Setting("QUEUE_SIZE", _int, 64, "Most images waiting in one worker's queue; more get 429 with Retry-After.",
             low=1, high=100_000),
     Setting("MAX_WAIT_MS", _float, 1000.0, "Latency budget (ms): a request this worker predicts it would answer "
