@@ -171,3 +171,44 @@ def test_bf16_is_packaged_ahead_of_time_and_reloaded(resnet, tmp_path):
     again = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded")
     assert time.perf_counter() - start < 10  # a later worker loads the package instead of compiling
     assert torch.allclose(again.predict(x), got, rtol=0, atol=1e-3 * float(got.abs().max()))
+
+
+FRESH_INT8_START = """
+import pathlib, sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+from test_engine import tiny_net
+from webapp.engine import Engine
+
+def no_photos():
+    raise AssertionError("a start with a package decoded its calibration photos")
+
+engine = Engine(tiny_net(), input_size=32, compile=True, precision="int8", calibration=no_photos,
+                cache_dir=pathlib.Path({cache!r}), cache_id="tiny")
+assert engine.backend == "aoti", engine.backend
+assert not [m for m in sys.modules if m.startswith("torchao")], "a package start imported torchao"
+torch.save(engine.predict(torch.load({x!r})), {out!r})
+"""
+
+
+@pytest.mark.slow  # an int8 AOTInductor package of a tiny net (~20 s on 2 cores), then a fresh process
+@pytest.mark.extended  # int8 is opt-in: with the other int8 checks in CI's `-m extended` step
+def test_an_int8_package_starts_without_torchao_or_its_photos(tmp_path):
+    """A warm int8 start is a package load: in a fresh process it imports no torchao (~1.5 s of imports: its
+    q/dq ops and lowering passes are compiled into the package) and decodes no calibration photo (~0.5 s),
+    and answers exactly as the process that built the package."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torch.manual_seed(3)
+    first = Engine(tiny_net(), input_size=32, compile=True, precision="int8",
+                   calibration=lambda: list(torch.randn(8, 3, 32, 32)), cache_dir=tmp_path, cache_id="tiny")
+    assert first.backend == "aoti"
+    x = torch.randn(3, 3, 32, 32)
+    torch.save(x, tmp_path / "x.pt")
+    tests = Path(__file__).parent
+    code = FRESH_INT8_START.format(root=str(tests.parent), tests=str(tests), cache=str(tmp_path),
+                                   x=str(tmp_path / "x.pt"), out=str(tmp_path / "out.pt"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert torch.equal(torch.load(tmp_path / "out.pt"), first.predict(x))

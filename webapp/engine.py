@@ -36,7 +36,7 @@ from torch import nn
 
 from .aoti import cpu_tag, load_or_build_aoti, package_path
 from .bf16 import BF16_KEEP_FP32, bf16_policy
-from .quantize import INT8_KEEP_FP32, load_or_quantize, register_int8_lowering
+from .quantize import INT8_KEEP_FP32, load_or_quantize
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,8 @@ class Engine:
     """Runs a model on batches: ``predict((N, 3, S, S) float32) -> (N, C) float32`` logits.
 
     ``precision`` is ``fp32``, ``bf16`` or ``int8`` (see module docstring); int8 needs
-    ``calibration`` images and leaves the layer groups ``int8_keep_fp32`` in fp32 (``webapp/quantize.py``).
+    ``calibration`` images ``(3, S, S) float32`` (a list, or a function that makes it, called only where
+    no package or saved program spares the quantization) and leaves the layer groups ``int8_keep_fp32`` in fp32 (``webapp/quantize.py``).
     ``compile=False`` runs eager (still channels_last, inference mode): it starts in about a second,
     for unit tests; int8 without compile runs the reference (simulated) quantized graph, slow, for
     tests only. With ``compile`` and a ``cache_dir``, ``backend`` is ``aoti`` (the package, see
@@ -122,7 +123,8 @@ class Engine:
     """
 
     def __init__(self, module: nn.Module, *, input_size: int, compile: bool, precision: str = "fp32",
-                 calibration: list[torch.Tensor] | None = None, reduce_range: bool = False,
+                 calibration: list[torch.Tensor] | Callable[[], list[torch.Tensor]] | None = None,
+                 reduce_range: bool = False,
                  cache_dir: Path | None = None, cache_id: str = "",
                  int8_keep_fp32: tuple[str, ...] = INT8_KEEP_FP32):
         if precision not in PRECISIONS:
@@ -137,7 +139,8 @@ class Engine:
         # What runs, as a function that makes it: int8 quantizes (or loads its program) only when no
         # package is there to load. bf16 runs the policy module (fp32 logits, some layers fp32).
         if precision == "int8":
-            register_int8_lowering()
+            # torchao's q/dq ops and x86 lowering passes (~1.5 s of imports) are registered by
+            # load_or_quantize, so only where a program is loaded or made: a package needs neither.
             variant = (reduce_range, int8_keep_fp32)
             make = lambda: load_or_quantize(module, calibration or [], input_size=input_size,
                                             cache_dir=cache_dir, cache_key=cache_key(cache_id, *variant),

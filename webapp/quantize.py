@@ -24,6 +24,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
@@ -103,11 +104,13 @@ def register_int8_lowering() -> None:
     import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer  # noqa: F401
 
 
-def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
+def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor] | Callable[[], list[torch.Tensor]], *,
+                     input_size: int,
                      cache_dir: Path | None, cache_key: str, reduce_range: bool = False,
                      keep_fp32: tuple[str, ...] = INT8_KEEP_FP32) -> nn.Module:
     """The int8 model (``quantize_int8``'s program as a module), from ``cache_dir`` when a program for
     ``cache_key`` was saved there, else quantized now and saved (written to a temporary name, renamed).
+    ``calibration``: the images ``(3, S, S) float32``, or a function that makes them (called only to quantize).
 
     :raises ValueError: it must be quantized and there are no calibration images.
     """
@@ -121,6 +124,7 @@ def load_or_quantize(module: nn.Module, calibration: list[torch.Tensor], *, inpu
         except Exception as exc:  # a cache from another version: rebuild it
             log.warning("ignoring int8 cache %s: %s", path, exc)
     t0 = time.perf_counter()
+    calibration = calibration() if callable(calibration) else calibration
     program = quantize_int8(module, calibration, input_size=input_size, reduce_range=reduce_range,
                             keep_fp32=keep_fp32)
     log.info("int8: quantized with %d calibration images in %.1f s (%s left in fp32)", len(calibration),

@@ -92,21 +92,24 @@ def use_cache_dir(settings) -> Path:
     return cache
 
 
-def calibration(settings, transform: v2.Compose) -> tuple[list[torch.Tensor], str]:
-    """int8 calibration photos (``CALIBRATION_DIR`` or the shipped set), each ``(3, S, S) float32``,
-    and an id of the set (names and byte sizes) for the int8 program's cache key.
+def calibration(settings, transform: v2.Compose) -> tuple[Callable[[], list[torch.Tensor]], str]:
+    """int8 calibration photos (``CALIBRATION_DIR`` or the shipped set): a function that decodes them, each
+    ``(3, S, S) float32``, and an id of the set (names and byte sizes) for the int8 program's cache key.
+
+    The decode is left to whoever needs the pixels: a start that loads its int8 package never calls it
+    (the 28 shipped photos took ~0.5 s of a ~5 s warm start).
 
     :raises StartupError: no photo in the folder.
     """
     files = calibration_files(settings.CALIBRATION_DIR)
     if not files:
         raise StartupError(f"int8 needs calibration photos; none found in {settings.CALIBRATION_DIR}")
-    tensors, names = [], []
-    for f in files:
-        d = imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=f.name)
-        tensors.append(imaging.preprocess(d.image, transform))
-        names.append(f"{f.name}:{f.stat().st_size}")
-    return tensors, "|".join(names)
+
+    def tensors() -> list[torch.Tensor]:
+        return [imaging.preprocess(imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=f.name).image,
+                                   transform) for f in files]
+
+    return tensors, "|".join(f"{f.name}:{f.stat().st_size}" for f in files)
 
 
 def judged_files(settings) -> list[Path]:
@@ -259,7 +262,7 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None) -> 
     transform = imaging.build_transform(model.preprocessing)
     cache = use_cache_dir(settings)
     precision, reason = choose_engine_precision(settings, model, transform, cache=cache, threads=threads)
-    photos, calib_id = calibration(settings, transform) if precision == "int8" else ([], "none")
+    photos, calib_id = calibration(settings, transform) if precision == "int8" else (None, "none")
     status("compiling" if settings.COMPILE else "warming up")
     engine = Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE,
                     precision=precision, calibration=photos,
