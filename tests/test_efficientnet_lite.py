@@ -217,6 +217,8 @@ def test_top1_on_photos(model, photos):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # JIT inductor is the fallback: the service packages this model ahead of time (tests/test_server.py
+# serves it compiled so); the plain run checks JIT compiling on ResNet-18 (tests/test_engine.py)
 def test_compiled_matches_eager(model):
     """Inductor with freezing, channels_last input, dynamic batch: one graph, same logits.
     Compiling takes ~10-30 s on 2 cores (cold cache)."""
