@@ -105,6 +105,36 @@ def test_retry_after_is_the_seconds_by_which_the_prediction_misses_the_budget():
 
 
 @pytest.mark.unit
+def test_clients_refused_together_are_told_different_seconds():
+    """A crowd refused at once is spread over the seconds in which the worker can take it, not all told the
+    same second (they would come back together and be refused again)."""
+    adm, clock, state = make_admission(queued=150)  # 1500 ms ahead; a 1 MB photo: 60 ms of its own
+    told = []
+    for _ in range(40):
+        with pytest.raises(Overloaded) as refused:
+            adm.admit(MB)
+        told.append(int(refused.value.headers["Retry-After"]))
+    # The k-th refused (k = 0, 1, ...) fits after r s once 560 + 60 k <= 1000 r: 8 fit after 1 s, 25 after 2,
+    # the rest after 3: each second's share of the crowd is told that second.
+    assert told == [1] * 8 + [2] * 17 + [3] * 15
+    assert adm.describe()["told_to_return"] == 40
+    clock.now += 5  # they came back (or not) long ago: nobody is owed any more
+    with pytest.raises(Overloaded) as refused:
+        adm.admit(MB)
+    assert refused.value.headers == {"Retry-After": "1"}
+    state["queued"] = 0  # and the admission itself never counted the promises
+    assert adm.admit(MB) is not None
+
+
+@pytest.mark.unit
+def test_retry_after_is_at_most_a_minute():
+    adm, _, _ = make_admission(queued=100_000)  # 1000 s of work ahead
+    with pytest.raises(Overloaded) as refused:
+        adm.admit(MB)
+    assert refused.value.headers == {"Retry-After": "60"}
+
+
+@pytest.mark.unit
 def test_a_big_photo_is_judged_by_the_wait_ahead_of_it_not_by_its_own_size():
     adm, _, _ = make_admission()
     big = 40 * MB  # its own decode alone: 2000 ms, twice the budget
