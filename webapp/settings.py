@@ -204,9 +204,9 @@ SETTINGS: tuple[Setting, ...] = (
             "workers start fast. Empty: ~/.cache/photo-classifier."),
     Setting("CALIBRATION_DIR", _str, "", "Photos to calibrate int8 on (JPEG/PNG/WebP). Empty: the 28 shipped ones "
             "(webapp/calibration). Your own photos suit a narrow domain better."),
-    Setting("FAST_DECODE", _bool, True, "Decode large JPEGs at a reduced DCT scale (Pillow draft) and shrink other "
-            "large images by an integer factor first, never below twice the resize size (answers stay within 2 points of "
-            "a full decode): a 12 MP phone photo's decode and preprocess take ~3x less CPU (bench/preprocess_bench.py)."),
+    Setting("FAST_DECODE", _bool, True, "Decode large JPEGs at a reduced DCT scale (Pillow draft), never below twice "
+            "the resize size (answers stay within 2 points of a full decode): a 12 MP phone photo's decode and "
+            "preprocess take ~3x less CPU (bench/preprocess_bench.py). Other formats are always decoded at full size."),
     Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to (on a Ray "
             "cluster: 1 per replica, which reserves that many CPUs).", low=0, high=1024),
     # -- batching --

@@ -124,8 +124,7 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[by
     filter (``send_resample``, a Pillow filter name). A JPEG whose short side is over ``short_side``
     goes through the server's own first steps (``imaging.decode`` with its fast path, then the
     ``Resize`` of the model's preprocessing, which is Pillow's ``resize``): decoded at the smallest
-    libjpeg DCT scale keeping the short side >= 2x ``short_side`` (``draft``), box-reduced where even
-    1/8 leaves it >= 4x, turned upright, cropped to its central 2:1 where it is a longer strip
+    libjpeg DCT scale keeping the short side >= 2x ``short_side`` (``draft``), turned upright, cropped to its central 2:1 where it is a longer strip
     (``imaging.center_limit``), resized to torchvision's size for ``short_side`` and sent as
     lossless WebP (no EXIF). The server's resize of it is then the identity: the model sees the very
     pixels it would have from the original, and answers the same labels and probabilities (a resize
@@ -149,12 +148,10 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[by
     if fmt != "JPEG" or img.mode not in ("RGB", "L") or min(width, height) <= short_side:
         return data, info
     try:
-        keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft, imaging._reduce)
+        keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft)
         factor = keep / min(width, height)
         img.draft(img.mode, (math.ceil(width * factor), math.ceil(height * factor)))
         img = exif.turn(img, orientation)
-        if min(img.size) // keep >= 2:
-            img = img.reduce(min(img.size) // keep)
         img = img.convert("RGB")
         w, h = img.size
         if max(w, h) > 2 * min(w, h):  # a strip over 2:1: its central 2:1, as the server's center_limit keeps
