@@ -172,6 +172,15 @@ class Stub(http.server.ThreadingHTTPServer):
             def log_message(self, *args):
                 pass
 
+            def do_GET(self):  # /api/v1/models, enough for the CLI to start
+                data = json.dumps({"requested": "stub", "serving": "stub", "models": [
+                    {"name": "stub", "title": "Stub", "precision": "fp32", "send_short_side": 256,
+                     "send_resample": "bilinear", "serving": True}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 stub.arrivals.append(time.monotonic())
@@ -276,3 +285,29 @@ def test_small_or_unreadable_files_are_sent_as_they_are():
     png = encode(noisy, "PNG")  # not a JPEG: the server's decode has no reduced scale to mirror
     assert remote.scaled(png, 256) == (png, {"width": 600, "height": 400, "format": "PNG"})
     assert remote.scaled(b"not a photo", 256) == (b"not a photo", None)
+
+
+def test_skipped_photos_are_named_and_no_image_file_is_a_usage_error_as_locally(tmp_path):
+    """As local classify: a HEIC in a folder is named with why and counted in the summary; a folder with no
+    image file (empty, or only a HEIC) is exit 2 before anything is sent."""
+    stub = Stub([])
+    try:
+        mixed = tmp_path / "mixed"
+        mixed.mkdir()
+        (mixed / "photo.heic").write_bytes(b"\0\0\0\x18ftypheic" + bytes(100))
+        Image.new("RGB", (4, 4)).save(mixed / "tiny.png")
+        out = run_cli(str(mixed), "--server", stub.url)
+        assert out.returncode == 0, out.stderr
+        assert "photo.heic: skipped: HEIC" in out.stderr, out.stderr
+        assert "1 file: 1 classified, 0 failed" in out.stderr and "skipped in folders: 1 photo" in out.stderr
+        empty, only_heic = tmp_path / "empty", tmp_path / "only"
+        empty.mkdir()
+        only_heic.mkdir()
+        (only_heic / "photo.heic").write_bytes(b"\0\0\0\x18ftypheic" + bytes(100))
+        for folder in (empty, only_heic):
+            out = run_cli(str(folder), "--server", stub.url)
+            assert out.returncode == 2 and "error: no image files in" in out.stderr, out.stderr
+        assert "photo.heic: skipped: HEIC" in out.stderr and "skipped in folders: 1 photo" in out.stderr
+        assert len(stub.arrivals) == 1  # only tiny.png was ever sent
+    finally:
+        stub.shutdown()

@@ -219,7 +219,8 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
 
 def classify_remote(args: argparse.Namespace) -> int:
     """``classify --server URL``: print one result per file on stdout; EXIT_OK all classified, EXIT_FAILED
-    some failed (or the server cannot be reached, or no image files), EXIT_USAGE misused options."""
+    some failed (or the server cannot be reached), EXIT_USAGE misused options or no image files (as local
+    ``classify``; photos skipped in folders, e.g. HEIC, are named with why, as there)."""
     given = given_settings(args)
     misused = [f"--{k.lower().replace('_', '-')}" for k in given if k not in _CLIENT_SETTINGS]
     misused += [flag for flag, on in (("--cluster", args.cluster), ("--out", args.out), ("--address", args.address))
@@ -231,12 +232,15 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"error: --server must be an http:// or https:// URL, got {args.server!r}")
         return EXIT_USAGE
     s = settings_mod.load(os.environ, given)
-    items, _skipped = collect_files(args.paths, all_files=args.all_files)
+    from .classify import _no_image_files, _report_skipped  # (classify imports this module: not at the top)
+
+    items, skipped = collect_files(args.paths, all_files=args.all_files)
+    _report_skipped(skipped)  # as local classify: a HEIC in a folder is named with why, not dropped unsaid
     if not any(path for _, path, _ in items):
         for shown, _, why in items:
             err(f"{shown}: {why}")
-        err(f"error: no image files in {' '.join(args.paths)}")
-        return EXIT_FAILED
+        _no_image_files(args.paths, skipped)
+        return EXIT_USAGE  # as local classify (README's exit table: no image file in the paths)
     jobs = args.jobs or DEFAULT_JOBS
     client = Client(args.server, jobs=jobs, token=s.API_TOKEN)
     try:
@@ -255,16 +259,17 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"classifying with {client.url}: {model.get('title', model['name'])}, {model.get('precision', '?')}; "
             f"{plural(jobs, 'connection')}, photos {scale}")
     return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, resample=resample,
-                jobs=jobs)
+                jobs=jobs, skipped=skipped)
 
 
 def _run(args, client: Client, model: str, items: list, *, topk: int, short_side: int | None, resample: str,
-         jobs: int) -> int:
+         jobs: int, skipped: list = ()) -> int:
     from concurrent.futures import as_completed
 
     from tqdm import tqdm
 
     from ..concurrency import client_pool
+    from .classify import _skipped_note
 
     results = []
     for shown, path, why in items:
@@ -303,5 +308,5 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
         done = len(todo) - (failed - (len(results) - len(todo)))
         rate = f", {done / elapsed:.1f} images/s" if elapsed > 0 and done else ""
         err(f"{plural(len(results), 'file')}: {len(results) - failed} classified, {failed} failed; {elapsed:.1f} s"
-            f"{rate}; {retries} tries repeated after 429/503 or a dropped connection")
+            f"{rate}; {retries} tries repeated after 429/503 or a dropped connection" + _skipped_note(list(skipped)))
     return EXIT_OK if failed == 0 else EXIT_FAILED
