@@ -101,3 +101,14 @@ def test_the_shared_answer_reports_the_original(app):
     assert (scaled["width"], scaled["height"], scaled["format"], scaled["bytes"]) == (4032, 3024, "HEIC", 2_500_000)
     assert scaled["scaled_by_client"] == {"width": 80, "height": 60, "format": "JPEG", "bytes": len(SCALED)}
     assert (plain["width"], plain["bytes"], "scaled_by_client" in plain) == (80, len(SCALED), False)
+
+
+def test_too_many_form_parts_is_413_saying_so_not_the_byte_limit(client):
+    """A small body with more parts than Werkzeug's form limit (1,000) is refused for its parts, not for a
+    byte limit it is far from (a new user's finding)."""
+    resp = post(client, [("a.jpg", SCALED)], junk=[str(i) for i in range(1100)])
+    body = resp.get_json()["error"]
+    assert resp.status_code == 413 and body["code"] == "too_large", body
+    assert "too many parts" in body["message"] and "1,000 parts" in body["message"], body
+    assert "CLASSIFIER_MAX_UPLOAD_BYTES" not in body["message"]
+    assert post(client, [("a.jpg", SCALED)], junk=[str(i) for i in range(900)]).status_code == 200

@@ -76,6 +76,15 @@ class TooLarge(ServiceError):
         return cls(f"the upload is larger than {limit:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)")
 
     @classmethod
+    def form(cls, parts: int | None, field_bytes: int | None, max_files: int) -> "TooLarge":
+        """A multipart form within the byte limit but over Werkzeug's form limits: more than ``parts``
+        parts, or a text field over ``field_bytes`` (None: no such limit)."""
+        limits = ", ".join(x for x in (f"{parts:,} parts" if parts else "",
+                                        f"{field_bytes:,} bytes per text field" if field_bytes else "") if x)
+        return cls(f"the form has too many parts or too large a text field (at most {limits}; a request holds at "
+                   f"most {max_files} files, CLASSIFIER_MAX_FILES, each with its original_* fields)")
+
+    @classmethod
     def file(cls, size: int, limit: int) -> "TooLarge":
         """One file of ``size`` bytes over ``limit`` (the CLI's and Ray Data's files, read from disk)."""
         return cls(f"the file is {size:,} bytes; the limit is {limit:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")
@@ -255,7 +264,11 @@ def init_errors(app, settings) -> None:
         if row is RateLimited:
             message = f"too many requests from this address (limit {exc.description}); try again later"
         if row is TooLarge:  # answered before the body is read; webapp/bodies.py closes and drains after
-            message = TooLarge.body(settings.MAX_UPLOAD_BYTES).message
+            declared = request.content_length
+            if declared is not None and declared <= settings.MAX_UPLOAD_BYTES:  # within it: the form's limits
+                message = TooLarge.form(request.max_form_parts, request.max_form_memory_size, settings.MAX_FILES).message
+            else:
+                message = TooLarge.body(settings.MAX_UPLOAD_BYTES).message
         return render(exc.code or 500, code, message)
 
     @app.errorhandler(Exception)

@@ -169,8 +169,11 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         try:
             parts = list(request.files.getlist("file"))
         except HTTPException as exc:
-            if exc.code == 413 or _over_limit(request):
+            declared, limit = request.content_length, request.max_content_length
+            if _over_limit(request) or (declared is not None and limit is not None and declared > limit):
                 raise _too_large(request) from None
+            if exc.code == 413:  # within the byte limit: Werkzeug's limits on the form's parts and text fields
+                raise TooLarge.form(request.max_form_parts, request.max_form_memory_size, max_files) from None
             raise BadRequest(f"malformed multipart body: {exc.description}") from None
         if _over_limit(request):
             raise _too_large(request)
