@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from ..settings import PREFIX
 from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
-from .files import IMAGE_SUFFIXES, collect_files
+from .files import IMAGE_SUFFIXES, collect_files, no_image_files, report_skipped, skipped_note
 from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
 from .output import write_results
 from .remote import add_arguments as add_remote_arguments
@@ -114,25 +114,6 @@ def missing_paths(paths: list[str]) -> list[str]:
     return [p for p in paths if "://" not in p and not Path(p).exists()]
 
 
-def _report_skipped(skipped: list) -> None:
-    """Name each skipped photo (HEIC, RAW) and why: an operator looking for it must not have to guess."""
-    for shown, why in skipped:
-        if why:
-            err(f"{shown}: {why}")
-
-
-def _no_image_files(paths: list[str], skipped: list) -> None:
-    err(f"error: no image files in {' '.join(paths)}" + _skipped_note(skipped, lead=" (") + (")" if skipped else ""))
-
-
-def _skipped_note(skipped: list, lead: str = "; ") -> str:
-    photos = sum(1 for _, why in skipped if why)
-    other = len(skipped) - photos
-    parts = ([f"{plural(photos, 'photo')} in a format not read here (named above)"] if photos else []) + (
-        [f"{plural(other, 'other file')} (--all-files tries them)"] if other else [])
-    return f"{lead}skipped in folders: {', '.join(parts)}" if parts else ""
-
-
 # -- local ---------------------------------------------------------------------------------------------------
 def _error(code: str, message: str) -> dict:
     return {"code": code, "message": message}
@@ -162,11 +143,11 @@ def cmd_classify(args: argparse.Namespace) -> int:
         err("error: --out and --address go with --cluster")
         return EXIT_USAGE
     items, skipped = collect_files(args.paths, all_files=args.all_files)
-    _report_skipped(skipped)
+    report_skipped(skipped)
     if not any(path for _, path, _ in items):
         for shown, _, why in items:
             err(f"{shown}: {why}")
-        _no_image_files(args.paths, skipped)
+        no_image_files(args.paths, skipped)
         return EXIT_USAGE
     # The service's info lines are for server logs; here the CLI's own lines say it shorter. An
     # explicitly set log level (--log-level, CLASSIFIER_LOG_LEVEL) is honoured.
@@ -269,7 +250,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
         rate = f", {images / elapsed:.1f} images/s" if elapsed > 0 and images else ""
         mean = f" in {plural(batches, 'batch')} (mean size {images / batches:.1f})" if batches else ""
         err(f"{plural(len(results), 'file')}: {ok} classified, {failed} failed{mean}; {elapsed:.1f} s{rate}"
-            + _skipped_note(skipped))
+            + skipped_note(skipped))
     return EXIT_OK if failed == 0 else EXIT_FAILED
 
 
@@ -304,14 +285,14 @@ def classify_cluster(args: argparse.Namespace) -> int:
     # (cameras' _MG_1234.JPG). URIs go to Ray Data.
     uris = [p for p in args.paths if "://" in p]
     items, skipped = collect_files([p for p in args.paths if "://" not in p], all_files=args.all_files)
-    _report_skipped(skipped)
+    report_skipped(skipped)
     unreadable = [(shown, why) for shown, path, why in items if path is None]
     for shown, why in unreadable:
         err(f"{shown}: {why}")
     shown = {os.path.abspath(path): name for name, path, _ in items if path is not None}
     sources = list(shown) + uris
     if not sources:
-        _no_image_files(args.paths, skipped)
+        no_image_files(args.paths, skipped)
         return EXIT_USAGE
     if ray_missing():
         return EXIT_USAGE
@@ -353,7 +334,7 @@ def classify_cluster(args: argparse.Namespace) -> int:
         rate = f", {done['files'] / done['seconds']:.1f} files/s" if done["seconds"] > 0 else ""
         err(f"{plural(done['files'], 'file')}: {done['files'] - done['failed']} classified by "
             f"{', '.join(done['models']) or 'no model'}, {done['failed']} failed; {done['seconds']:.1f} s{rate} "
-            f"-> {args.out}" + _skipped_note(skipped))
+            f"-> {args.out}" + skipped_note(skipped))
         err(f"Ray's own messages: {ray_log}; its workers' logs: Ray's session folder (/tmp/ray/session_latest/logs "
             f"on a local Ray)")
     return EXIT_OK if done["failed"] == 0 else EXIT_FAILED

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .common import err, plural
+
 # What ``classify`` takes from a folder (files named on the command line are always tried).
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".webp", ".bmp", ".dib", ".tif",
                             ".tiff", ".avif", ".ppm", ".pgm", ".pbm", ".pnm"})
@@ -77,3 +79,25 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
         else:
             items.append((arg, None, "no such file or directory" + (" (a broken link)" if path.is_symlink() else "")))
     return items, skipped
+
+
+# -- what was skipped, said the same way by local and --server classify ----------------------------------
+def report_skipped(skipped: list) -> None:
+    """Name each skipped photo (HEIC, RAW) and why: an operator looking for it must not have to guess."""
+    for shown, why in skipped:
+        if why:
+            err(f"{shown}: {why}")
+
+
+def no_image_files(paths: list[str], skipped: list) -> None:
+    """The usage error for paths holding no image file, with what was skipped in them."""
+    err(f"error: no image files in {' '.join(paths)}" + skipped_note(skipped, lead=" (") + (")" if skipped else ""))
+
+
+def skipped_note(skipped: list, lead: str = "; ") -> str:
+    """The summary's words for the photos (HEIC, RAW) and other files skipped in folders; "" if none."""
+    photos = sum(1 for _, why in skipped if why)
+    other = len(skipped) - photos
+    parts = ([f"{plural(photos, 'photo')} in a format not read here (named above)"] if photos else []) + (
+        [f"{plural(other, 'other file')} (--all-files tries them)"] if other else [])
+    return f"{lead}skipped in folders: {', '.join(parts)}" if parts else ""

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural
-from .files import collect_files
+from .files import collect_files, no_image_files, report_skipped, skipped_note
 from .options import given_settings
 from .output import write_results
 
@@ -232,14 +232,12 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"error: --server must be an http:// or https:// URL, got {args.server!r}")
         return EXIT_USAGE
     s = settings_mod.load(os.environ, given)
-    from .classify import _no_image_files, _report_skipped  # (classify imports this module: not at the top)
-
     items, skipped = collect_files(args.paths, all_files=args.all_files)
-    _report_skipped(skipped)  # as local classify: a HEIC in a folder is named with why, not dropped unsaid
+    report_skipped(skipped)  # as local classify: a HEIC in a folder is named with why, not dropped unsaid
     if not any(path for _, path, _ in items):
         for shown, _, why in items:
             err(f"{shown}: {why}")
-        _no_image_files(args.paths, skipped)
+        no_image_files(args.paths, skipped)
         return EXIT_USAGE  # as local classify (README's exit table: no image file in the paths)
     jobs = args.jobs or DEFAULT_JOBS
     client = Client(args.server, jobs=jobs, token=s.API_TOKEN)
@@ -269,7 +267,6 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
     from tqdm import tqdm
 
     from ..concurrency import client_pool
-    from .classify import _skipped_note
 
     results = []
     for shown, path, why in items:
@@ -308,5 +305,5 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
         done = len(todo) - (failed - (len(results) - len(todo)))
         rate = f", {done / elapsed:.1f} images/s" if elapsed > 0 and done else ""
         err(f"{plural(len(results), 'file')}: {len(results) - failed} classified, {failed} failed; {elapsed:.1f} s"
-            f"{rate}; {retries} tries repeated after 429/503 or a dropped connection" + _skipped_note(list(skipped)))
+            f"{rate}; {retries} tries repeated after 429/503 or a dropped connection" + skipped_note(list(skipped)))
     return EXIT_OK if failed == 0 else EXIT_FAILED
