@@ -46,6 +46,7 @@ a dev server's threads may all call in.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -168,7 +169,7 @@ class Admission:
         self._clock = clock
         self._lock = Primitives.for_this_process().make_lock()
         self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
-        self._owed: deque[tuple[float, float]] = deque()  # (when, ms): refused work told to come back then
+        self._owed: list[tuple[float, float]] = []  # (when, ms): refused work told to come back then, in time order
         self._decoding_uploads = 0  # photos in classify not decoded yet, and their bytes
         self._decoding_bytes = 0
         self.admitted = 0
@@ -219,16 +220,19 @@ class Admission:
     def _come_back(self, p: Prediction, now: float) -> int:
         """Seconds (>= 1, <= ``MAX_RETRY_AFTER_S``) after which refused ``p`` fits, the work of the clients
         refused before it that will be back by then included; remembered for the next (module docstring)."""
-        while self._owed and self._owed[0][0] + self.budget_ms / 1e3 <= now:  # back (or not) long ago
-            self._owed.popleft()
+        del self._owed[:bisect.bisect_left(self._owed, (now - self.budget_ms / 1e3,))]  # back (or not) long ago
         own = min(p.own_ms, self.budget_ms / 2)
         over = p.ahead_ms + own - self.budget_ms
         r = min(MAX_RETRY_AFTER_S, max(1, math.ceil(over / 1e3)))
-        while r < MAX_RETRY_AFTER_S and over + sum(ms for t, ms in self._owed if t <= now + r) > 1e3 * r:
+        owed, i = 0.0, 0  # the work told to come back by now + r: one walk along the list as r grows
+        while True:
+            while i < len(self._owed) and self._owed[i][0] <= now + r:
+                owed += self._owed[i][1]
+                i += 1
+            if r >= MAX_RETRY_AFTER_S or over + owed <= 1e3 * r:
+                break
             r += 1
-        self._owed.append((now + r, own))
-        if len(self._owed) > 1 and self._owed[-2][0] > self._owed[-1][0]:  # kept in time order
-            self._owed = deque(sorted(self._owed))
+        bisect.insort(self._owed, (now + r, own))
         return r
 
     # -- requests --------------------------------------------------------------------------------
