@@ -7,6 +7,8 @@ connection closes).
 
 from __future__ import annotations
 
+import http.client
+import json
 import signal
 import socket
 import time
@@ -132,6 +134,25 @@ def test_chunked_body_over_the_limit_gets_a_413_the_client_receives(srv):
             pass  # the server stopped reading: the answer is already on its way
         status, data = read_status(sock)
         assert status == 413 and b"too_large" in data + (sock.recv(65536) or b"")
+
+
+@pytest.mark.parametrize("size, status, code", [(200_000, 401, "unauthorized"), (12 * LIMIT, 413, "too_large")])
+def test_a_client_that_sends_its_whole_body_first_reads_the_refusal(srv, size, status, code):
+    """Python's ``http.client`` sends every byte of the body before it reads (and, unlike urllib3, gives up on
+    a reset while sending): the refusal, answered before the body, must still reach it after the server
+    drained the rest (more than the sockets' buffers hold), and later requests are served as before."""
+    headers = {"Content-Type": "image/png", **({} if status == 401 else {"Authorization": f"Bearer {TOKEN}"})}
+    for _ in range(3):
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        try:
+            conn.request("POST", "/api/v1/predict", body=b"\0" * size, headers=headers)
+            resp = conn.getresponse()
+            body = json.loads(resp.read())
+        finally:
+            conn.close()
+        assert resp.status == status and body["error"]["code"] == code, body
+        assert resp.getheader("Connection") == "close"
+    assert _normal_request(srv) < 30
 
 
 def test_a_stalled_upload_gets_408_within_the_timeout(srv):
