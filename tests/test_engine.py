@@ -1,11 +1,13 @@
 """The compiled engine: same logits as eager, every batch size warmed, no compile after warm-up."""
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torchvision
 
+from webapp.aoti import SharedLibrary
 from webapp.engine import Engine
 
 
@@ -151,9 +153,16 @@ def test_a_warm_cache_starts_without_compiling(precision, tmp_path, monkeypatch)
     monkeypatch.setattr(torch, "compile", refuse)
     monkeypatch.setattr(quantize, "quantize_int8", refuse)
     monkeypatch.setattr(torch.export, "load", refuse)  # int8: not even its program is loaded
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", refuse)  # no unzip into a folder of its own
     again = Engine(net, **{**kwargs, "calibration": []})
     assert again.backend == "aoti"
     assert torch.equal(again.predict(x), got)
+    # Both packages run from their libraries extracted beside them: every worker maps those same files.
+    libraries = {fn.path for fn in (again._fn.one, again._fn.many) if isinstance(fn, SharedLibrary)}
+    assert libraries == set(tmp_path.glob(f"aoti-{precision}-*.so")) and len(libraries) == 2
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert all(str(lib) in maps.read_text() for lib in libraries)
 
 
 @pytest.mark.slow  # AOTInductor packaging of ResNet-18: ~30 s on 2 cores
