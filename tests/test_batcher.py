@@ -256,6 +256,20 @@ def test_an_unknown_wait_is_refused():
                          wait="sometimes")
 
 
+def test_on_idle_runs_once_per_idle_spell_on_the_inference_thread(make_batcher):
+    """The worker hands freed memory back when it falls idle (``preload.trim``): once per idle spell, on the
+    inference thread (never while a batch runs), and not again until work came and went."""
+    model, calls = FakeModel(), []
+    b = make_batcher(model, on_idle=lambda: calls.append(threading.get_ident()), idle_s=0.05)
+    assert wait_until(lambda: len(calls) == 1)  # idle from the start
+    time.sleep(0.2)
+    assert len(calls) == 1
+    assert [ident(r) for r in b.infer([img(1)])] == [1]
+    assert wait_until(lambda: len(calls) == 2)
+    time.sleep(0.2)
+    assert len(calls) == 2 and set(calls) == model.threads  # the thread that runs the model
+
+
 def test_full_batch_does_not_wait_for_batch_timeout(make_batcher):
     model = FakeModel()
     b = make_batcher(model, max_batch_size=4, batch_timeout=2.0)

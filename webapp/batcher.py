@@ -83,7 +83,8 @@ class InferenceBatcher:
     ``max_batch_size``; ``batch_timeout`` is in seconds (LitServe's names), ``queue_size`` bounds
     the images waiting, ``request_timeout`` (s) is each image's deadline from submission.
     ``on_death`` is called (on the inference thread) if the loop dies unexpectedly, so the host
-    process can stop and be replaced; ``thread_init`` runs first thing on the inference thread.
+    process can stop and be replaced; ``thread_init`` runs first thing on the inference thread;
+    ``on_idle`` runs there once per idle spell, ``idle_s`` s after the last image with none since.
     ``wait``: ``"company"`` waits up to ``batch_timeout`` after the first image only while images
     counted by ``coming`` are on their way and the batch is not full; ``"fixed"`` always waits it out
     (the behaviour before, kept for benchmarks).
@@ -94,7 +95,8 @@ class InferenceBatcher:
     def __init__(self, predict: Callable[[torch.Tensor], torch.Tensor], *, max_batch_size: int,
                  batch_timeout: float, queue_size: int, request_timeout: float,
                  on_death: Callable[[BaseException], None] | None = None,
-                 thread_init: Callable[[], None] | None = None, wait: str = "company"):
+                 thread_init: Callable[[], None] | None = None, wait: str = "company",
+                 on_idle: Callable[[], None] | None = None, idle_s: float = 1.0):
         if wait not in WAITS:
             raise ValueError(f"wait must be one of {WAITS}, not {wait!r}")
         self.wait_for = wait
@@ -102,9 +104,9 @@ class InferenceBatcher:
         self.thread_init = thread_init
         self.max_batch_size = max_batch_size
         self.batch_timeout = batch_timeout
-        self.queue_size = queue_size
-        self.request_timeout = request_timeout
+        self.queue_size, self.request_timeout = queue_size, request_timeout
         self.on_death = on_death
+        self.on_idle, self.idle_s = on_idle, idle_s
         self._p = Primitives.for_this_process()
         self._queue = self._p.make_queue()
         self._lock = self._p.make_lock()
@@ -122,8 +124,7 @@ class InferenceBatcher:
         self.ewma_queue_wait = 0.0
         self.ewma_batch_time = 0.0
         self.ewma_batch_images = 0.0
-        self.batches = 0
-        self.images = 0
+        self.batches = self.images = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -175,12 +176,6 @@ class InferenceBatcher:
             log.warning("inference thread did not stop within %.1f s", timeout)
 
     # -- requests --------------------------------------------------------------------------
-    def retry_after(self) -> int:
-        """Seconds a refused client should wait: the measured time to drain the queue, at least 1."""
-        per_batch = self.ewma_batch_time or 0.05
-        drain = math.ceil(self._waiting / self.max_batch_size) * per_batch
-        return max(1, math.ceil(max(drain, self.ewma_queue_wait)))
-
     def check_capacity(self, n: int) -> None:
         """Refuse early, before any decoding, when ``n`` more images would not fit (``submit`` checks again).
 
@@ -190,7 +185,8 @@ class InferenceBatcher:
             raise NotReady("the model is not serving (starting, stopping or failed); try again shortly",
                            headers={"Retry-After": "1"})
         if self._waiting + n > self.queue_size:
-            wait = self.retry_after()
+            drain = math.ceil(self._waiting / self.max_batch_size) * (self.ewma_batch_time or 0.05)
+            wait = max(1, math.ceil(max(drain, self.ewma_queue_wait)))  # s: the measured time to drain the queue
             raise Overloaded(f"server busy: {self._waiting} images queued (limit {self.queue_size}); "
                              f"try again in {wait} s", headers={"Retry-After": str(wait)})
 
@@ -279,7 +275,11 @@ class InferenceBatcher:
     def _collect(self) -> tuple[list[_Request], bool]:
         """Block for the first image, then gather more: what is queued, and, while images are on their way
         (``wait="fixed"``: always), what arrives until full or ``batch_timeout`` after the first."""
-        first = self._take(True)
+        try:
+            first = self._take(True, self.idle_s if self.on_idle else None)
+        except _queue_mod.Empty:  # idle for idle_s: on_idle once, then wait as long as it takes
+            self.on_idle()
+            first = self._take(True)
         while first is _WAKE:  # a wake-up left from a wait that had already ended
             first = self._take(True)
         if first is _STOP:
