@@ -1,5 +1,7 @@
 """Start-up (golden self-test) and encode."""
 
+import time
+
 import pytest
 import torch
 from PIL import Image, ImageChops, ImageStat
@@ -94,3 +96,22 @@ def test_photos_on_their_way_stop_counting_on_every_path(app):
     answer = clf.classify([good, good], topk=1)  # and the ordinary path: counted, then queued
     assert clf.batcher.coming_images == 0 and clf.health()["coming"] == 0
     assert [r["batch_size"] for r in answer["results"]] == [2, 2]
+
+
+@pytest.mark.parametrize("idle_s", [0.05, 0])
+def test_an_idle_worker_hands_freed_memory_back_after_trim_idle_s(monkeypatch, idle_s):
+    from webapp import preload
+
+    trims = []
+    monkeypatch.setattr(preload, "trim", lambda: trims.append(1) or True)
+    clf = Classifier(settings.load(environ={}, overrides={"MODEL": "resnet18_seeded", "COMPILE": False, "PRECISION": "fp32",
+                                                          "MAX_BATCH_SIZE": 1, "TRIM_IDLE_S": idle_s}))
+    clf.start()
+    try:
+        deadline = time.monotonic() + 5
+        while idle_s and not trims and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert len(trims) == (1 if idle_s else 0)  # once per idle spell; 0: never
+    finally:
+        clf.stop()

@@ -109,7 +109,7 @@ class Classifier:
                                             request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died,
                                             thread_init=partial(_inference_thread_init, started.engine,
                                                                 s.WORK_NICE), wait=s.BATCH_WAIT,
-                                            on_idle=preload.trim)  # freed decode and batch buffers back to the OS
+                                            on_idle=preload.trim if s.TRIM_IDLE_S else None, idle_s=s.TRIM_IDLE_S)
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, started.threads), nice=s.WORK_NICE)
             self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=self.offloader.max_threads,
