@@ -52,6 +52,7 @@ from bench import PHOTO_12MP, log, main, median, num, percentile, photo, ratio, 
 from bench.baseline_app import BASELINE_MODEL, default_workers, start_baseline
 from bench.load import PREDICT, multipart_body, run_load, run_open_loop, summarize
 from bench.servers import Gunicorn, http_json, ours_plan, parse_settings, ray_available, start_ours, start_ray
+from webapp.settings import BY_NAME
 
 TARGET_THROUGHPUT_X = 8.0
 TARGET_P99_X = 1.5
@@ -278,6 +279,9 @@ def run(args) -> dict:
                         f"p99 {o['p99_ms']:.1f} ms  errors {o['errors']}")
         for name in [n for n in ("ours", "before") if n in servers]:  # (d) after the load
             result["servers"][name]["memory_loaded"] = memory_now(servers[name], result["servers"][name]["workers"])
+        if "ours" in servers:  # (d) once idle: TRIM_IDLE_S after the load, the workers hand freed memory back
+            time.sleep(float(ours_settings.get("TRIM_IDLE_S", BY_NAME["TRIM_IDLE_S"].default)) + 2)
+            result["servers"]["ours"]["memory_idle"] = memory_now(servers["ours"], result["servers"]["ours"]["workers"])
     finally:
         for name, srv in servers.items():
             code = srv.stop()
@@ -372,7 +376,7 @@ def memory_targets(servers: dict) -> dict:
     masters' Pss, each server's total Pss (master + workers: what the whole server costs)."""
     out: dict = {}
     for name in ("ours", "before"):
-        for when in ("ready", "loaded"):
+        for when in ("ready", "loaded", "idle"):
             mem = servers.get(name, {}).get(f"memory_{when}")
             if not mem or not mem.get("workers"):
                 continue
@@ -391,7 +395,7 @@ def memory_table(servers: dict) -> str:
     """(d)'s table: per worker private and Pss MB of ours and before, at ready and after the load, and the master."""
     rows = []
     for name in ("before", "ours"):
-        for when in ("ready", "loaded"):
+        for when in ("ready", "loaded", "idle"):
             mem = servers.get(name, {}).get(f"memory_{when}")
             if not mem:
                 continue
@@ -403,7 +407,7 @@ def memory_table(servers: dict) -> str:
     return table(["server", "process", "private MB", "Pss MB", "RSS MB"], rows,
                  title="memory per process (MB = 2**20 bytes; private = Private_Dirty of /proc/PID/smaps_rollup, what "
                        "each process alone costs; Pss = its share with shared pages split; ready = after start-up, "
-                       "loaded = after the sweep)")
+                       "loaded = right after the sweep, idle = TRIM_IDLE_S later)")
 
 
 def report(result: dict) -> str:
@@ -507,7 +511,8 @@ def report(result: dict) -> str:
                          f"target <= {TARGET_HALF_P99_X:g}x: " + ("MET" if m["half_p99_open"] else "NOT MET"))
     if "d_met" in t:
         lines.append(f"(d) memory: largest worker private {num(t.get('d_ours_ready_worker_private_mb'))} MB at ready, "
-                     f"{num(t.get('d_ours_loaded_worker_private_mb'))} MB loaded (before "
+                     f"{num(t.get('d_ours_loaded_worker_private_mb'))} MB loaded, "
+                     f"{num(t.get('d_ours_idle_worker_private_mb'))} MB idle after TRIM_IDLE_S (before "
                      f"{num(t.get('d_before_ready_worker_private_mb'))} / {num(t.get('d_before_loaded_worker_private_mb'))} MB); "
                      f"Pss {num(t.get('d_ours_loaded_worker_pss_mb'))} MB (before {num(t.get('d_before_loaded_worker_pss_mb'))}); "
                      f"whole server Pss {num(t.get('d_ours_loaded_total_pss_mb'))} MB (before "
