@@ -52,8 +52,11 @@ def start(tmp_path, mode: str, hard_stop_s: float = 30.0) -> tuple[subprocess.Po
     out = tmp_path / "child.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(DRIVER_ENV, None)
+    # SIGHUP as a terminal leaves it, however this suite was started: under nohup it would be inherited as
+    # ignored, and the supervisor deliberately keeps an ignored SIGHUP ignored.
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, CHILD, str(out), mode, str(hard_stop_s)], cwd=ROOT,
-                            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     deadline = time.monotonic() + 30
     while not (out.exists() and out.read_text().endswith("\n")):
         assert proc.poll() is None, proc.stderr.read()
