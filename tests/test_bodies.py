@@ -220,3 +220,31 @@ def test_sigterm_does_not_wait_on_stalled_uploads_past_the_body_timeout(tmp_path
 
 
 pytestmark = pytest.mark.server
+
+
+class _TLSLikeSocket:
+    """A socket that, like ``ssl.SSLSocket``, refuses ``recv_into`` flags; it holds ``data`` to be read."""
+
+    def __init__(self, data: bytes):
+        self.data, self.calls = data, []
+
+    def recv_into(self, buf, nbytes=0, flags=0):
+        self.calls.append(flags)
+        if flags:
+            raise ValueError("non-zero flags not allowed in calls to recv_into() on <class 'ssl.SSLSocket'>")
+        n = min(nbytes or len(buf), len(self.data))
+        buf[:n], self.data = self.data[:n], self.data[n:]
+        return n
+
+
+@pytest.mark.parametrize("length", [700_000, None])  # Content-Length, and chunked (to the client's close)
+def test_a_drain_on_a_socket_that_takes_no_flags_copies_instead(length):
+    """Where the connection closes, a drain discards in the kernel (MSG_TRUNC); a TLS socket (gunicorn's
+    --certfile) refuses that flag, and the drain then reads the rest the plain way instead of giving up."""
+    from webapp.bodies import GuardedInput
+
+    sock = _TLSLikeSocket(b"\0" * 700_000)
+    body = GuardedInput(None, sock=sock, expect_continue=False, content_length=length, idle_s=5)
+    body.closing = True
+    assert body.drain() is True and sock.data == b""
+    assert 0 in sock.calls  # read with no flags after the refusal

@@ -109,8 +109,15 @@ class GuardedInput:
         try:
             with time_limit(max_seconds):
                 if self.closing:
+                    flags = _MSG_TRUNC
                     while read < max_bytes and (self.left is None or read < self.left):
-                        n = self.sock.recv_into(_DISCARD, min(DRAIN_CHUNK, max_bytes - read), _MSG_TRUNC)
+                        try:
+                            n = self.sock.recv_into(_DISCARD, min(DRAIN_CHUNK, max_bytes - read), flags)
+                        except ValueError:  # a TLS socket (gunicorn --certfile) takes no flags: copy instead
+                            if not flags:
+                                raise
+                            flags = 0
+                            continue
                         if not n:
                             return True  # the client closed: it has the answer
                         read += n
