@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import small_png
-from webapp.admission import Admission, DecodeCost, Prediction
+from webapp.admission import Admission, DecodeCost, Overhead, Prediction
 from webapp.batcher import InferenceBatcher
 from webapp.concurrency import peer_closed, peer_sending
 from webapp.errors import ClientGone, Overloaded
@@ -34,13 +34,16 @@ class Clock:
 
 def make_admission(*, queued: int = 0, image_ms: float = 10.0, ms_per_mb: float = 50.0, budget_ms: float = 1000.0,
                    threads: int = 2):
-    """An ``Admission`` whose decode costs ``ms_per_mb`` (one measured 1 MB decode: proportional),
-    whose forward pass costs ``image_ms`` per image, with ``queued`` images waiting; and its clock."""
+    """An ``Admission`` whose decode costs ``ms_per_mb`` (measured at three sizes, proportional to the bytes,
+    recent mean size 1 MB), whose forward pass costs ``image_ms`` per image, with ``queued`` images waiting;
+    and its clock."""
     clock = Clock()
     state = {"queued": queued, "image_ms": image_ms}
     adm = Admission(budget_ms=budget_ms, decode_threads=threads, image_ms=lambda: state["image_ms"],
                     queued=lambda: state["queued"], clock=clock)
-    adm.decode.observe(MB, ms_per_mb)
+    for nbytes in (MB, MB // 2, 1_450_000):  # EWMA weights 1, 0.1, 0.1: the mean size stays 1 MB
+        adm.decode.observe(nbytes, ms_per_mb * nbytes / MB)
+    assert adm.decode.mean_bytes == pytest.approx(MB) and adm.decode.predict(MB) == pytest.approx(ms_per_mb)
     return adm, clock, state
 
 
@@ -57,13 +60,18 @@ def test_decode_cost_fits_a_line_through_sizes_that_differ():
 
 
 @pytest.mark.unit
-def test_decode_cost_of_one_size_is_ms_per_byte_through_the_origin():
+def test_decode_cost_of_one_size_is_its_mean_time_for_any_size():
+    """A size never measured is guessed at the mean time, not scaled by bytes: a guess too high would refuse
+    photos that, refused, never correct it (a golden photo of 40 KB scaled to 3 MB: 1 s instead of 35 ms)."""
     cost = DecodeCost()
     for ms in (40.0, 60.0, 50.0):
         cost.observe(2 * MB, ms)
     a, b = cost.line()
-    assert a == 0.0 and b * 2 * MB == pytest.approx(cost._my)  # the weighted mean time of that size
-    assert cost.mean_bytes == 2 * MB
+    assert b == 0.0 and a == pytest.approx(cost._my)  # the weighted mean time of that size
+    assert cost.mean_bytes == 2 * MB and cost.predict(30 * MB) == cost.predict(1000) == a
+    cost.observe(40_000, 4.0)  # a second size: now a line through both
+    a, b = cost.line()
+    assert b > 0 and cost.predict(40_000) == pytest.approx(4.0) and cost.predict(2 * MB) > 40.0
 
 
 @pytest.mark.unit
@@ -73,6 +81,41 @@ def test_decode_cost_does_not_trust_a_line_with_a_negative_intercept():
         cost.observe(nbytes, ms)
     a, b = cost.line()
     assert a == 0.0 and b == pytest.approx(cost._my / cost._mx)
+
+
+@pytest.mark.unit
+def test_overhead_is_the_whole_workers_cpu_per_second_of_work_measured_each_second_and_capped():
+    clock, cpu = Clock(), {"process": 0.0, "work": 0.0}
+    o = Overhead(lambda: cpu["work"], clock, lambda: cpu["process"])
+    cpu.update(process=0.6, work=0.5)
+    assert o.factor() == 1.0  # no full window yet
+    clock.now += 1.0
+    assert o.factor() == pytest.approx(1.2)  # 0.6 s of the process for 0.5 s of work
+    cpu.update(process=0.61, work=0.51)  # a window with hardly any work: the figure stays
+    clock.now += 1.0
+    assert o.factor() == pytest.approx(1.2)
+    cpu.update(process=5.61, work=1.51)  # 5 s of CPU (say, refusals) for 1 s of work: capped at MAX
+    clock.now += 1.0
+    assert o.factor() == pytest.approx(1.2 + Overhead.ALPHA * (Overhead.MAX - 1.2))
+    for _ in range(30):
+        cpu.update(process=cpu["process"] + 0.5, work=cpu["work"] + 1.0)  # less than the work: never below 1
+        clock.now += 1.0
+        o.factor()
+    assert o.value == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.unit
+def test_costs_are_scaled_by_the_overhead():
+    clock, cpu = Clock(), {"process": 0.0, "inference": 0.0}
+    adm = Admission(budget_ms=1000, decode_threads=1, image_ms=lambda: 10.0, queued=lambda: 0, clock=clock,
+                    inference_cpu=lambda: cpu["inference"], process_cpu=lambda: cpu["process"])
+    for nbytes in (MB, MB // 2):
+        adm.decoded(adm.decoding(None, [nbytes]), nbytes, 40.0 * nbytes / MB)  # 60 ms of decoding in all
+    assert adm.predict(MB) == Prediction(ahead_ms=0.0, own_ms=pytest.approx(50.0))  # 40 + 10: factor 1
+    cpu.update(inference=0.04, process=0.15)  # 0.1 s of work, 0.15 s of the process
+    clock.now += 1.0
+    assert adm.predict(MB).own_ms == pytest.approx(1.5 * 50.0)
+    assert adm.describe()["overhead"] == 1.5
 
 
 # -- decisions and Retry-After ----------------------------------------------------------------------
@@ -154,12 +197,12 @@ def test_tickets_stop_counting_once_decoding_takes_them_or_the_budget_passes():
     assert adm.predict(MB).ahead_ms == pytest.approx((50 + 100) / 2 + 2 * 10)
     job = adm.decoding(first, [MB, MB])  # its body held two photos: both count now, the ticket no more
     assert adm.predict(MB).ahead_ms == pytest.approx((100 + 100) / 2 + 3 * 10)
-    adm.decoded(job, MB, 70.0)  # measured: one 1 MB decode took 70 ms (the fit moves: still one size)
-    assert adm.decode.count == 2
+    adm.decoded(job, MB, 70.0)  # measured: one 1 MB decode took 70 ms (the fit moves)
+    assert adm.decode.count == 4
     adm.finish(job)  # the second photo failed to decode: it stops counting too
     assert adm._ahead() == (1, pytest.approx(2 * MB))
     clock.now += 0.999
-    assert adm.predict(MB).ahead_ms == pytest.approx(adm.decode.predict(2 * MB) / 2 + 10)  # 52 ms per MB now
+    assert adm.predict(MB).ahead_ms == pytest.approx(adm.decode.predict(2 * MB) / 2 + 10)
     clock.now += 0.002  # past the budget since `second` was admitted: it no longer counts
     assert adm.predict(MB).ahead_ms == 0.0 and adm._ahead() == (0, 0.0)
     adm.release(second)  # releasing an expired or claimed ticket changes nothing
@@ -388,6 +431,64 @@ def test_a_burst_over_the_budget_is_partly_refused_at_once(srv):
     print(f"\nburst of {n} 12 MP uploads (own cost {own_ms:.0f} ms, budget {before['budget_ms']:.0f} ms): "
           f"{len(ok)} answered, {len(refused)} refused; slowest answer {max(s for s, _ in ok):.2f} s, "
           f"slowest refusal {max(s for s, *_ in refused):.3f} s")
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """Like ``srv``, for one test that needs a worker that has measured nothing but its start-up."""
+    from serving import Server
+
+    server = Server(tmp_path_factory.mktemp("admission-fresh") / "server.log", args=("--no-control-socket",),
+                    MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4)
+    try:
+        server.wait_ready(workers=1)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.server
+def test_clients_that_ignore_retry_after_do_not_talk_a_worker_into_refusing_what_fits(fresh):
+    """Hammered from its start by clients that retry at once whatever it answers, a worker whose load fits
+    the budget several times over keeps admitting it, and the costs it measures are its CPU's.
+
+    Measured costs were wall times once: the refusals' own work (at a higher priority than decoding)
+    stretched them, the stretched costs refused more, and a fresh 2-worker server under 8 such clients
+    answered ~500 refusals a second for a quarter of its images/s. Here: 4 clients on one 1-core worker,
+    about 4 x 0.1 s of work against a 1 s budget."""
+    import threading
+    import time
+
+    import requests
+
+    body, ctype = phone_photo()
+    url = f"{fresh.url}/api/v1/predict"
+    counts: dict[int, int] = {}
+    lock, stop = threading.Lock(), time.monotonic() + 6
+
+    def client():
+        with requests.Session() as s:
+            while time.monotonic() < stop:
+                status = s.post(url, data=body, headers={"Content-Type": ctype}, timeout=60).status_code
+                with lock:
+                    counts[status] = counts.get(status, 0) + 1
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    hammered = admission_of(fresh)
+    for _ in range(20):  # one at a time: the costs as a calm worker measures them (EWMA weight 0.1 each)
+        assert requests.post(url, data=body, headers={"Content-Type": ctype}, timeout=60).status_code == 200
+    calm = admission_of(fresh)
+    assert set(counts) <= {200, 429}, counts
+    assert counts.get(429, 0) < counts[200] / 4, counts  # a start-up's first guesses may refuse a few
+    print(f"\n4 clients ignoring Retry-After, 6 s: {counts}; predicted own ms hammered "
+          f"{hammered['predicted_ms']:.0f}, calm {calm['predicted_ms']:.0f}; image_ms {hammered['image_ms']:.1f} "
+          f"vs {calm['image_ms']:.1f}")
+    assert hammered["predicted_ms"] < 1.5 * calm["predicted_ms"], (hammered, calm)
+    assert hammered["image_ms"] < 1.5 * calm["image_ms"], (hammered, calm)
 
 
 @pytest.fixture(scope="module")

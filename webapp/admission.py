@@ -20,12 +20,28 @@ The prediction, in ms, for a request of ``nbytes`` body bytes and ``images`` pho
   client that could make the worker refuse others by declaring bodies it never sends would be a
   cheap attack), while a burst of uploads arriving together counts in full;
 - ``a`` (ms per photo) and ``b`` (ms per byte): ``DecodeCost``, a line fitted to this worker's
-  measured decode + preprocess wall times (decode cost grows with the bytes: a 12 MP JPEG takes
+  measured decode + preprocess CPU times (decode cost grows with the bytes: a 12 MP JPEG takes
   longer than the page's 95 KB copy of it);
-- ``decode_threads``: the worker's decode threads (``concurrency.Offloader``), working side by side;
+- ``decode_threads``: how many photos this worker decodes side by side: its decode threads
+  (``concurrency.Offloader``), at most as many as the cores it is pinned to;
 - ``queued``: images in the batcher's queue and in the forward pass running now (all of it counted:
-  an upper bound); ``image_ms``: its measured forward-pass cost per image (EWMA batch time / EWMA
-  batch size, ``InferenceBatcher.image_ms``).
+  an upper bound); ``image_ms``: its measured forward-pass cost per image (EWMA of the inference
+  thread's CPU time per batch / EWMA batch size, ``InferenceBatcher.image_ms``).
+
+Costs are CPU time (``time.thread_time`` of the decode or inference thread), times the worker's
+``Overhead``, not wall time. Wall time
+counts whatever else shared the core meanwhile: other decodes, and above all the request-handling
+thread answering refusals, which runs at a higher priority (``CLASSIFIER_WORK_NICE``). Fed back into
+the prediction, that made a spiral: more refusals stretched the measured costs, which refused more.
+A fresh worker hammered at once by clients that ignore ``Retry-After`` (8 clients, 12 MP photos, 2
+workers; 4 each fit the budget four times over) refused ~500 requests a second and fell to a quarter
+of its images/s (7 vs 30), and stayed there until the load eased. CPU time is the work itself, which
+no neighbour stretches. But the worker also spends CPU around that work, on the same cores and ahead
+of it (reading bodies, parsing, answering, refusing: ~12% more at 2x overload with 12 MP photos), and
+CPU time alone predicted answers ~20% early: admitted p99 went from 0.75x to 1.27x the budget, and
+clients told to come back too soon doubled the refusals. ``Overhead`` scales the costs by the
+worker's whole CPU time per CPU second of measured work, measured each second and capped at
+``Overhead.MAX``, so that the refusals' own work can stretch the prediction at most that much.
 
 A request is admitted when ``ahead + min(own, budget / 2) <= budget``: what it waits for must fit,
 and a photo whose own cost is over half the budget counts as half, so a big photo is never refused
@@ -58,12 +74,19 @@ from .errors import Overloaded
 
 
 class DecodeCost:
-    """Measured decode + preprocess wall time of one upload, as a line ``ms = a + b * bytes``.
+    """Measured decode + preprocess CPU time of one upload, as a line ``ms = a + b * bytes``.
 
     An exponentially weighted least-squares fit (each new decode weighs ``ALPHA``, older ones fade)
     over ``(bytes, ms)`` pairs. Where the recent sizes hardly differ (spread under ``SPREAD`` of their
-    mean) a line cannot be told from noise, and where the fit comes out with a negative slope or
-    intercept it is not trusted: both fall back to the measured ms per byte through the origin.
+    mean) a line cannot be told from noise: every upload is then guessed to cost their mean time,
+    whatever its size. Where the fit comes out with a negative slope or intercept it is not trusted:
+    the measured ms per byte through the origin instead.
+
+    Why a size never seen is guessed at the mean time and not scaled by its bytes: a guess too high
+    refuses, and a refused photo is never decoded, so it teaches nothing; a guess too low admits it
+    and its decode corrects the line at once. The one size a worker has measured at start-up is its
+    small golden photo; scaled by bytes to a 3 MB phone photo it predicted ~1 s of decoding (35 ms
+    measured) and a fresh worker refused every client but the first two until one of them got in.
     """
 
     ALPHA = 0.1
@@ -74,7 +97,7 @@ class DecodeCost:
         self._mx = self._my = self._mxx = self._mxy = 0.0
 
     def observe(self, nbytes: int, ms: float) -> None:
-        """One decode of ``nbytes`` bytes that took ``ms`` (wall, on a decode thread)."""
+        """One decode of ``nbytes`` bytes that took ``ms`` (CPU time of its decode thread)."""
         x, y = float(nbytes), float(ms)
         w = 1.0 if self.count == 0 else self.ALPHA
         self._mx += w * (x - self._mx)
@@ -89,19 +112,19 @@ class DecodeCost:
         return self._mx
 
     def line(self) -> tuple[float, float]:
-        """``(a, b)``: ms per upload and ms per byte; ``(0, 0)`` before any decode was measured."""
+        """``(a, b)``: ms per upload and ms per byte; ``(0, 0)`` before any decode was measured; ``(mean ms, 0)``
+        while the sizes measured hardly differ."""
         if self.count == 0 or self._mx <= 0:
             return 0.0, 0.0
         var = self._mxx - self._mx * self._mx
-        if var > (self.SPREAD * self._mx) ** 2:
-            b = (self._mxy - self._mx * self._my) / var
-            a = self._my - b * self._mx
-            if b > 0 and a >= 0:
-                return a, b
-        return 0.0, self._my / self._mx
+        if var <= (self.SPREAD * self._mx) ** 2:
+            return self._my, 0.0
+        b = (self._mxy - self._mx * self._my) / var
+        a = self._my - b * self._mx
+        return (a, b) if b > 0 and a >= 0 else (0.0, self._my / self._mx)
 
     def predict(self, nbytes: float, uploads: int = 1) -> float:
-        """Predicted decode wall time (ms) of ``uploads`` uploads of ``nbytes`` bytes in all."""
+        """Predicted decode CPU time (ms) of ``uploads`` uploads of ``nbytes`` bytes in all."""
         a, b = self.line()
         return a * uploads + b * nbytes
 
@@ -151,19 +174,60 @@ class Prediction:
 MAX_RETRY_AFTER_S = 60  # s: the longest Retry-After (a client told more may as well try elsewhere)
 
 
+class Overhead:
+    """The worker's whole CPU time per CPU second of measured work (decodes and forward passes): >= 1.
+
+    ``process_cpu()``: s of CPU of the whole process, all threads (``time.process_time``); ``work_cpu()``:
+    s of CPU of the measured work so far. ``factor()`` re-measures when ``WINDOW_S`` have passed on
+    ``clock`` with at least ``MIN_WORK_S`` of work in them (an idle worker keeps its last figure), as an
+    EWMA (weight ``ALPHA``) of the window's ratio clamped to ``[1, MAX]``: the cap bounds the feedback of
+    refusals, whose CPU is part of it (module docstring).
+    """
+
+    WINDOW_S, MIN_WORK_S, ALPHA, MAX = 1.0, 0.05, 0.3, 2.0
+
+    def __init__(self, work_cpu: Callable[[], float], clock: Callable[[], float],
+                 process_cpu: Callable[[], float] = time.process_time):
+        self._work, self._clock, self._process = work_cpu, clock, process_cpu
+        self._since = (clock(), process_cpu(), work_cpu())
+        self.value = 1.0
+        self.windows = 0
+
+    def factor(self) -> float:
+        """The current factor (1.0 until a window with work has been measured)."""
+        now = self._clock()
+        t0, p0, w0 = self._since
+        if now - t0 < self.WINDOW_S:
+            return self.value
+        p, w = self._process(), self._work()
+        self._since = (now, p, w)
+        if w - w0 >= self.MIN_WORK_S:
+            r = min(self.MAX, max(1.0, (p - p0) / (w - w0)))
+            self.value = r if not self.windows else self.value + self.ALPHA * (r - self.value)
+            self.windows += 1
+        return self.value
+
+
 class Admission:
     """One worker's admission by time: ``admit`` (before the body), ``decoding`` (in ``classify``).
 
     ``budget_ms``: the latency budget (``MAX_WAIT_MS``); ``decode_threads``: photos decoded side by
     side; ``image_ms()``: measured forward-pass ms per image; ``queued()``: images in the batcher's
-    queue and its running batch; ``clock()``: seconds, monotonic (a fake one in tests).
+    queue and its running batch; ``clock()``: seconds, monotonic (a fake one in tests);
+    ``inference_cpu()``: s of CPU in forward passes so far and ``process_cpu()``: the process's, for
+    ``Overhead`` (None: no overhead measured, factor 1).
     """
 
     def __init__(self, *, budget_ms: float, decode_threads: int, image_ms: Callable[[], float],
-                 queued: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+                 queued: Callable[[], int], clock: Callable[[], float] = time.monotonic,
+                 inference_cpu: Callable[[], float] | None = None,
+                 process_cpu: Callable[[], float] = time.process_time):
         self.budget_ms = float(budget_ms)
         self.decode_threads = max(1, int(decode_threads))
         self.decode = DecodeCost()
+        self._decode_cpu_s = 0.0  # CPU of the decodes measured so far (s), for Overhead
+        self.overhead = None if inference_cpu is None else Overhead(
+            lambda: self._decode_cpu_s + inference_cpu(), clock, process_cpu)
         self._image_ms = image_ms
         self._queued = queued
         self._clock = clock
@@ -199,8 +263,9 @@ class Admission:
             return self._predict(nbytes, images)
 
     def _predict(self, nbytes: float | None, images: int) -> Prediction:
-        a, b = self.decode.line()
-        image_ms = max(0.0, float(self._image_ms() or 0.0))
+        f = 1.0 if self.overhead is None else self.overhead.factor()
+        a, b = (f * c for c in self.decode.line())
+        image_ms = f * max(0.0, float(self._image_ms() or 0.0))
         own_bytes = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
         uploads, ahead_bytes = self._ahead()
         ahead = ((a * uploads + b * ahead_bytes) / self.decode_threads
@@ -283,9 +348,10 @@ class Admission:
             return job
 
     def decoded(self, job: Decoding, nbytes: int, ms: float) -> None:
-        """One upload of ``job`` (``nbytes`` bytes) was decoded in ``ms`` (wall, on its decode thread)."""
+        """One upload of ``job`` (``nbytes`` bytes) was decoded in ``ms`` (CPU time of its decode thread)."""
         with self._lock:
             self.decode.observe(nbytes, ms)
+            self._decode_cpu_s += ms / 1e3
             if job.uploads > 0:
                 job.uploads -= 1
                 job.nbytes -= nbytes
@@ -318,4 +384,5 @@ class Admission:
                     "decode_threads": self.decode_threads, "uploads_ahead": uploads,
                     "ahead_ms": round(p.ahead_ms, 1), "predicted_ms": round(p.total_ms, 1), "admitted": self.admitted, "refused": self.refused,
                     "client_gone": self.gone, "decodes": self.decode.count,
+                    "overhead": round(self.overhead.value, 3) if self.overhead else 1.0,
                     "told_to_return": len(self._owed)}

@@ -120,11 +120,10 @@ class InferenceBatcher:
         # future: at gunicorn's worker_exit the hub has nothing left to run, and a greenlet
         # wait there ends in LoopExit ("would block forever") while a batch is still running.
         self._ended = self._p.make_lock()
-        # Measured, for Retry-After and admission by time: exponential moving averages (s, images).
-        self.ewma_queue_wait = 0.0
-        self.ewma_batch_time = 0.0
-        self.ewma_batch_images = 0.0
+        # Measured, for Retry-After and admission (ewma_batch_cpu: the inference thread's CPU time): EWMAs.
+        self.ewma_queue_wait = self.ewma_batch_time = self.ewma_batch_cpu = self.ewma_batch_images = 0.0
         self.batches = self.images = 0
+        self.cpu_s = 0.0  # the inference thread's CPU time in forward passes, in all (s)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -158,8 +157,9 @@ class InferenceBatcher:
 
     @property
     def image_ms(self) -> float:
-        """Measured forward-pass cost per image (ms): EWMA batch time / EWMA batch size; 0 before any batch."""
-        return 1e3 * self.ewma_batch_time / self.ewma_batch_images if self.ewma_batch_images else 0.0
+        """Measured forward-pass cost per image (ms): EWMA of the inference thread's CPU time per batch / EWMA
+        batch size; 0 before any batch. CPU, not wall time: see ``webapp/admission.py`` for why."""
+        return 1e3 * self.ewma_batch_cpu / self.ewma_batch_images if self.ewma_batch_images else 0.0
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new work, serve everything already queued, then end the thread (waits up to ``timeout`` s)."""
@@ -321,7 +321,7 @@ class InferenceBatcher:
             return
         for r in live:
             self.ewma_queue_wait = 0.9 * self.ewma_queue_wait + 0.1 * (now - r.enqueued)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self._in_batch = len(live)
         try:
             logits = checked_predict(self.predict, torch.stack([r.tensor for r in live]))
@@ -331,11 +331,11 @@ class InferenceBatcher:
             return
         finally:
             self._in_batch = 0
-        took = time.perf_counter() - start
+        took, cpu = time.perf_counter() - start, time.thread_time() - cpu
         self.ewma_batch_time = took if not self.batches else 0.8 * self.ewma_batch_time + 0.2 * took
+        self.ewma_batch_cpu = cpu if not self.batches else 0.8 * self.ewma_batch_cpu + 0.2 * cpu
         self.ewma_batch_images = len(live) if not self.batches else 0.8 * self.ewma_batch_images + 0.2 * len(live)
-        self.batches += 1
-        self.images += len(live)
+        self.batches, self.images, self.cpu_s = self.batches + 1, self.images + len(live), self.cpu_s + cpu
         for r, result in zip(live, results(logits, [r.enqueued for r in live], now=now, took=took)):
             r.future.resolve(result)
 

@@ -112,9 +112,12 @@ class Classifier:
                                             on_idle=preload.trim if s.TRIM_IDLE_S else None, idle_s=s.TRIM_IDLE_S)
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, started.threads), nice=s.WORK_NICE)
-            self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=self.offloader.max_threads,
+            # Decodes run side by side only as far as the worker has cores for them (CPU-time costs).
+            self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=min(
+                                           self.offloader.max_threads, len(os.sched_getaffinity(0))),
                                        image_ms=lambda: self.batcher.image_ms,
-                                       queued=lambda: self.batcher.queue_depth + self.batcher.running_images)
+                                       queued=lambda: self.batcher.queue_depth + self.batcher.running_images,
+                                       inference_cpu=lambda: self.batcher.cpu_s)
             self.status = "self-test"
             try:
                 self.self_test = startup.self_test(s, started, self._predict_on_batcher)
@@ -346,13 +349,14 @@ def _inference_thread_init(engine, nice: int) -> None:
 
 
 def _timed_prepare(data: bytes, *, gone: Callable[[], bool] | None = None, **kwargs) -> tuple[Prepared, float]:
-    """``imaging.prepare(data, **kwargs)`` on a decode thread, and its wall time (ms) for admission.
+    """``imaging.prepare(data, **kwargs)`` on a decode thread, and the CPU time (ms) that thread spent on it,
+    for admission: not wall time, which whatever shares the core stretches (see ``InferenceBatcher.image_ms``).
 
     :raises ClientGone: ``gone()`` says the client hung up while this waited for a decode thread.
     :raises ServiceError: as ``imaging.prepare``.
     """
     if gone is not None and gone():
         raise ClientGone.before("its photos were decoded")
-    t0 = time.perf_counter()
+    t0 = time.thread_time()
     prepared = imaging.prepare(data, **kwargs)
-    return prepared, (time.perf_counter() - t0) * 1e3
+    return prepared, (time.thread_time() - t0) * 1e3
