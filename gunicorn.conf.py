@@ -184,6 +184,7 @@ def post_fork(server, worker):
     if _s.ACCESS_LOG == "json":
         configure_access_logger(sys.stdout)  # where gunicorn's access log would go
     cores = _plan.slots[worker.slot % len(_plan.slots)]
+    cpu.SERVER_CORES = cpu.usable_cores()  # for one-off start-up work its neighbours wait for (cpu.borrowed_cores)
     os.sched_setaffinity(0, cores)
     server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, cpu.core_ranges(cores))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from types import SimpleNamespace
 
@@ -89,8 +90,9 @@ class Scripted(torch.nn.Module):
     def forward(self, x):
         kind = "bf16" if torch.is_autocast_enabled("cpu") else "fp32"
         self.calls.append(kind)
-        # The fidelity pass (fp32: 2 calls, the policy: 2) and autocast's first call are not timed.
-        if len(self.calls) > 5:
+        # The fidelity pass (fp32: 2 calls, the policy: 2) and the first call of each kind on the timed photos
+        # are not timed.
+        if len(self.calls) > 6:
             self.clock[0] += self.times[kind].pop(0)
         return self.logits[kind][x[:, 0, 0, 0].long()].clone()
 
@@ -121,10 +123,38 @@ def test_judge_bf16_on_agreement_probability_ties_and_median_speed(monkeypatch, 
     got_ok, reason, fig = bf16.judge_bf16(module, photos, runs=3, speed_batch=3)
     assert got_ok is ok and words in reason, reason
     assert reason.startswith("measured on 4 calibration photos: ") and fig["photos"] == 4
-    # Fidelity in batches of 3 (fp32, then the policy), autocast's untimed first call, then the timed
-    # calls on the last batch, fp32 and autocast taking turns at going first; the median of 3 each.
-    assert module.calls == ["fp32"] * 2 + ["bf16"] * 3 + ["fp32", "bf16", "bf16", "fp32", "fp32", "bf16"]
+    # Fidelity in batches of 3 (fp32, then the policy), an untimed first call of each kind on the timed
+    # photos, then the timed calls, fp32 and autocast taking turns at going first; the median of 3 each.
+    assert module.calls == ["fp32"] * 2 + ["bf16"] * 2 + ["fp32", "bf16"] + ["fp32", "bf16", "bf16", "fp32", "fp32", "bf16"]
     assert module.times == {"fp32": [], "bf16": []}
+
+
+def test_judge_bf16_on_borrowed_cores_gives_them_back():
+    """The fidelity part may run on the server's cores (its other workers wait for it); afterwards every
+    thread of the process is back on this thread's cores, with the intra-op threads as they were."""
+    given = sorted(os.sched_getaffinity(0))
+    if len(given) < 2:
+        pytest.skip("needs 2 cores")
+    threads = torch.get_num_threads()
+    try:
+        os.sched_setaffinity(0, given[:1])
+        torch.set_num_threads(1)
+        seen = []
+
+        class Spy(torch.nn.Module):
+            def forward(self, x):
+                if not torch.is_autocast_enabled("cpu") and len(seen) < 2:
+                    seen.append((sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+                return torch.randn(len(x), 5)
+
+        bf16.judge_bf16(Spy(), torch.randn(4, 3, 8, 8), runs=1, cores=given[:2])
+        assert seen[0] == (given[:2], 2)  # the fidelity part: both cores, 2 intra-op threads
+        assert torch.get_num_threads() == 1
+        assert {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")} == {tuple(given[:1])}
+    finally:
+        torch.set_num_threads(threads)
+        for t in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(t), given)
 
 
 def test_judge_bf16_on_a_real_model_reports_the_documented_figures():

@@ -54,7 +54,7 @@ def test_auto_keeps_bf16_only_if_the_startup_measurement_says_it_pays_off(monkey
     from webapp import engine
 
     monkeypatch.setattr(engine, "native_bf16", lambda: True)  # oneDNN claims native bf16...
-    monkeypatch.setattr(startup, "judge_bf16", lambda module, photos: (False, "measured bf16 0.90x fp32", {"speedup": 0.9}))
+    monkeypatch.setattr(startup, "judge_bf16", lambda module, photos, **kw: (False, "measured bf16 0.90x fp32", {"speedup": 0.9}))
     # Its own cache folder: the decision is recorded there, and this one is scripted, not measured.
     clf = Classifier(settings.load(environ={}, overrides={"MODEL": "resnet18_seeded", "COMPILE": False,
                                                           "MAX_BATCH_SIZE": 1, "CACHE_DIR": str(tmp_path)}))

@@ -14,11 +14,47 @@ threads on its own cores, so two workers never fight for one core's caches.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # /proc/cpuinfo flags that decide which kernels oneDNN and ATen can use.
 CPU_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
              "amx_bf16", "amx_int8")
+
+
+# The cores of the whole server, as its master may use them: set in each gunicorn worker before it is
+# pinned to its own slot (gunicorn.conf.py's post_fork); None elsewhere (the CLI, tests, Ray).
+SERVER_CORES: list[int] | None = None
+
+
+@contextmanager
+def borrowed_cores(cores: list[int] | None, threads: int):
+    """Run the block on ``cores`` with ``threads`` intra-op threads, then put every thread of this process
+    back on the cores it had and the intra-op threads as they were.
+
+    For one-off work a worker does while its neighbours wait for it (``auto``'s start-up judgement of
+    bf16, under the record's lock): on a 2-core box it halves the wait. Every thread is put back
+    (``/proc/self/task``), the OpenMP threads the block started included, so nothing stays off the
+    worker's slot. ``cores`` None or empty, or ``threads`` <= 1: the block runs as it is.
+    """
+    import torch
+
+    own = sorted(os.sched_getaffinity(0))
+    before = torch.get_num_threads()
+    if not cores or threads <= 1:
+        yield
+        return
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setaffinity(int(tid), own)
+            except OSError:  # a thread that has just ended
+                pass
 
 
 def usable_cores() -> list[int]:

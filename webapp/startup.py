@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torchvision.transforms import v2
 
-from . import catalog, imaging
+from . import catalog, cpu, imaging
 from .assets import GOLDEN, calibration_files
 from .cpu import cpu_info
 from .bf16 import BF16_KEEP_FP32, judge_bf16
@@ -137,7 +137,9 @@ def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
     files = files if files is not None else calibration_files()
     photos = torch.stack([imaging.preprocess(imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS,
                                                              name=f.name).image, transform) for f in files])
-    ok, measured, figures = judge_bf16(model.module, photos)
+    # The workers of a server starting together wait for this one's judgement (recorded_precision's lock):
+    # its fidelity part may use their cores meanwhile (the speed part stays on one thread's CPU time).
+    ok, measured, figures = judge_bf16(model.module, photos, cores=cpu.SERVER_CORES)
     if ok:
         return "bf16", f"{reason}; {measured}", figures
     return "fp32", f"auto: oneDNN claims native bf16 but {measured}, so fp32", figures
