@@ -192,7 +192,7 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
 
     Returns ``(ok, reason, figures)``: ``figures`` is ``fidelity``'s dict plus ``native_speedup`` (fp32
     s / bf16 s) and ``photos``; ``reason`` says the figures in words. 28 photos at 224x224, ResNet-18,
-    this 2-core box: 3.0 s on one core and one thread for all of it; 1.5 s with the fidelity part on
+    this 2-core box: 2.7 s on one core and one thread for all of it; 1.8 s with the fidelity part on
     both cores and the speed part on 2 photos instead of 4 (2026-12-01).
     """
     from .cpu import borrowed_cores
