@@ -371,18 +371,32 @@ def test_the_batcher_does_not_run_an_image_whose_client_is_gone():
 
 
 # -- over a real gunicorn ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    """One worker, one core, the default budget (MAX_WAIT_MS 1000), eager seeded ResNet-18."""
+def one_worker(tmp_path_factory, name: str, **settings):
+    """A real gunicorn with one worker on one core, eager seeded ResNet-18, batches of up to 4, and
+    ``settings``: started, ready, and stopped when the caller's ``with`` ends."""
+    from contextlib import contextmanager
+
     from serving import Server
 
-    server = Server(tmp_path_factory.mktemp("admission") / "server.log", args=("--no-control-socket",),
-                    MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4)
-    try:
-        server.wait_ready(workers=1)
+    @contextmanager
+    def running():
+        server = Server(tmp_path_factory.mktemp(name) / "server.log", args=("--no-control-socket",),
+                        MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4,
+                        **settings)
+        try:
+            server.wait_ready(workers=1)
+            yield server
+        finally:
+            server.stop()
+
+    return running()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    """One worker, one core, the default budget (MAX_WAIT_MS 1000)."""
+    with one_worker(tmp_path_factory, "admission") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def admission_of(srv) -> dict:
@@ -436,15 +450,8 @@ def test_a_burst_over_the_budget_is_partly_refused_at_once(srv):
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
     """Like ``srv``, for one test that needs a worker that has measured nothing but its start-up."""
-    from serving import Server
-
-    server = Server(tmp_path_factory.mktemp("admission-fresh") / "server.log", args=("--no-control-socket",),
-                    MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4)
-    try:
-        server.wait_ready(workers=1)
+    with one_worker(tmp_path_factory, "admission-fresh") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.server
@@ -494,16 +501,8 @@ def test_clients_that_ignore_retry_after_do_not_talk_a_worker_into_refusing_what
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory):
     """One worker with the smallest budget (10 ms): anything ahead of a big upload is too much."""
-    from serving import Server
-
-    server = Server(tmp_path_factory.mktemp("admission-tight") / "server.log", args=("--no-control-socket",),
-                    MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=4,
-                    MAX_WAIT_MS=10)
-    try:
-        server.wait_ready(workers=1)
+    with one_worker(tmp_path_factory, "admission-tight", MAX_WAIT_MS=10) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.server
