@@ -181,7 +181,7 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
     the fidelity of ``bf16_policy(module)`` against ``module`` in fp32 over all N (``fidelity``, judged
     by ``faithful``), on ``cores`` (the server's, borrowed while its other workers wait: ``cpu.borrowed_cores``,
     one intra-op thread per core; None: this thread's own); then speed on ``timed_n`` photos of the last
-    batch, one intra-op thread, plain bf16 autocast against fp32, ``runs`` times
+    batch, back on this thread's cores and intra-op threads, plain bf16 autocast against fp32, ``runs`` times
     each, taking turns, after one untimed call each (oneDNN creates its primitives then): the median
     must be ``MIN_NATIVE_SPEEDUP`` times faster. Autocast and not the policy, because eager speed does
     not predict compiled speed for the policy (its fp32 layers cost casts that inductor fuses away:
