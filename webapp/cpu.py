@@ -37,13 +37,12 @@ def borrowed_cores(cores: list[int] | None, threads: int):
     (``/proc/self/task``), the OpenMP threads the block started included, so nothing stays off the
     worker's slot. ``cores`` None or empty, or ``threads`` <= 1: the block runs as it is.
     """
-    import torch
-
-    own = sorted(os.sched_getaffinity(0))
-    before = torch.get_num_threads()
     if not cores or threads <= 1:
         yield
         return
+    import torch
+
+    own, before = sorted(os.sched_getaffinity(0)), torch.get_num_threads()
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(threads)
     try:

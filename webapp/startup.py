@@ -26,7 +26,6 @@ from torchvision.transforms import v2
 
 from . import catalog, cpu, imaging
 from .assets import GOLDEN, calibration_files
-from .cpu import cpu_info
 from .bf16 import BF16_KEEP_FP32, judge_bf16
 from .engine import Engine, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
@@ -138,7 +137,7 @@ def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
     photos = torch.stack([imaging.preprocess(imaging.decode(f.read_bytes(), max_pixels=ASSET_MAX_PIXELS,
                                                              name=f.name).image, transform) for f in files])
     # The workers of a server starting together wait for this one's judgement (recorded_precision's lock):
-    # its fidelity part may use their cores meanwhile (the speed part stays on one thread's CPU time).
+    # its fidelity part may use their cores meanwhile (the speed part stays on this worker's own threads).
     ok, measured, figures = judge_bf16(model.module, photos, cores=cpu.SERVER_CORES)
     if ok:
         return "bf16", f"{reason}; {measured}", figures
@@ -156,7 +155,7 @@ def precision_key(model: LoadedModel, threads: int, photos: str = "") -> dict:
     claims native bf16), the bf16 policy (``bf16.BF16_KEEP_FP32``) and the judged photos (``photos_id``).
     Any change of these measures again."""
     return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
-            "cpu": cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu": cpu.cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16(),
             "bf16_policy": list(BF16_KEEP_FP32), "photos": photos,
             "bf16_auto_off": bool(catalog.BY_NAME[model.name].bf16_auto_off) if model.name in catalog.BY_NAME else False}
