@@ -11,7 +11,9 @@ import threading
 import time
 
 import pytest
+import requests
 
+from conftest import small_png
 from serving import Server
 from webapp import startup
 
@@ -172,3 +174,28 @@ def test_auto_keeps_fp32_for_a_model_whose_bf16_misses_the_bench_targets(monkeyp
     assert (precision, figures) == ("fp32", None)
     assert reason == f"auto: fp32 for efficientnet_lite0: {catalog.BY_NAME['efficientnet_lite0'].bf16_auto_off}"
     assert "96.9%" in reason and startup.precision_key(model, 1)["bf16_auto_off"] is True
+
+
+@pytest.mark.server
+@pytest.mark.extended
+def test_a_cold_start_compiles_once_in_a_child_and_no_worker_keeps_the_compiler(tmp_path):
+    """The first start on a host: one child process builds the packages (one compile, not one per worker), every
+    worker loads them, and none holds what the compile imported and allocated (320-411 MB private per worker
+    at ready when each compiled itself; a worker that loads packages holds under ~150)."""
+    cache = tmp_path / "cache"
+    srv = Server(tmp_path / "cold.log", env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")},
+                 MODEL="resnet18_seeded", PRECISION="fp32", WORKERS=2, THREADS=1, MAX_BATCH_SIZE=2, CACHE_DIR=cache)
+    try:
+        health = srv.wait_ready(workers=2)
+        r = requests.post(srv.url + "/api/v1/predict", files={"file": ("red.png", small_png(), "image/png")},
+                          timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        out = srv.stop_cleanly()
+    assert out.count("building the fp32 AOTInductor packages in a child process") == 1, out[-3000:]
+    assert "packages built in a child process" in out and "building here" not in out, out[-3000:]
+    assert len(list(cache.glob("aoti-fp32-*.pt2"))) == 2  # batch 1 and the dynamic batch
+    print({pid: h["memory_mb"] for pid, h in health.items()})
+    for pid, h in health.items():
+        assert h["model"]["backend"] == "aoti", h["model"]
+        assert h["memory_mb"]["private"] < 200, (pid, h["memory_mb"])

@@ -149,7 +149,8 @@ def _build(module: nn.Module, path: Path, input_size: int, batch: int, dynamic: 
     os.replace(tmp, path)
 
 
-def load_or_build_aoti(module: nn.Module | Callable[[], nn.Module], *, input_size: int, path: Path) -> Packaged:
+def load_or_build_aoti(module: nn.Module | Callable[[], nn.Module], *, input_size: int, path: Path,
+                       build_elsewhere: Callable[[list[Path]], None] | None = None) -> Packaged:
     """The packages at ``path`` (see ``package_path``), built first where absent; returns them as one runner.
 
     ``module`` is packaged as given (its own dtype handling included, e.g. a bf16 autocast wrapper);
@@ -158,10 +159,17 @@ def load_or_build_aoti(module: nn.Module | Callable[[], nn.Module], *, input_siz
     ``torch.compile`` of both graphs; files are written under a temporary name and renamed, so
     workers starting together never load half a file (each may build its own; all are the same).
 
+    ``build_elsewhere``, where given, is called first (with the packages' paths) when one is absent: it builds
+    them in another process (a serving worker's, ``startup.build_in_child``), so that the compiler's modules and memory
+    (~250-330 MB private per worker that compiled, kept for its whole life) never enter this one. Whatever
+    it leaves absent is built here as before.
+
     :raises Exception: export or the ahead-of-time compile failed (the caller falls back to JIT).
         A package that does not load (damaged, or made by another torch) is built again.
     """
     paths = {False: path.with_name(path.name[:-4] + ".b1.pt2"), True: path}
+    if build_elsewhere is not None and not all(p.is_file() for p in paths.values()):
+        build_elsewhere(list(paths.values()))
     loaded: dict[bool, Callable] = {}
     made: list[nn.Module] = []
     for dynamic, p in paths.items():

@@ -119,14 +119,16 @@ class Engine:
     ``compile=False`` runs eager (still channels_last, inference mode): it starts in about a second,
     for unit tests; int8 without compile runs the reference (simulated) quantized graph, slow, for
     tests only. With ``compile`` and a ``cache_dir``, ``backend`` is ``aoti`` (the package, see
-    ``webapp/aoti.py``), else ``inductor`` (JIT); without ``compile``, ``eager``.
+    ``webapp/aoti.py``; ``build_elsewhere`` builds absent packages in another process first), else
+    ``inductor`` (JIT); without ``compile``, ``eager``.
     """
 
     def __init__(self, module: nn.Module, *, input_size: int, compile: bool, precision: str = "fp32",
                  calibration: list[torch.Tensor] | Callable[[], list[torch.Tensor]] | None = None,
                  reduce_range: bool = False,
                  cache_dir: Path | None = None, cache_id: str = "",
-                 int8_keep_fp32: tuple[str, ...] = INT8_KEEP_FP32):
+                 int8_keep_fp32: tuple[str, ...] = INT8_KEEP_FP32,
+                 build_elsewhere: Callable[[list[Path]], None] | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.input_size = input_size
@@ -162,7 +164,8 @@ class Engine:
             if cache_dir is not None:  # every precision: a package loads in well under a second, JIT recompiles
                 path = package_path(cache_dir, precision, cache_key(cache_id, precision, variant, cpu_tag()))
                 try:
-                    self._fn = load_or_build_aoti(make, input_size=input_size, path=path)
+                    self._fn = load_or_build_aoti(make, input_size=input_size, path=path,
+                                                  build_elsewhere=build_elsewhere)
                     self.backend = "aoti"
                 except Exception as exc:  # export or AOT compile failed for this model: JIT still works
                     log.warning("%s AOTInductor package failed (%s); using torch.compile", precision, exc)

@@ -103,7 +103,9 @@ class Classifier:
         t0 = time.perf_counter()
         stop_beats = keep_alive(heartbeat, limit=s.STARTUP_TIMEOUT_S) if heartbeat else None
         try:
-            self.started = started = startup.load_engine(s, status=self._set_status)
+            # A child process compiles what is not in the cache yet, so this worker never holds the compiler.
+            self.started = started = startup.load_engine(s, status=self._set_status,
+                                                         build_elsewhere=startup.build_in_child(s))
             self.batcher = InferenceBatcher(started.engine.predict, max_batch_size=s.MAX_BATCH_SIZE,
                                             batch_timeout=s.BATCH_TIMEOUT_MS / 1e3, queue_size=s.QUEUE_SIZE,
                                             request_timeout=s.REQUEST_TIMEOUT_S, on_death=self._died,

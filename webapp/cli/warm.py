@@ -31,6 +31,9 @@ def add_parser(sub) -> None:
                     "the worker layout, and keep what it built in CLASSIFIER_CACHE_DIR. Safe to run again: it "
                     "then says the caches were already there. Run it with the settings the service will have.",
         epilog=settings_epilog())
+    p.add_argument("--keep-affinity", action="store_true",
+                   help="stay on the cores this process was given instead of gunicorn's worker 0's (a serving "
+                        "worker runs warm so to build what its cache lacks, keeping the compiler out of its memory)")
     add_setting_options(p, commands=(settings_mod.SERVE,))
     p.set_defaults(func=cmd_warm)
 
@@ -63,7 +66,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
     cores = cpu.usable_cores()
     plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
-    os.sched_setaffinity(0, plan.slots[0])  # the cores, hence the thread count, of gunicorn's worker 0
+    if not args.keep_affinity:
+        os.sched_setaffinity(0, plan.slots[0])  # the cores, hence the thread count, of gunicorn's worker 0
     logging.basicConfig(level=getattr(logging, s.LOG_LEVEL.upper()), format="%(message)s")
     logging.getLogger("webapp").setLevel(logging.WARNING if s.LOG_LEVEL == "info" else s.LOG_LEVEL.upper())
 
