@@ -275,15 +275,17 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
                 if all(p.is_file() for p in paths):
                     return  # another worker's child built them while this one waited
                 t0 = time.perf_counter()
-                log.info("building the %s AOTInductor packages in a child process (python -m webapp warm)", precision)
+                log.debug("building the %s AOTInductor packages in a child process (python -m webapp warm)", precision)
                 done = subprocess.run([sys.executable, "-m", "webapp", "warm", "--keep-affinity"], env=env,
                                       capture_output=True, text=True, timeout=settings.STARTUP_TIMEOUT_S)
             if done.returncode != 0 or not all(p.is_file() for p in paths):
                 tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-                log.warning("building the packages in a child process failed (exit %s: %s); building here",
-                            done.returncode, tail)
+                # info, not warning: where the child fails, building here most likely fails alike and says why
+                log.info("building the packages in a child process failed (exit %s: %s); building them here",
+                         done.returncode, tail)
             else:
-                log.info("%s packages built in a child process in %.1f s", precision, time.perf_counter() - t0)
+                log.info("%s AOTInductor packages built in a child process in %.1f s", precision,
+                         time.perf_counter() - t0)
         return build
     return build_for
 
