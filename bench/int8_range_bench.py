@@ -6,16 +6,14 @@ activations for that. This measures both settings on the real-weight offline mod
 (EfficientNet-Lite0) over the shared photos plus deterministic crops/flips/rescales, and on seeded
 ResNet-18 for speed. Run it as the old CPU runs::
 
-    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python bench/int8_range_bench.py [--photos 256]
+    ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python bench/int8_range_bench.py [--photos 256] [--json out.json]
 
-and without the variables for this CPU's own path. ``CLASSIFIER_INT8_REDUCE_RANGE=auto`` picks
+and without the variables for this CPU's own path (``python -m bench`` runs it capped, as part ``int8-range``). ``CLASSIFIER_INT8_REDUCE_RANGE=auto`` picks
 7 bits exactly where ``webapp.engine.int8_vnni()`` is False.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
@@ -25,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench import main as bench_main, num, table  # noqa: E402
 from bench.inputs import BATCH, augmented, make_inputs, shared_photos  # noqa: E402
 from webapp import models, settings  # noqa: E402
 from webapp.engine import Engine, int8_vnni  # noqa: E402
@@ -46,47 +45,57 @@ def throughput(fn, x8: torch.Tensor, rounds: int) -> float:
     return BATCH / sorted(times)[len(times) // 2]
 
 
-def main(argv=None) -> int:
-    """Measure fp32 and int8 with 8- and 7-bit activations for both models; print a line each; 0."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--photos", type=int, default=256, help="fidelity photos (shared + augmented)")
-    parser.add_argument("--rounds", type=int, default=10, help="timed bs8 calls per mode")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+def add_arguments(parser) -> None:
+    """The benchmark's options (``run`` reads them)."""
+    parser.add_argument("--quick", action="store_true", help="32 fidelity photos, 4 timed calls (a smoke run)")
+    parser.add_argument("--photos", type=int, default=0, help="fidelity photos, shared + augmented (0: 256, --quick 32)")
+    parser.add_argument("--rounds", type=int, default=0, help="timed bs8 calls per mode (0: 10, --quick 4)")
+
+
+def run(args) -> dict:
+    """fp32 and int8 with 8- and 7-bit activations for both models; print the table; return every number."""
+    n_photos = args.photos or (32 if args.quick else 256)
+    rounds = args.rounds or (4 if args.quick else 10)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "native")
-    print(f"CPU as this process runs it: ISA cap {cap}, ATen {torch.backends.cpu.get_cpu_capability()}, "
-          f"VNNI usable: {int8_vnni()}", flush=True)
     photos = shared_photos()
-    extra = augmented([img for _, img in photos[:7]], max(0, args.photos - len(photos)), seed=0)
-    result = {"isa_cap": cap, "aten": torch.backends.cpu.get_cpu_capability(), "vnni": int8_vnni(), "rows": []}
+    extra = augmented([img for _, img in photos[:7]], max(0, n_photos - len(photos)), seed=0)
+    result = {"isa_cap": cap, "aten": torch.backends.cpu.get_cpu_capability(), "vnni": int8_vnni(),
+              "photos": len(photos) + len(extra), "rows": []}
     for name in ("efficientnet_lite0", "resnet18_seeded"):
         loaded = models.load_model(settings.load(environ={}, overrides={"MODEL": name}))
         inputs = make_inputs(loaded, photos, extra if name == "efficientnet_lite0" else [])
         with torch.inference_mode():
             ref = predict_all(loaded.module, inputs.fidelity)
         fp32 = Engine(loaded.module, input_size=loaded.preprocessing.crop, compile=True, precision="fp32")
-        base = throughput(fp32.predict, inputs.bs8, args.rounds)
-        rows = [{"model": name, "mode": "fp32 (compiled)", "images_per_s": base, "top1": 1.0, "logit_err": 0.0}]
+        base = throughput(fp32.predict, inputs.bs8, rounds)
+        rows = [{"model": name, "mode": "fp32 (compiled)", "images_per_s": base, "top1": 1.0, "logit_err": 0.0,
+                 "n": len(inputs.fidelity)}]
         for rr in (False, True):
             torch.compiler.set_stance("default")
             engine = Engine(loaded.module, input_size=loaded.preprocessing.crop, compile=True, precision="int8",
                             calibration=inputs.calibration, reduce_range=rr)
             got = predict_all(engine.predict, inputs.fidelity)
-            rows.append({"model": name, "mode": f"int8 {'7-bit' if rr else '8-bit'} activations",
-                         "images_per_s": throughput(engine.predict, inputs.bs8, args.rounds),
+            rows.append({"model": name, "mode": f"int8, {'7' if rr else '8'}-bit activations",
+                         "images_per_s": throughput(engine.predict, inputs.bs8, rounds),
                          "top1": float((got.argmax(1) == ref.argmax(1)).float().mean()),
-                         "logit_err": float((got - ref).abs().max() / ref.abs().max())})
+                         "logit_err": float((got - ref).abs().max() / ref.abs().max()), "n": len(inputs.fidelity)})
         for r in rows:
             r["x_fp32"] = r["images_per_s"] / base
-            print(f"{r['model']:<20} {r['mode']:<28} {r['images_per_s']:7.1f} img/s  x{r['x_fp32']:.2f} fp32  "
-                  f"top-1 vs fp32 {100 * r['top1']:5.1f}% ({len(inputs.fidelity)} photos)  logit err {100 * r['logit_err']:.2f}%",
-                  flush=True)
         result["rows"] += rows
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    print(report(result))
+    return result
+
+
+def report(result: dict) -> str:
+    """The fixed-width text report of a ``run`` result (top-1 only where the weights are real)."""
+    rows = [[r["model"], r["mode"], num(r["images_per_s"]), num(r["x_fp32"], 2),
+             f"{100 * r['top1']:.1f}%" if r["model"] != "resnet18_seeded" else "-", f"{100 * r['logit_err']:.2f}%"]
+            for r in result["rows"]]
+    title = (f"int8 activations 8 vs 7 bits, bs8 images/s; ISA cap {result['isa_cap']}, ATen {result['aten']}, "
+             f"VNNI usable: {result['vnni']}; top-1 vs fp32 on {result.get('photos', '?')} photos")
+    return table(["model", "mode", "images/s", "x fp32", "top-1 vs fp32", "logit err"], rows, title=title)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    bench_main(__doc__, add_arguments, run)
