@@ -89,12 +89,12 @@ def run(args) -> dict:
 
 def report(result: dict) -> str:
     """The fixed-width text report of a ``run`` result (top-1 only where the weights are real)."""
-    rows = [[r["model"], r["mode"], num(r["images_per_s"]), num(r["x_fp32"], 2),
+    rows = [[f"{r['model']}  {r['mode']}", num(r["images_per_s"]), num(r["x_fp32"], 2),
              f"{100 * r['top1']:.1f}%" if r["model"] != "resnet18_seeded" else "-", f"{100 * r['logit_err']:.2f}%"]
             for r in result["rows"]]
     title = (f"int8 activations 8 vs 7 bits, bs8 images/s; ISA cap {result['isa_cap']}, ATen {result['aten']}, "
              f"VNNI usable: {result['vnni']}; top-1 vs fp32 on {result.get('photos', '?')} photos")
-    return table(["model", "mode", "images/s", "x fp32", "top-1 vs fp32", "logit err"], rows, title=title)
+    return table(["model  mode", "images/s", "x fp32", "top-1 vs fp32", "logit err"], rows, title=title)
 
 
 if __name__ == "__main__":
