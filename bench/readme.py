@@ -69,7 +69,7 @@ def render(name: str, result: dict, run: dict) -> str:
     :raises KeyError: ``name`` is not one of ``BLOCKS``."""
     module, fn = BLOCKS[name]
     text = getattr(importlib.import_module(module), fn)(result)
-    return "\n".join([provenance(result.get("_run") or run), "", "```", text.rstrip("\n"), "```"])
+    return "\n".join([provenance(result.get("_run") or run), "", "```", text.strip("\n"), "```"])
 
 
 def pending(name: str) -> str:
@@ -126,8 +126,9 @@ def merged(run: dict, kept: dict) -> dict:
     out = {k: v for k, v in kept.items() if isinstance(v, dict) and k in BLOCKS}
     stamp = {k: run.get(k) for k in ("date", "quick", "machine")}
     for name in BLOCKS:
-        if isinstance(run.get(name), dict):
-            out[name] = {**run[name], "_run": stamp}
+        part = run.get(name)
+        if isinstance(part, dict):  # a part re-read from a kept file keeps the run it came from
+            out[name] = {**part, "_run": part.get("_run") or stamp}
     return out
 
 

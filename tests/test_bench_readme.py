@@ -59,6 +59,9 @@ def test_a_later_run_replaces_its_parts_and_the_others_keep_the_run_they_name(tm
     assert "fidelity: 3 (From `python -m bench --quick`, D2:)" in text
     rec = json.loads(kept.read_text())
     assert rec["engine"]["_run"]["date"] == "D1" and rec["fidelity"]["_run"]["date"] == "D2"
+    # Rewritten from the kept file itself (python -m bench.readme docs/bench-run.json): nothing changes.
+    assert readme.write(rec, md, kept, renderer=fake) == ["engine", "fidelity"]
+    assert md.read_text() == text and json.loads(kept.read_text()) == rec
 
 
 def test_every_part_has_its_block_in_the_readme_and_every_block_a_part():
