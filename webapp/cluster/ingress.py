@@ -11,6 +11,7 @@ import time
 
 from ray import serve
 
+from ..concurrency import Primitives
 from ..errors import InferenceTimeout, NotReady, Overloaded
 from ..errors import from_dict as error_from_dict
 from .config import load_values, replica_id
@@ -149,6 +150,13 @@ class Ingress:
         self.settings = load_values({**values, "METRICS": False})
         self.remote = RemoteClassifier(model, self.settings)
         self.capacity = capacity
+        self.counter = InFlight()
+
+    def in_flight(self) -> int:
+        """Requests this HTTP replica is working on now (``stopping.shut_down`` waits for 0 before removing
+        the app: Ray Serve stops the model replicas alongside this one, and a request still reading its
+        upload here when they went would wait for its 504)."""
+        return self.counter.n
 
     def __serve_build_asgi_app__(self):
         from a2wsgi import WSGIMiddleware
@@ -164,10 +172,23 @@ class Ingress:
             log.info("client went away during %s %s", request.method, request.path)
             return "", 499
 
-        return WSGIMiddleware(behind_ray_proxy(app), workers=self.capacity)
+        return WSGIMiddleware(behind_ray_proxy(app, self.counter), workers=self.capacity)
 
 
-def behind_ray_proxy(app):
+class InFlight:
+    """A count of requests in progress (``n``), changed under a lock from a2wsgi's threads."""
+
+    def __init__(self):
+        self.n = 0
+        self._lock = Primitives.for_this_process().make_lock()
+
+    def add(self, k: int) -> None:
+        """Count ``k`` (+1 or -1) more requests in progress."""
+        with self._lock:
+            self.n += k
+
+
+def behind_ray_proxy(app, counter: InFlight | None = None):
     """Fit the Flask ``app`` to Ray's proxy and a2wsgi (wraps its ``wsgi_app``; returns ``app``).
 
     - a2wsgi's ``wsgi.input`` ends where the HTTP body ends, so a chunked upload (no
@@ -184,7 +205,13 @@ def behind_ray_proxy(app):
         def start(status, headers, exc_info=None):
             return start_response(status, [(k, v) for k, v in headers if k.lower() != "x-request-id"], exc_info)
 
-        return inner(environ, start)
+        if counter is None:
+            return inner(environ, start)
+        counter.add(1)
+        try:  # the answer is made (and read from the model replica) inside this call: Flask buffers it
+            return inner(environ, start)
+        finally:
+            counter.add(-1)
 
     app.wsgi_app = wsgi
     return app
