@@ -248,7 +248,6 @@ def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose,
                               lambda: decide_auto_precision(model, transform, files))
 
 
-@quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)
 def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
     """For ``load_engine(build_elsewhere=...)``: absent AOTInductor packages built by a child process,
     ``python -m webapp warm --keep-affinity`` with these settings and the precision this process chose.
@@ -276,8 +275,11 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
                     return  # another worker's child built them while this one waited
                 t0 = time.perf_counter()
                 log.debug("building the %s AOTInductor packages in a child process (python -m webapp warm)", precision)
-                done = subprocess.run([sys.executable, "-m", "webapp", "warm", "--keep-affinity"], env=env,
-                                      capture_output=True, text=True, timeout=settings.STARTUP_TIMEOUT_S)
+                try:
+                    done = subprocess.run([sys.executable, "-m", "webapp", "warm", "--keep-affinity"], env=env,
+                                          capture_output=True, text=True, timeout=settings.STARTUP_TIMEOUT_S)
+                except (OSError, subprocess.SubprocessError) as exc:  # could not start, or ran past the timeout
+                    done = subprocess.CompletedProcess([], -1, "", str(exc))
             if done.returncode != 0 or not all(p.is_file() for p in paths):
                 tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
                 # info, not warning: where the child fails, building here most likely fails alike and says why
@@ -290,6 +292,7 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
     return build_for
 
 
+@quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)
 def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
                 build_elsewhere: Callable[[str], Callable[[list[Path]], None]] | None = None) -> Started:
     """Load the model, choose the precision, build the engine and warm up batch 1..``MAX_BATCH_SIZE``.
