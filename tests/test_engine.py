@@ -1,5 +1,7 @@
 """The compiled engine: same logits as eager, every batch size warmed, no compile after warm-up."""
 
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -163,6 +165,54 @@ def test_a_warm_cache_starts_without_compiling(precision, tmp_path, monkeypatch)
     maps = Path("/proc/self/maps")
     if maps.exists():
         assert all(str(lib) in maps.read_text() for lib in libraries)
+    # ... and they let go of the GIL while they run: a gevent worker's hub (accepting, refusing, reading
+    # uploads) and its decode threads go on during a forward pass.
+    assert again._fn.one.releases_gil and again._fn.many.releases_gil
+    batch = x.contiguous(memory_format=torch.channels_last)
+    while forward_ms(again._fn.many, batch) < 60 and len(batch) < 1024:  # long enough to see a GIL held
+        batch = torch.cat([batch, batch]).contiguous(memory_format=torch.channels_last)
+    one = forward_ms(again._fn.many, batch)
+    worst = worst_wake_ms_during(again._fn.many, batch)
+    assert worst < one / 2, f"a 1 ms sleep woke {worst:.1f} ms late beside a {one:.1f} ms forward: the GIL was held"
+
+
+def forward_ms(fn, x) -> float:
+    """The median of 3 calls of ``fn(x)``, in ms."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn(x)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[1]
+
+
+def worst_wake_ms_during(fn, x, seconds: float = 1.0) -> float:
+    """The latest (ms) this thread woke from a 1 ms sleep while another thread called ``fn(x)`` back to back.
+
+    The GIL's switch interval is 100 s meanwhile, so a thread holding the GIL is never made to drop it: where
+    ``fn`` keeps the GIL for its whole run (torch's own AOTInductor runner), this thread waits at least one
+    forward pass; where ``fn`` releases it, about the 1 ms it slept."""
+    stop, old, worst = threading.Event(), sys.getswitchinterval(), 0.0
+
+    def loop():
+        with torch.inference_mode():
+            while not stop.is_set():
+                fn(x)
+    worker = threading.Thread(target=loop)
+    sys.setswitchinterval(100.0)
+    try:
+        worker.start()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            t0 = time.perf_counter()
+            time.sleep(0.001)
+            worst = max(worst, (time.perf_counter() - t0) * 1e3)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+    worker.join()
+    return worst
 
 
 @pytest.mark.slow  # AOTInductor packaging of ResNet-18: ~30 s on 2 cores

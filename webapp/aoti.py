@@ -23,10 +23,18 @@ copy of every library: for ResNet-18 bf16, 2 x 23.4 MB of the worker's private m
 pages are shared by all workers. Each worker still copies the weights out of the library into its
 own memory once (AOTInductor's constant buffer): the two packages' frozen weights differ (the batch-1
 graph prepacks its convolutions for oneDNN, the dynamic one does not), so they cannot share one set.
+
+That library is called through its C interface with ``ctypes`` (``_CApi``), not through torch's
+``AOTIModelContainerRunnerCpu``, because torch's runner keeps the GIL for the whole forward pass: in a
+gevent worker nothing else ran meanwhile, not the hub (accepting, refusing, reading uploads) nor the
+decode threads. At 2x overload with small photos that made refusals take 119-183 ms p99 at the client
+(8 ms inside the server); with the GIL released, 40 ms (``bench/overload_bench.py``, 2 cores).
 """
 
 from __future__ import annotations
 
+import ctypes
+import json
 import logging
 import os
 import time
@@ -106,16 +114,104 @@ def extract_library(package: Path) -> Path | None:
     return so
 
 
+class _CApi:
+    """AOTInductor's C interface (``torch/csrc/inductor/aoti_runtime/interface.h``) of one compiled library,
+    called through ``ctypes``, which lets go of the GIL for the length of every foreign call.
+
+    Why not ``torch._C._aoti.AOTIModelContainerRunnerCpu``: its ``run`` (like ``aoti_load_package``'s
+    and ``AOTIModelPackageLoader``'s) keeps the GIL for the whole forward pass. In a gunicorn gevent
+    worker the hub then cannot run while a batch is computed: no connection is accepted, no refusal
+    written, no upload read and no decode thread gets on with its next photo. Measured on 2 cores, a
+    thread sleeping 1 ms woke up to 83 ms late beside a batch-1 ResNet-18 forward and 313 ms beside a
+    batch of 8 (5 ms, the GIL's switch interval, with eager or ``torch.compile``), and refusals at 2x
+    overload took 100 ms p99 at the client against 8 ms inside the server. Called here, the same
+    library runs the same kernels with the GIL released.
+
+    Tensors cross as ``AtenTensorHandle`` (an owned ``at::Tensor*``): ``unsafe_alloc_void_ptrs_from_tensors``
+    makes new handles for the inputs, which the run takes over (stolen, freed by it); the outputs' handles
+    are handed to the caller, and ``alloc_tensors_by_stealing_from_void_ptrs`` turns them into tensors
+    that own them. The same steps as the runner's ``run`` in C++ (``model_container_runner.cpp``).
+    """
+
+    _api = ctypes.PyDLL(None)  # Python's own C API, GIL held: function objects of our own, not ctypes.pythonapi's
+    _api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    _api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    _api.PyCapsule_New.restype = ctypes.py_object
+    _api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+    def __init__(self, so: Path):
+        lib = ctypes.CDLL(str(so))
+        for name in ("AOTInductorModelContainerCreateWithDevice", "AOTInductorModelContainerDelete",
+                     "AOTInductorModelContainerRun", "AOTInductorModelContainerGetNumInputs",
+                     "AOTInductorModelContainerGetNumOutputs", "AOTInductorGetLastError"):
+            getattr(lib, name).restype = ctypes.c_int32
+        self._lib, self._handle = lib, ctypes.c_void_p()
+        self._check(lib.AOTInductorModelContainerCreateWithDevice(ctypes.byref(self._handle), ctypes.c_size_t(1),
+                                                                  b"cpu", None), "load")
+        n_in, n_out = ctypes.c_size_t(), ctypes.c_size_t()
+        self._check(lib.AOTInductorModelContainerGetNumInputs(self._handle, ctypes.byref(n_in)), "count inputs of")
+        self._check(lib.AOTInductorModelContainerGetNumOutputs(self._handle, ctypes.byref(n_out)), "count outputs of")
+        self.num_inputs, self.num_outputs = n_in.value, n_out.value
+        self._path = so
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            msg = ctypes.c_char_p()
+            self._lib.AOTInductorGetLastError(ctypes.byref(msg))
+            text = (msg.value or b"").decode("utf-8", "replace") or f"error code {code}"
+            raise RuntimeError(f"AOTInductor could not {what} {self._path}: {text}")
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The model on ``inputs`` (as many as it takes), the GIL released meanwhile; its outputs.
+
+        :raises RuntimeError: the model refused the inputs (wrong count, shape or dtype: its message)."""
+        if len(inputs) != self.num_inputs:
+            raise RuntimeError(f"AOTInductor model {self._path} takes {self.num_inputs} inputs, not {len(inputs)}")
+        get = self._api.PyCapsule_GetPointer
+        ins = (ctypes.c_void_p * len(inputs))(*[get(c, None) for c in torch._C._aoti.unsafe_alloc_void_ptrs_from_tensors(inputs)])
+        outs = (ctypes.c_void_p * self.num_outputs)()
+        self._check(self._lib.AOTInductorModelContainerRun(self._handle, ins, ctypes.c_size_t(len(inputs)), outs,
+                                                           ctypes.c_size_t(self.num_outputs), None, None), "run")
+        return torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs([self._api.PyCapsule_New(p, None, None) for p in outs])
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and self._handle.value:
+            self._lib.AOTInductorModelContainerDelete(self._handle)
+            self._handle = ctypes.c_void_p()
+
+
+def _has_extern_kernels(so: Path) -> bool:
+    """Whether the library calls kernels through AOTInductor's proxy executor (listed in the ``.json``
+    beside it, e.g. ops with no C shim): only torch's own runner can make that executor, so such a library
+    runs there (GIL held). Unreadable counts as having them: the runner then reports the problem."""
+    js = so.with_suffix(".json")
+    if not js.is_file():
+        return False
+    try:
+        return bool(json.loads(js.read_text(encoding="utf-8")).get("nodes"))
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 class SharedLibrary:
     """A package's model run from its extracted library (``extract_library``), which every worker maps
     from the same file: ``(N, 3, S, S) float32 channels_last -> (N, C)`` logits, as the package.
+
+    Runs through the library's C interface (``_CApi``), which releases the GIL for the forward pass;
+    a library with extern kernels (``_has_extern_kernels``) runs in torch's own runner, which keeps it
+    (``releases_gil`` says which).
 
     :raises RuntimeError: (construction) the library does not load in this process.
     """
 
     def __init__(self, so: Path):
         self.path = so
-        self._runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+        self.releases_gil = not _has_extern_kernels(so)
+        if self.releases_gil:
+            self._runner = _CApi(so)
+        else:
+            log.debug("%s has extern kernels: torch's AOTInductor runner, which holds the GIL while it runs", so)
+            self._runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._runner.run([x])[0]

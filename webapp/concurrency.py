@@ -6,7 +6,8 @@ greenlet versions: a forward pass or a photo decode on such a "thread" blocks th
 (every request, ``/healthz`` and gunicorn's heartbeat included). ``shared/notes/gevent-threads.md``
 has the measurements. So every primitive is chosen here, by asking ``gevent_active()``:
 
-Real OS threads (they run torch and Pillow, which release the GIL, so the hub keeps serving):
+Real OS threads (they run torch and Pillow, which release the GIL, so the hub keeps serving; an
+AOTInductor package runs through ``aoti._CApi`` for that reason, as torch's own runner keeps the GIL):
 
 - ``Primitives.start_thread``: under gevent the *original* ``_thread.start_new_thread``
   (``get_original("threading", "Thread")`` is not enough: its ``start`` calls the patched module).
