@@ -25,7 +25,11 @@ import time
 # In import order. The webapp modules pull in Flask, Pillow, prometheus-client and the model code.
 LIBRARIES = ("numpy", "torch", "torchvision", "timm", "PIL.Image", "flask")
 SERVICE = ("webapp.service", "webapp.efficientnet_lite", "webapp.api", "webapp.ui", "webapp.v2", "webapp.metrics")
-COMPILER = ("torch._inductor.compile_fx",)  # only where workers compile (COMPILE on)
+# Only for workers that compile in their own process. gunicorn's master no longer imports it: a cold start
+# builds its packages in a child process (``startup.build_in_child``) and a warm one loads them, so a worker
+# imports the compiler only where that child failed (it then builds itself), and preloading it for that rare
+# case cost every start ~2 s (1.8-2.3 s on the Zen 3 box) and the master ~43 MB.
+COMPILER = ("torch._inductor.compile_fx",)
 
 
 def threads(pid: int | str = "self") -> int:
@@ -36,7 +40,7 @@ def threads(pid: int | str = "self") -> int:
         return 0
 
 
-def import_shared(*, compiler: bool = True) -> dict:
+def import_shared(*, compiler: bool = False) -> dict:
     """Import ``LIBRARIES``, ``SERVICE`` (and ``COMPILER`` with ``compiler``) in this process, then
     ``gc.freeze()``; for gunicorn's master before it forks (``gunicorn.conf.py``). Idempotent.
 
