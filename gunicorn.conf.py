@@ -125,7 +125,7 @@ def _import_shared(server):
 
     before = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT)}
     try:
-        done = preload.import_shared()  # not the compiler (preload.COMPILER)
+        done = preload.import_shared()
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

@@ -44,7 +44,7 @@ def test_import_shared_starts_no_thread_and_freezes_what_it_made():
     code = (
         "import gc, json, os, sys; sys.path.insert(0, %r)\n"
         "from webapp import preload\n"
-        "done = preload.import_shared(compiler=False)\n"
+        "done = preload.import_shared()\n"
         "print(json.dumps({**done, 'frozen': gc.get_freeze_count(), 'torch': 'torch' in sys.modules,\n"
         "                  'env': os.environ.get('OPENBLAS_NUM_THREADS')}))\n" % str(ROOT))
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}

@@ -25,11 +25,10 @@ import time
 # In import order. The webapp modules pull in Flask, Pillow, prometheus-client and the model code.
 LIBRARIES = ("numpy", "torch", "torchvision", "timm", "PIL.Image", "flask")
 SERVICE = ("webapp.service", "webapp.efficientnet_lite", "webapp.api", "webapp.ui", "webapp.v2", "webapp.metrics")
-# Only for workers that compile in their own process. gunicorn's master no longer imports it: a cold start
-# builds its packages in a child process (``startup.build_in_child``) and a warm one loads them, so a worker
-# imports the compiler only where that child failed (it then builds itself), and preloading it for that rare
-# case cost every start ~2 s (1.8-2.3 s on the Zen 3 box) and the master ~43 MB.
-COMPILER = ("torch._inductor.compile_fx",)
+# Not inductor's compiler (``torch._inductor.compile_fx``): a cold start builds its packages in a child
+# process (``startup.build_in_child``) and a warm one loads them, so a worker imports the compiler only where
+# that child failed (it then builds itself); preloading it for that rare case cost every start ~2 s (1.8-2.3 s
+# on the Zen 3 box) and the master ~43 MB.
 
 
 def threads(pid: int | str = "self") -> int:
@@ -40,8 +39,8 @@ def threads(pid: int | str = "self") -> int:
         return 0
 
 
-def import_shared(*, compiler: bool = False) -> dict:
-    """Import ``LIBRARIES``, ``SERVICE`` (and ``COMPILER`` with ``compiler``) in this process, then
+def import_shared() -> dict:
+    """Import ``LIBRARIES`` and ``SERVICE`` in this process, then
     ``gc.freeze()``; for gunicorn's master before it forks (``gunicorn.conf.py``). Idempotent.
 
     Returns ``{"seconds": {module: s}, "private_mb": {module: MB added}, "threads_before": n,
@@ -54,7 +53,7 @@ def import_shared(*, compiler: bool = False) -> dict:
     had = os.environ.get("OPENBLAS_NUM_THREADS")
     os.environ["OPENBLAS_NUM_THREADS"] = had or "1"  # read once, when numpy loads OpenBLAS
     try:
-        for name in LIBRARIES + SERVICE + (COMPILER if compiler else ()):
+        for name in LIBRARIES + SERVICE:
             m0, t0 = memory().get("private_bytes"), time.perf_counter()
             importlib.import_module(name)
             seconds[name] = round(time.perf_counter() - t0, 3)
