@@ -136,12 +136,17 @@ def test_admits_until_the_predicted_wait_is_over_the_budget():
 
 @pytest.mark.unit
 def test_retry_after_is_the_seconds_by_which_the_prediction_misses_the_budget():
-    adm, _, state = make_admission(queued=200)  # 200 queued images: 2000 ms ahead
+    # 60 queued images: each a forward pass (10 ms) and the decode of a later 1 MB upload (50 ms on 2
+    # threads) the cores run meanwhile: 60 * 35 = 2100 ms ahead
+    adm, _, state = make_admission(queued=60)
     with pytest.raises(Overloaded) as refused:
-        adm.admit(MB)  # 2000 + 60 = 2060: 1.06 s over
+        adm.admit(MB)  # 2100 + 60 = 2160: 1.16 s over
     assert refused.value.headers == {"Retry-After": "2"}
-    state["queued"] = 94  # 940 + 60 = 1000: fits exactly
+    state["queued"] = 26  # 910 + 60 = 970: fits
     adm.admit(MB)
+    state["queued"] = 27  # 945 + 35 (the one just admitted) + 60 = 1040: does not
+    with pytest.raises(Overloaded):
+        adm.admit(MB)
     state["queued"] = 0
     state["image_ms"] = 0.0  # no batch measured yet: the forward pass counts as free, decodes still count
     assert adm.predict(MB) == Prediction(ahead_ms=25.0, own_ms=50.0)
@@ -151,15 +156,16 @@ def test_retry_after_is_the_seconds_by_which_the_prediction_misses_the_budget():
 def test_clients_refused_together_are_told_different_seconds():
     """A crowd refused at once is spread over the seconds in which the worker can take it, not all told the
     same second (they would come back together and be refused again)."""
-    adm, clock, state = make_admission(queued=150)  # 1500 ms ahead; a 1 MB photo: 60 ms of its own
+    # 50 queued, 5 + 25 ms each: 1500 ms ahead; a 1 MB photo: 55 ms of its own
+    adm, clock, state = make_admission(queued=50, image_ms=5.0)
     told = []
     for _ in range(40):
         with pytest.raises(Overloaded) as refused:
             adm.admit(MB)
         told.append(int(refused.value.headers["Retry-After"]))
-    # The k-th refused (k = 0, 1, ...) fits after r s once 560 + 60 k <= 1000 r: 8 fit after 1 s, 25 after 2,
+    # The k-th refused (k = 0, 1, ...) fits after r s once 555 + 55 k <= 1000 r: 9 fit after 1 s, 27 after 2,
     # the rest after 3: each second's share of the crowd is told that second.
-    assert told == [1] * 8 + [2] * 17 + [3] * 15
+    assert told == [1] * 9 + [2] * 18 + [3] * 13
     assert adm.describe()["told_to_return"] == 40
     clock.now += 5  # they came back (or not) long ago: nobody is owed any more
     with pytest.raises(Overloaded) as refused:
@@ -183,11 +189,11 @@ def test_a_big_photo_is_judged_by_the_wait_ahead_of_it_not_by_its_own_size():
     big = 40 * MB  # its own decode alone: 2000 ms, twice the budget
     assert adm.predict(big).own_ms == pytest.approx(2010.0)
     adm.admit(big)  # idle worker: admitted (it counts as half the budget)
-    adm2, _, _ = make_admission(queued=50)  # 500 ms ahead + half the budget = 1000: fits
+    adm2, _, _ = make_admission(queued=14)  # 14 * 35 = 490 ms ahead + half the budget = 990: fits
     adm2.admit(big)
     with pytest.raises(Overloaded) as refused:  # the first one's decode (2000 ms on 2 threads) is ahead now
         adm2.admit(big)
-    assert refused.value.headers["Retry-After"] == "2"  # 500 + 1000 + 10 ahead, + 500: 1010 ms over
+    assert refused.value.headers["Retry-After"] == "1"  # 490 + 1000 + 10 ahead, + 500: 1000 ms over
 
 
 @pytest.mark.unit
@@ -242,7 +248,8 @@ def test_healthz_record_says_budget_costs_and_counts():
     d = adm.describe()
     assert d["budget_ms"] == 1000.0 and d["decode_ms_per_mb"] == 50.0 and d["image_ms"] == 10.0
     assert d["uploads_ahead"] == 1 and d["admitted"] == 1 and d["refused"] == 0 and d["client_gone"] == 1
-    assert d["ahead_ms"] == pytest.approx(3 * 10 + 35, abs=0.1) and d["predicted_ms"] == pytest.approx(125, abs=0.1)
+    # 3 queued (forward pass + a later decode each: 35 ms) and the admitted 1 MB upload (25 + 10)
+    assert d["ahead_ms"] == pytest.approx(3 * 35 + 35, abs=0.1) and d["predicted_ms"] == pytest.approx(200, abs=0.1)
 
 
 # -- through the app: refused before the body, with the measured costs ---------------------------------
