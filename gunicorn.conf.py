@@ -187,6 +187,9 @@ def post_fork(server, worker):
     cpu.SERVER_CORES = cpu.usable_cores()  # for one-off start-up work its neighbours wait for (cpu.borrowed_cores)
     os.sched_setaffinity(0, cores)
     server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, cpu.core_ranges(cores))
+    from webapp import preload
+
+    preload.limit_arenas(_s.MALLOC_ARENAS)  # before any of its threads allocates (webapp/preload.py)
 
 
 def post_worker_init(worker):

@@ -37,6 +37,31 @@ def test_memory_reads_this_process():
     assert preload.threads() >= 1
 
 
+_ARENAS = '''
+import ctypes, sys, threading
+from webapp import preload
+assert preload.limit_arenas(int(sys.argv[1])) == (int(sys.argv[1]) > 0)
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+go = threading.Barrier(4)
+def allocate():
+    go.wait()  # all four at once: each one's first malloc gets an arena of its own where the cap allows
+    libc.free(ctypes.c_void_p(libc.malloc(1000)))
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(preload.arenas())
+'''
+
+
+@pytest.mark.skipif(preload.arenas() is None, reason="needs glibc (malloc_info, mallopt)")
+@pytest.mark.parametrize("cap, expected", [(0, 5), (1, 1), (2, 2)])
+def test_limit_arenas_caps_the_arenas_a_processs_threads_get(cap, expected):
+    out = subprocess.run([sys.executable, "-c", _ARENAS, str(cap)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert int(out) == expected  # 0: glibc's own default, the main arena and one per thread
+
+
 def test_import_shared_starts_no_thread_and_freezes_what_it_made():
     """In a fresh interpreter (as gunicorn's master): torch and the rest imported, no thread started
     (numpy's OpenBLAS pool included), the objects frozen out of the cyclic GC, OPENBLAS_NUM_THREADS
@@ -85,6 +110,11 @@ def test_master_shares_the_libraries_with_two_workers_and_started_no_thread_pool
         r = requests.post(srv.url + "/api/v1/predict", files={"file": ("red.png", small_png(), "image/png")},
                           timeout=60)
         assert r.status_code == 200, r.text  # gevent's patching after fork still serves
+        # CLASSIFIER_MALLOC_ARENAS (1), set as each worker forked: its decode, inference and heartbeat
+        # threads allocate from the arenas it was born with (the main one, and the one the master's 503
+        # responder thread got before the fork) instead of one more each (4 per worker here with 0).
+        for h in [*health.values(), requests.get(srv.url + "/healthz", timeout=10).json()]:
+            assert 1 <= h["malloc_arenas"] <= 2, h
         assert "Monkey-patching" not in srv.output()
     finally:
         srv.stop_cleanly()

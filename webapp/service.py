@@ -317,7 +317,8 @@ class Classifier:
 
     def health(self) -> dict:
         """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue, and
-        ``memory_mb`` (``preload.memory`` in MB = 2**20 bytes: ``private``, ``pss``, ``rss``, ...)."""
+        ``memory_mb`` (``preload.memory`` in MB = 2**20 bytes: ``private``, ``pss``, ``rss``, ...) and
+        ``malloc_arenas`` (``preload.arenas``: glibc's arenas in this worker, capped by ``MALLOC_ARENAS``)."""
         b, engine = self.batcher, self.engine
         return {
             "status": "ok",
@@ -340,6 +341,7 @@ class Classifier:
             "admission": self.admission.describe() if self.admission else None,
             # This process's memory (MB = 2**20 bytes): private (Private_Dirty, what each worker adds), pss, rss.
             "memory_mb": {k[:-len("_bytes")]: round(v / 2**20, 1) for k, v in preload.memory().items()},
+            "malloc_arenas": preload.arenas(),
         }
 
 
