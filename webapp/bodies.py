@@ -27,6 +27,7 @@ import logging
 import socket
 import sys
 
+from . import balance
 from .concurrency import time_limit
 from .errors import BodyTimeout
 
@@ -170,9 +171,12 @@ def guard_bodies(wsgi_app, *, idle_s: float):
         environ["wsgi.input"] = guarded
 
         def start(status: str, headers: list, exc_info=None):
-            if int(status[:3]) >= 400 and not guarded.ended:
-                # Refused before its body was read: answer now, close after (gunicorn's Response:
-                # the response must close, or keep-alive would read the rest of the body unbounded).
+            refused = int(status[:3]) >= 400 and not guarded.ended
+            # Refused before its body was read: answer now, close after (gunicorn's Response: the
+            # response must close, or keep-alive would read the rest of the body unbounded). Or an
+            # upload answered by a worker that has others in progress while another worker is idle:
+            # the client's next request connects again and goes to the idle one (webapp/balance.py).
+            if refused or (environ.get("REQUEST_METHOD") == "POST" and balance.hand_over()):
                 resp = getattr(start_response, "__self__", None)
                 if hasattr(resp, "force_close"):
                     resp.force_close()

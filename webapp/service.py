@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from . import imaging, preload, startup
+from . import balance, imaging, preload, startup
 from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
 from .concurrency import Offloader, keep_alive, lower_this_thread, peer_closed, peer_sending
@@ -35,6 +35,8 @@ __all__ = ["Classifier", "Upload", "answer", "encode"]
 # The admitted request's ``Ticket``, from ``admit`` to its ``classify`` (the same request greenlet or
 # thread: each has its own context, as Flask's own request context relies on).
 _TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("admission_ticket", default=None)
+# Whether this request counts as in progress for webapp/balance.py (from admit to end_request).
+_COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("counted_in_progress", default=False)
 
 
 def answer(model: dict, categories: list[str], uploads: list[Upload], prepared: list[Prepared],
@@ -250,6 +252,8 @@ class Classifier:
             self.admission.release(ticket)
             raise
         _TICKET.set(ticket)
+        _COUNTED.set(True)
+        balance.begin()  # in progress here until end_request: new connections go to an idle worker first
 
     def end_request(self) -> None:
         """At the end of every request (``create_app`` registers it): an admitted request that ended
@@ -258,6 +262,9 @@ class Classifier:
         if ticket is not None:
             _TICKET.set(None)
             self.admission.release(ticket)
+        if _COUNTED.get():
+            _COUNTED.set(False)
+            balance.end()
 
     def _check_serving(self, n: int) -> None:
         if not self.ready:
@@ -318,7 +325,8 @@ class Classifier:
     def health(self) -> dict:
         """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue, and
         ``memory_mb`` (``preload.memory`` in MB = 2**20 bytes: ``private``, ``pss``, ``rss``, ...) and
-        ``malloc_arenas`` (``preload.arenas``: glibc's arenas in this worker, capped by ``MALLOC_ARENAS``)."""
+        ``malloc_arenas`` (``preload.arenas``: glibc's arenas in this worker, capped by ``MALLOC_ARENAS``) and
+        ``idle_first`` (``balance.describe``: which workers are idle, under gunicorn with ``IDLE_FIRST``)."""
         b, engine = self.batcher, self.engine
         return {
             "status": "ok",
@@ -342,6 +350,7 @@ class Classifier:
             # This process's memory (MB = 2**20 bytes): private (Private_Dirty, what each worker adds), pss, rss.
             "memory_mb": {k[:-len("_bytes")]: round(v / 2**20, 1) for k, v in preload.memory().items()},
             "malloc_arenas": preload.arenas(),
+            "idle_first": balance.describe(),
         }
 
 

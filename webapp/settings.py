@@ -221,6 +221,10 @@ SETTINGS: tuple[Setting, ...] = (
             "and inference threads run, so new connections, refusals and /healthz are answered at once while photos "
             "are being worked on (at 2x overload: refusals in 8 ms p99 instead of 70). 0: the same priority.",
             low=0, high=19, commands=(SERVE,)),
+    Setting("IDLE_FIRST", _bool, True, "New requests go to an idle worker first: while another worker is idle, a "
+            "worker with photos in progress leaves a new connection to it for 2 ms, and closes the keep-alive "
+            "connection of a client it answers, so that client's next request goes there too (webapp/balance.py). "
+            "Off, or with gunicorn's reuse_port: whichever worker accepts first.", commands=(SERVE,)),
     Setting("TRIM_IDLE_S", _float, 10.0, "Seconds a worker must be idle (no image) before it hands the memory that "
             "decoding and batches freed back to the OS (glibc malloc_trim): after 12 MP uploads a worker drops from "
             "~165 to ~100 MB private. The first photo after that pays the pages again (~3-5 ms). 0: never.",

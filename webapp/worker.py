@@ -1,6 +1,6 @@
 """The gunicorn worker class: gunicorn's gevent worker, with stops that are quick and quiet.
 
-``gunicorn.conf.py`` names it (``worker_class``). Two things differ from ``GeventWorker``:
+``gunicorn.conf.py`` names it (``worker_class``). Three things differ from ``GeventWorker``:
 
 - **Before it is ready** (building, compiling, warming up: up to minutes, in the main thread, which
   does not yield to gevent's hub), gunicorn's handlers would only queue the stop for later, so a
@@ -12,6 +12,9 @@
   SIGINT itself and SIGQUIT from the master. gunicorn's gevent worker handles each by spawning a
   greenlet that raises ``SystemExit``; the second one ran during interpreter shutdown and printed
   a ``SystemExit: 0`` traceback. Here only the first stop signal counts.
+- **New connections go to an idle worker first** (``CLASSIFIER_IDLE_FIRST``, ``webapp/balance.py``):
+  its servers are ``IdleFirstServer``, which, while this worker has a request in progress and
+  another worker is idle, leaves a new connection for ``balance.DEFER_S`` before accepting it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,54 @@ from __future__ import annotations
 import os
 import signal
 
+from gevent.server import StreamServer
+from gunicorn.workers import ggevent
 from gunicorn.workers.ggevent import GeventWorker
+
+from . import balance
+
+
+class IdleFirstServer(StreamServer):
+    """gevent's ``StreamServer`` that, while ``balance.defer_accept()`` (this worker busy, another idle),
+    leaves a ready connection for ``balance.DEFER_S`` s and then accepts it only if it is still waiting:
+    the idle worker, woken by the same connection, has taken it by then.
+
+    The listening socket's watcher is stopped meanwhile (as gevent's own back-off after an accept error
+    does), so the hub is not woken again and again by the same connection.
+    """
+
+    _deferral = None
+
+    def _do_read(self):
+        if self._deferral is None and balance.defer_accept():
+            self.stop_accepting()
+            self._deferral = self.loop.timer(balance.DEFER_S)
+            self._deferral.start(self._after_deferral)
+            return
+        super()._do_read()
+
+    def _after_deferral(self):
+        timer, self._deferral = self._deferral, None
+        if timer is not None:
+            timer.close()
+        if self.closed or not self.started:  # stopping: the connection is left to the other workers
+            return
+        self.start_accepting()
+        super()._do_read()  # one accept, without deferring again: a no-op if the idle worker took it
 
 
 class Worker(GeventWorker):
-    """``GeventWorker`` that leaves at once when stopped before ready, and handles one quit only."""
+    """``GeventWorker`` that leaves at once when stopped before ready, handles one quit only, and serves
+    through ``IdleFirstServer`` where ``balance`` is active and gunicorn's ``reuse_port`` is off."""
 
     _quitting = False
+
+    def run(self):
+        """gunicorn's gevent loop; its servers are ``IdleFirstServer`` where the accept rule applies
+        (``GeventWorker.run`` makes them from its module's ``StreamServer`` name)."""
+        if balance.active() and not self.cfg.reuse_port:
+            ggevent.StreamServer = IdleFirstServer
+        super().run()
 
     def handle_quit(self, sig, frame):
         """SIGINT / SIGQUIT: before ready, leave now; after, gunicorn's quick stop, once."""
@@ -34,12 +78,14 @@ class Worker(GeventWorker):
         if self._quitting:
             return
         self._quitting = True
+        balance.serving(False)  # stopping: other workers no longer leave connections to this one
         super().handle_quit(sig, frame)
 
     def handle_exit(self, sig, frame):
         """SIGTERM: before ready, leave now (no request to drain); after, gunicorn's graceful stop."""
         if not self.booted:
             leave_before_ready(self.log, sig)
+        balance.serving(False)
         super().handle_exit(sig, frame)
 
 
