@@ -80,11 +80,25 @@ def _machine_ticks() -> tuple[int, int]:
 
 def _post(conn: http.client.HTTPConnection, path: str, body: bytes, headers: dict, errs: dict,
           lock: threading.Lock) -> tuple[int, int | None, dict | None]:
-    """One upload on ``conn``: (status or -1 connection error / -2 bad JSON, batch_size, timing_ms)."""
+    """One upload on ``conn``: (status or -1 connection error / -2 bad JSON, batch_size, timing_ms).
+
+    A kept-alive connection the server closed meanwhile (gunicorn's ``keepalive``, 5 s idle) fails on
+    reuse before any answer; that upload is sent again once on a new connection, as browsers do, and
+    counted in ``errs`` as ``retried_stale_keepalive`` (not an error: the server never saw it)."""
     status, bs, timing = -1, None, None
     try:
-        conn.request("POST", path, body=body, headers=headers)
-        resp = conn.getresponse()
+        reused = conn.sock is not None
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+            resp = conn.getresponse()
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            if not reused:
+                raise
+            conn.close()
+            with lock:
+                errs["retried_stale_keepalive"] = errs.get("retried_stale_keepalive", 0) + 1
+            conn.request("POST", path, body=body, headers=headers)
+            resp = conn.getresponse()
         raw = resp.read()
         status = resp.status
         if resp.will_close:
@@ -251,7 +265,8 @@ def summarize(load: Load) -> dict:
         "p99_ms": percentile(lat, 99),
         "max_ms": max(lat) if lat else float("nan"),
         "errors": sum(bad.values()),
-        "errors_by_kind": {**bad, **{f"exc:{k}": v for k, v in load.errors.items()}},
+        "errors_by_kind": {**bad, **{f"exc:{k}": v for k, v in load.errors.items() if k != "retried_stale_keepalive"}},
+        "retried_stale_keepalive": load.errors.get("retried_stale_keepalive", 0),
         "cpu": load.cpu,
         # Noise-robust: the server's CPU time per answer, and the images/s that would give on all cores.
         "server_cpu_ms_per_image": 1e3 * server_cpu_s / len(ok) if ok else float("nan"),
