@@ -184,16 +184,6 @@ SCHEMAS: dict[str, Any] = {
             "coming": _INT,  # images being decoded for the queue: a forming batch waits for them
             "batches": _INT,
             "images": _INT,
-            "malloc_arenas": {"type": "integer", "minimum": 1, "nullable": True,
-                              "description": "glibc malloc arenas in this worker (`CLASSIFIER_MALLOC_ARENAS`)."},
-            "idle_first": {
-                "type": "object", "nullable": True,
-                "description": "`CLASSIFIER_IDLE_FIRST` under gunicorn: this worker's entry and requests in "
-                               "progress, and every worker's entry (-2 unused, -1 starting or stopping, else "
-                               "its requests with photos in progress; 0 is idle).",
-                "properties": {"entry": {"type": "integer", "nullable": True}, "in_progress": _INT,
-                               "board": {"type": "array", "items": {"type": "integer"}}},
-            },
         },
     },
     "Readiness": {
