@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from webapp import GUNICORN_ENV
-from webapp import cpu, lifecycle, settings
+from webapp import balance, cpu, lifecycle, settings
 
 try:
     _s = settings.load()
@@ -105,8 +105,6 @@ def on_starting(server):
     if _s.PRELOAD_LIBRARIES:
         _import_shared(server)
     if _s.IDLE_FIRST and not server.cfg.reuse_port:
-        from webapp import balance
-
         balance.install(2 * max(server.cfg.workers, len(_plan.slots)))  # a reload's old and new workers at once
 
 
@@ -167,8 +165,6 @@ def pre_fork(server, worker):
         if getattr(w, "slot", None) is not None:
             held[w.slot % n] += 1
     worker.slot = min(range(n), key=lambda i: (held[i], i))
-    from webapp import balance
-
     worker.board_entry = balance.claim()  # its entry in the table of who is idle (None: no table)
 
 
@@ -194,7 +190,7 @@ def post_fork(server, worker):
     cpu.SERVER_CORES = cpu.usable_cores()  # for one-off start-up work its neighbours wait for (cpu.borrowed_cores)
     os.sched_setaffinity(0, cores)
     server.log.info("worker %d (slot %d) pinned to cores %s", worker.pid, worker.slot, cpu.core_ranges(cores))
-    from webapp import balance, preload
+    from webapp import preload
 
     preload.limit_arenas(_s.MALLOC_ARENAS)  # before any of its threads allocates (webapp/preload.py)
     balance.join(getattr(worker, "board_entry", None))  # not idle until it serves
@@ -245,8 +241,6 @@ def post_worker_init(worker):
     from webapp import preload
 
     preload.trim()  # the compile's freed heap back to the OS: ~40 MB less private per worker (#7)
-    from webapp import balance
-
     balance.serving()  # idle from now on, until requests with photos are in progress
     lifecycle.report_ready(worker.pid)
 
@@ -261,8 +255,6 @@ def pre_request(worker, req):
 
 def worker_exit(server, worker):
     """Serve what is still queued, then stop the inference thread."""
-    from webapp import balance
-
     balance.serving(False)  # stopping: never taken for idle again
     wsgi = getattr(worker, "wsgi", None)
     if wsgi is not None:
@@ -276,8 +268,6 @@ def child_exit(server, worker):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
-    from webapp import balance
-
     balance.release(getattr(worker, "board_entry", None))
     lifecycle.halt_on_failure(server, worker)
 

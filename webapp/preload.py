@@ -115,7 +115,6 @@ def arenas() -> int | None:
     if libc is None or not all(hasattr(libc, f) for f in ("malloc_info", "open_memstream", "fclose", "free")):
         return None
     buf, size = ctypes.c_void_p(), ctypes.c_size_t()
-    libc.open_memstream.restype = ctypes.c_void_p
     fp = libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
     if not fp:
         return None
@@ -136,9 +135,12 @@ def _libc():
     import ctypes.util
 
     try:  # find_library runs ldconfig: once per process, not once per idle spell
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
+    if hasattr(libc, "open_memstream"):
+        libc.open_memstream.restype = ctypes.c_void_p  # a FILE *, not the default int (arenas)
+    return libc
 
 
 def _malloc_trim():
