@@ -153,6 +153,49 @@ def _photos():
     return big, small
 
 
+def _affinities(pid: int) -> dict[int, list[int]]:
+    """Every thread of process ``pid``: the cores it may run on (``/proc/PID/task/TID/status``)."""
+    import os
+
+    def parse_core_list(text: str) -> list[int]:  # "0-2,5" -> [0, 1, 2, 5]
+        cores = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cores += range(int(lo), int(hi or lo) + 1)
+        return cores
+
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = open(f"/proc/{pid}/task/{tid}/status").read()
+        except OSError:  # a thread that has just ended
+            continue
+        line = next(x for x in status.splitlines() if x.startswith("Cpus_allowed_list:"))
+        out[int(tid)] = parse_core_list(line.split(":", 1)[1].strip())
+    return out
+
+
+@pytest.mark.server
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_decode_threads_may_use_the_whole_servers_cores_and_inference_stays_pinned(two_workers):
+    """``DECODE_CORES=server`` (the default): a worker's main thread (its hub) and inference thread keep its
+    own core; its decode threads (made for the start-up self-test already) may run on every core of the
+    server, so a busy worker's decodes can use an idle neighbour's core."""
+    import os
+
+    server = sorted(os.sched_getaffinity(two_workers.proc.pid))
+    healths = two_workers.wait_ready(workers=2)
+    assert len(healths) == 2
+    for pid, h in healths.items():
+        threads = _affinities(pid)
+        own = threads[pid]  # the main thread
+        assert own == h["cores"] and len(own) < len(server), (pid, own, server)
+        assert h["decode_cores"] == server, h["decode_cores"]
+        widened = [tid for tid, cores in threads.items() if cores == server]
+        assert 1 <= len(widened) <= 2, threads  # the decode pool's threads (max_threads 2), nothing else
+        assert all(cores in (own, server) for cores in threads.values()), threads
+
+
 @pytest.mark.server
 def test_new_connections_go_to_the_idle_worker(two_workers):
     (big, ctype), (small, sctype) = _photos()

@@ -63,3 +63,31 @@ def test_lower_this_thread_lowers_only_the_calling_thread():
     t.join()
     assert seen == {"after": min(19, me + 5), "zero": min(19, me + 5), "most": 19}
     assert os.getpriority(os.PRIO_PROCESS, _thread.get_native_id()) == me
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs two usable cores")
+def test_widen_this_thread_widens_only_the_calling_thread():
+    """CPU affinity is per thread on Linux: a thread pinned to one core and then widened may run on all
+    of them; the thread that started it keeps its own (one core here, as a gunicorn worker's main thread)."""
+    import os
+
+    from webapp.concurrency import widen_this_thread
+
+    everything = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, everything[:1])
+    seen = {}
+
+    def worker():
+        seen["inherited"] = sorted(os.sched_getaffinity(0))
+        seen["widened"] = widen_this_thread(everything)
+        seen["after"] = sorted(os.sched_getaffinity(0))
+
+    try:
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert seen == {"inherited": everything[:1], "widened": True, "after": everything}
+        assert sorted(os.sched_getaffinity(0)) == everything[:1]
+        assert widen_this_thread([10**6]) is False  # no such core: refused, not raised
+    finally:
+        os.sched_setaffinity(0, everything)

@@ -13,7 +13,8 @@ AOTInductor package runs through ``aoti._CApi`` for that reason, as torch's own 
   (``get_original("threading", "Thread")`` is not enough: its ``start`` calls the patched module).
   The batcher's inference thread, ``keep_alive``'s heartbeat and ``call_with_timeout`` use it.
 - ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads; outside gevent it
-  calls the function in the caller's own thread.
+  calls the function in the caller's own thread. With ``DECODE_CORES=server`` its threads may run
+  on any of the server's cores (``widen_this_thread``), the inference thread only on its worker's.
 - ``client_pool``, ``inference_executor``, ``decode_executor``: ``concurrent.futures`` pools for
   callers that are never under gevent (the CLI's ``classify``, a Ray replica's asyncio loop).
 
@@ -328,14 +329,19 @@ class Offloader:
     worker for a minute). Pillow and torch release the GIL while they work, so on a gevent
     ``ThreadPool`` (real threads) the greenlet waits cooperatively and the hub keeps serving;
     ``max_threads`` bounds how many decodes compete with the model for the worker's cores.
-    Outside gevent ``run`` just calls the function: there the caller is already a thread.
+    ``cores`` (``DECODE_CORES=server``: the whole server's cores, ``cpu.SERVER_CORES``) widens each pool
+    thread's CPU affinity from the worker's own cores to those, so that while a neighbour worker is idle
+    a busy worker's decodes run on the idle core instead of queueing behind each other on one; the
+    inference thread stays pinned (its oneDNN kernels and caches). None: the pool threads keep the
+    worker's affinity. Outside gevent ``run`` just calls the function: there the caller is already a thread.
     """
 
-    def __init__(self, max_threads: int, nice: int = 0):
+    def __init__(self, max_threads: int, nice: int = 0, cores: list[int] | None = None):
         self.max_threads = max_threads
         self.nice = nice  # niceness steps below the hub for its threads (lower_this_thread)
+        self.cores = sorted(cores) if cores else None
         self._pool = None
-        self._lowered: set[int] = set()  # the pool threads already lowered (by native thread id)
+        self._lowered: set[int] = set()  # the pool threads already set up (by native thread id)
         if gevent_active():
             from gevent.threadpool import ThreadPool
 
@@ -353,10 +359,26 @@ class Offloader:
 
     def _on_pool_thread(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, object]:
         tid = _thread.get_native_id()
-        if self.nice and tid not in self._lowered:  # the pool starts its threads lazily: lower each once
+        if tid not in self._lowered:  # the pool starts its threads lazily: set each up once
             self._lowered.add(tid)
-            lower_this_thread(self.nice)
+            if self.nice:
+                lower_this_thread(self.nice)
+            if self.cores:
+                widen_this_thread(self.cores)
         return _capture(fn, args, kwargs)
+
+
+def widen_this_thread(cores: list[int]) -> bool:
+    """Let the calling OS thread run on ``cores`` (Linux ``sched_setaffinity`` with pid 0 is per thread; the
+    process's other threads keep theirs). False where the OS refuses it or has no such call (then the
+    thread stays where it was: slower at half load, never wrong)."""
+    import os
+
+    try:
+        os.sched_setaffinity(0, cores)
+        return True
+    except (AttributeError, OSError, ValueError):
+        return False
 
 
 def _capture(fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, object]:

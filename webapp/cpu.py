@@ -8,7 +8,9 @@ inside a worker shortens one forward pass but with falling returns (oneDNN split
 ResNet-18 conv over few threads well, over many poorly), and each worker costs memory and a
 warm-up. So: 1 thread per worker on up to 3 cores (lowest latency per request is less important
 than not leaving a core idle), 2 on up to 8 cores, 4 beyond. Pinning keeps a worker's OpenMP
-threads on its own cores, so two workers never fight for one core's caches.
+threads on its own cores, so two workers never fight for one core's caches. Decode threads are the
+exception (``DECODE_CORES``, ``concurrency.Offloader``): they may run on any of the server's cores, so
+a busy worker's decodes can use an idle neighbour's core.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from . import balance, imaging, preload, startup
+from . import balance, cpu, imaging, preload, startup
 from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
 from .concurrency import Offloader, keep_alive, lower_this_thread, peer_closed, peer_sending
@@ -115,7 +115,8 @@ class Classifier:
                                                                 s.WORK_NICE), wait=s.BATCH_WAIT,
                                             on_idle=preload.trim if s.TRIM_IDLE_S else None, idle_s=s.TRIM_IDLE_S)
             self.batcher.start()
-            self.offloader = Offloader(max_threads=max(2, started.threads), nice=s.WORK_NICE)
+            self.offloader = Offloader(max_threads=max(2, started.threads), nice=s.WORK_NICE,
+                                       cores=cpu.SERVER_CORES if s.DECODE_CORES == "server" else None)
             # Decodes run side by side only as far as the worker has cores for them (CPU-time costs).
             self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=min(
                                            self.offloader.max_threads, len(os.sched_getaffinity(0))),
@@ -326,7 +327,8 @@ class Classifier:
         """``/healthz``: liveness plus this worker's pid, pinned cores, threads, model, precision, queue, and
         ``memory_mb`` (``preload.memory`` in MB = 2**20 bytes: ``private``, ``pss``, ``rss``, ...) and
         ``malloc_arenas`` (``preload.arenas``: glibc's arenas in this worker, capped by ``MALLOC_ARENAS``) and
-        ``idle_first`` (``balance.describe``: which workers are idle, under gunicorn with ``IDLE_FIRST``)."""
+        ``idle_first`` (``balance.describe``: which workers are idle, under gunicorn with ``IDLE_FIRST``) and
+        ``decode_cores`` (where its decode threads may run: ``DECODE_CORES``)."""
         b, engine = self.batcher, self.engine
         return {
             "status": "ok",
@@ -334,6 +336,8 @@ class Classifier:
             "state": self.status,
             "pid": os.getpid(),
             "cores": sorted(os.sched_getaffinity(0)),
+            "decode_cores": (self.offloader.cores if self.offloader and self.offloader.cores
+                             else sorted(os.sched_getaffinity(0))),
             "intra_op_threads": torch.get_num_threads(),
             "model": self.describe(),
             "precision": engine.precision if engine else None,
