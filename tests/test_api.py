@@ -181,6 +181,14 @@ def test_unknown_route_and_method_are_json(client):
     assert_error(client.get("/api/v1/predict"), 405, "method_not_allowed")
 
 
+def test_a_405_says_which_methods_the_route_takes(client):
+    """RFC 9110 15.5.6: a 405 carries ``Allow``; the message names the methods in words too."""
+    resp = client.get("/api/v1/predict")
+    assert resp.status_code == 405 and "POST" in resp.headers["Allow"].split(", ")
+    message = resp.get_json()["error"]["message"]
+    assert message == "GET is not allowed on /api/v1/predict; it takes POST", message
+
+
 def test_real_model_names_the_photos(offline_client):
     """The offline real-weight model through the API: the shared photos get their expected labels."""
     expect = {"dog.jpg": set(DOG_BREEDS), "eagle.jpg": {21, 22}, "giraffe.jpg": {340}}

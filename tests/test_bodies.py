@@ -92,6 +92,36 @@ def test_over_limit_content_length_is_answered_before_the_body(srv):
         assert closed_within(sock, 5.0), "the connection stays open after a refusal"
 
 
+def test_a_body_shorter_than_its_content_length_is_400_saying_so(srv):
+    """The client sends 100 of 1,000 declared bytes and closes its side: 400 ``bad_request`` naming both
+    numbers (not 499: the client is there to read it), and the connection closes (it cannot be reused)."""
+    with connect(srv) as sock:
+        sock.sendall(head(length=1000) + small_png()[:100])
+        sock.shutdown(socket.SHUT_WR)
+        status, data = read_status(sock)
+        data += sock.recv(65536)
+        assert status == 400 and b'"bad_request"' in data, data
+        assert b"ended after 100 of the 1000 bytes" in data, data
+        assert b"Connection: close" in data
+        assert closed_within(sock, 5.0)
+
+
+@pytest.mark.parametrize("length", ["abc", "-5", "1e3"])
+def test_a_content_length_that_is_not_a_size_gets_a_json_400(srv, length):
+    """gunicorn refuses it before the app sees the request; the answer is still the API's JSON shape."""
+    with connect(srv) as sock:
+        sock.sendall(f"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n\r\n".encode())
+        sock.settimeout(5.0)
+        raw = b""
+        while chunk := sock.recv(65536):  # to the server's close
+            raw += chunk
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 400 ") and b"Content-Type: application/json" in head_part, raw
+    error = json.loads(body)["error"]
+    assert error["code"] == "bad_request" and error["status"] == 400
+    assert "Content-Length must be the body's size in bytes" in error["message"], error
+
+
 @pytest.mark.parametrize("case, status", [
     ("over-limit", 413), ("wrong-type", 415), ("no-token", 401),
 ])

@@ -29,7 +29,7 @@ import sys
 
 from . import balance
 from .concurrency import time_limit
-from .errors import BodyTimeout
+from .errors import BadRequest, BodyTimeout
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ class GuardedInput:
     ``idle_s`` is the longest wait for the next bytes (s).
 
     :raises BodyTimeout: (from any read) no byte arrived for ``idle_s`` seconds (408).
+    :raises BadRequest: (from any read) the body ended, the client having closed its side, before the
+        bytes its Content-Length declared (400; the connection then closes).
     """
 
     def __init__(self, raw, *, sock, expect_continue: bool, content_length: int | None, idle_s: float):
@@ -60,8 +62,10 @@ class GuardedInput:
         self.pending_continue = expect_continue
         self.left = content_length  # None: chunked, unknown until the reader says it ended
         self.idle_s = idle_s
+        self.declared = content_length
         self.ended = content_length == 0
         self.closing = False  # the connection closes after the answer: a drain may bypass gunicorn's reader
+        self.cut_short = False  # the body ended before its Content-Length: the connection cannot be reused
 
     def _read(self, fn, *args) -> bytes:
         if self.ended:
@@ -76,6 +80,11 @@ class GuardedInput:
             raise BodyTimeout.after(self.idle_s) from None
         if not data:
             self.ended = True
+            if self.left is not None and self.left > 0 and (not args or args[0] != 0):
+                self.cut_short = True
+                got = self.declared - self.left
+                raise BadRequest(f"the request body ended after {got} of the {self.declared} bytes its "
+                                 "Content-Length header declares: send the whole body, or the right length")
         elif self.left is not None:
             self.left -= len(data)
             self.ended = self.left <= 0
@@ -176,7 +185,7 @@ def guard_bodies(wsgi_app, *, idle_s: float):
             # response must close, or keep-alive would read the rest of the body unbounded). Or an
             # upload answered by a worker that has others in progress while another worker is idle:
             # the client's next request connects again and goes to the idle one (webapp/balance.py).
-            if refused or (environ.get("REQUEST_METHOD") == "POST" and balance.hand_over()):
+            if refused or guarded.cut_short or (environ.get("REQUEST_METHOD") == "POST" and balance.hand_over()):
                 resp = getattr(start_response, "__self__", None)
                 if hasattr(resp, "force_close"):
                     resp.force_close()

@@ -54,7 +54,9 @@ class UndecodableImage(ServiceError):
 class BadRequest(ServiceError):
     status, code = 400, "bad_request"
     when = ("`topk` not an integer from 1 to 10, a malformed multipart body, or bad `original_*` fields (the "
-            "message names the field)")
+            "message names the field); a body that ends before its `Content-Length` (the connection closes); a "
+            "request line or header gunicorn cannot parse, e.g. `Content-Length: abc` (answered by gunicorn, same "
+            "JSON shape)")
 
 
 class Unauthorized(ServiceError):
@@ -261,15 +263,20 @@ def init_errors(app, settings) -> None:
         row = _HTTP.get(exc.code)
         code = row.code if row else "http_error"
         message = exc.description or exc.name
+        headers = None
         if row is RateLimited:
             message = f"too many requests from this address (limit {exc.description}); try again later"
+        if row is MethodNotAllowed and getattr(exc, "valid_methods", None):  # RFC 9110 15.5.6: say which, in Allow
+            allowed = sorted(set(exc.valid_methods) - {"HEAD", "OPTIONS"}) or sorted(exc.valid_methods)
+            message = f"{request.method} is not allowed on {request.path}; it takes {', '.join(allowed)}"
+            headers = {"Allow": ", ".join(sorted(exc.valid_methods))}
         if row is TooLarge:  # answered before the body is read; webapp/bodies.py closes and drains after
             declared = request.content_length
             if declared is not None and declared <= settings.MAX_UPLOAD_BYTES:  # within it: the form's limits
                 message = TooLarge.form(request.max_form_parts, request.max_form_memory_size, settings.MAX_FILES).message
             else:
                 message = TooLarge.body(settings.MAX_UPLOAD_BYTES).message
-        return render(exc.code or 500, code, message)
+        return render(exc.code or 500, code, message, headers)
 
     @app.errorhandler(Exception)
     def unexpected(exc: Exception):

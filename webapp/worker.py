@@ -12,6 +12,9 @@
   SIGINT itself and SIGQUIT from the master. gunicorn's gevent worker handles each by spawning a
   greenlet that raises ``SystemExit``; the second one ran during interpreter shutdown and printed
   a ``SystemExit: 0`` traceback. Here only the first stop signal counts.
+- **Requests gunicorn itself refuses** (a request line or header it cannot parse: ``Content-Length: abc``,
+  a line over its limit, bad chunked framing) are answered in the API's JSON error shape
+  (``write_json_error``), not gunicorn's HTML page.
 - **New connections go to an idle worker first** (``CLASSIFIER_IDLE_FIRST``, ``webapp/balance.py``):
   its servers are ``IdleFirstServer``, which, while this worker has a request in progress and
   another worker is idle, leaves a new connection for ``balance.DEFER_S`` before accepting it.
@@ -19,11 +22,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
 from gevent.server import StreamServer
 from gunicorn.workers import ggevent
+from gunicorn import util as gunicorn_util
 from gunicorn.workers.ggevent import GeventWorker
 
 from . import balance
@@ -69,6 +74,7 @@ class Worker(GeventWorker):
         (``GeventWorker.run`` makes them from its module's ``StreamServer`` name)."""
         if balance.active() and not self.cfg.reuse_port:
             ggevent.StreamServer = IdleFirstServer
+        gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
         super().run()
 
     def handle_quit(self, sig, frame):
@@ -103,3 +109,24 @@ def exit_on_stop_signals(log) -> None:
     worker at once, as it does later during start-up (the master's inherited handlers would drop it)."""
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: leave_before_ready(log, signum))
+
+
+# gunicorn's statuses for what it refuses itself -> the error table's code (webapp/errors.py); the
+# others have no row there and get "http_error", as the app's handler gives Werkzeug's unlisted ones.
+_PARSE_CODES = {400: "bad_request"}
+
+
+def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
+    """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
+    the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
+
+    Called by gunicorn's ``Worker.handle_error`` for a request it could not parse (400, 414, 431, 501...)
+    before the app saw it. A Content-Length that is not a number of bytes says so in words."""
+    message = mesg
+    if "CONTENT-LENGTH" in mesg.upper():
+        message = f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0"
+    body = json.dumps({"error": {"code": _PARSE_CODES.get(status_int, "http_error"), "message": message,
+                                 "status": status_int}}).encode()
+    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+    gunicorn_util.write_nonblock(sock, head + body)
