@@ -127,3 +127,12 @@ def test_a_file_part_is_handed_over_without_a_copy():
     [upload] = read_uploads(request, max_files=4)
     assert upload.data == photo and upload.name == "big.jpg"
     assert upload.data is request.files["file"].stream.getvalue()  # the same object: no copy was made
+
+
+def test_a_file_field_sent_as_text_says_so(client):
+    """``curl -F 'file=<photo.jpg'`` sends the photo as a text field (no filename): the 400 says that, not
+    that no ``file`` field arrived."""
+    resp = client.post("/api/v1/predict", data={"file": "not really a photo"}, content_type="multipart/form-data")
+    error = resp.get_json()["error"]
+    assert resp.status_code == 400 and error["code"] == "no_file"
+    assert "arrived as a text field" in error["message"] and "file=@photo.jpg" in error["message"], error

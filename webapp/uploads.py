@@ -189,6 +189,9 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
             # Werkzeug finds no part when the body's delimiters are not the boundary the header names.
             raise BadRequest(f"malformed multipart body: no part is delimited by the boundary {boundary[:70]!r} "
                              f"that the Content-Type header names")
+        if not parts and "file" in request.form:  # e.g. curl -F 'file=<photo.jpg': a part without a filename
+            raise NoFile("no image: the 'file' field arrived as a text field (its part has no filename); send it "
+                         "as a file part, e.g. curl -F 'file=@photo.jpg', or an <input type=file>")
         if not parts:
             other = ", ".join(sorted(request.files)) or "none"
             raise NoFile(f"no image: send it as multipart field 'file' (file fields received: {other})")
