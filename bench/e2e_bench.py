@@ -29,7 +29,7 @@ Targets: (a) at saturation ours serves >= 8x the baseline's images/s (peak vs pe
 our unloaded p50 (concurrency 1). A half-load level not in the sweep is measured after it.
 (c) no idle wait: our unloaded p50 >= 4 ms below before's, our peak images/s not below before's,
 our p99 at half load <= 2x our unloaded p50. (d) memory: every worker of ours holds <= 150 MB
-private (``Private_Dirty``; ``/healthz``'s ``memory_mb``, read at ready and after the load), with its
+private (``Private_Dirty``; ``/healthz``'s ``memory_mb``, read at ready and right after the heaviest level), with its
 Pss and the master's, against before's.
 
     python bench/e2e_bench.py [--quick] [--json out.json] [--levels 1 2 4 8 16] [--seconds 20]
@@ -245,6 +245,8 @@ def run(args) -> dict:
             rows[name][c] = summarize(load)
             if c == 1:
                 unloaded_ms[name] = [(x.end - x.start) * 1e3 for x in load.samples if x.status == 200]
+            if c == max(levels) and name in ("ours", "before"):  # (d) loaded: right after the heaviest level
+                result["servers"][name]["memory_loaded"] = memory_now(srv, result["servers"][name]["workers"])
             r = rows[name][c]
             log(f"  {name:8s} c={c:<3d} {r['images_per_s']:7.2f} img/s  p50 {r['p50_ms']:7.1f}  "
                 f"p99 {r['p99_ms']:7.1f} ms  errors {r['errors']}  client {r['cpu']['client_pct_core']:.0f}%  "
@@ -285,8 +287,6 @@ def run(args) -> dict:
                     log(f"  {name:8s} open loop {peak / 2:.2f}/s: {o['images_per_s']:.2f} img/s  p50 {o['p50_ms']:.1f}  "
                         f"p99 {o['p99_ms']:.1f} ms  errors {o['errors']}  (one shared queue: p99 "
                         f"{o['ideal_fcfs_p99_ms']:.1f} ms)")
-        for name in [n for n in ("ours", "before") if n in servers]:  # (d) after the load
-            result["servers"][name]["memory_loaded"] = memory_now(servers[name], result["servers"][name]["workers"])
         if "ours" in servers:  # (d) once idle: TRIM_IDLE_S after the load, the workers hand freed memory back
             time.sleep(float(ours_settings.get("TRIM_IDLE_S", BY_NAME["TRIM_IDLE_S"].default)) + 2)
             result["servers"]["ours"]["memory_idle"] = memory_now(servers["ours"], result["servers"]["ours"]["workers"])
