@@ -289,3 +289,22 @@ def test_not_ready_and_overloaded_are_answered_before_the_body_is_read(app, clie
         resp = client.post(path, data={"file": (io.BytesIO(small_png()), "x.png"), "topk": "3"},
                            headers={"Accept": "application/json"})
         assert resp.status_code == status and resp.headers["Retry-After"] in ("2", "5")
+
+
+def test_topk_the_query_wins_over_the_form_and_empty_means_the_default(client):
+    """What the README says of ``topk``: query over form field, first of repeated values, empty = TOP_K (3)."""
+    from conftest import encode
+    from PIL import Image
+
+    photo = encode(Image.new("RGB", (64, 48), (200, 120, 40)), "JPEG", quality=90)
+
+    def labels(url, **form):
+        resp = client.post(url, data={"file": (io.BytesIO(photo), "p.jpg"), **form}, content_type="multipart/form-data")
+        assert resp.status_code == 200, resp.get_json()
+        return len(resp.get_json()["results"][0]["predictions"])
+
+    assert labels("/api/v1/predict?topk=2", topk="5") == 2
+    assert labels("/api/v1/predict", topk="5") == 5
+    assert labels("/api/v1/predict?topk=4&topk=9") == 4
+    assert labels("/api/v1/predict?topk=") == 3
+    assert labels("/api/v1/predict", topk="") == 3
