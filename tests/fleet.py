@@ -195,6 +195,11 @@ def distinct_photos(n: int, seed: int = 20261130) -> dict[str, bytes]:
 
 
 # -- what the servers and /proc say --------------------------------------------------------------------
+def healthz(srv, *, timeout: float = 30) -> dict:
+    """``/healthz`` of whichever worker answers, on a connection of its own."""
+    return requests.get(srv.url + "/healthz", timeout=timeout).json()
+
+
 def healths(srv, pids=None, *, count: int = 2, timeout: float = 60) -> dict[int, dict]:
     """``/healthz`` by worker pid, asked 4 at a time (so every worker answers) until ``pids`` (or ``count``) did."""
     seen: dict[int, dict] = {}

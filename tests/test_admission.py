@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import small_png
+from fleet import healthz
 from webapp.admission import Admission, DecodeCost, Overhead, Prediction
 from webapp.batcher import InferenceBatcher
 from webapp.concurrency import peer_closed, peer_sending
@@ -407,9 +408,7 @@ def srv(tmp_path_factory):
 
 
 def admission_of(srv) -> dict:
-    import requests
-
-    return requests.get(f"{srv.url}/healthz", timeout=30).json()["admission"]
+    return healthz(srv)["admission"]
 
 
 def phone_photo() -> tuple[bytes, str]:
@@ -580,7 +579,7 @@ def test_a_client_that_hangs_up_before_its_decode_is_not_decoded(srv):
     body, ctype = phone_photo()
     assert post(srv, body, ctype).status_code == 200
     before = admission_of(srv)
-    images_before = _healthz(srv)["images"]
+    images_before = healthz(srv)["images"]
     # Two uploads hold this worker's two decode threads; the third client sends its whole request and
     # hangs up at once, so its photo waits for a thread with nobody left to answer.
     busy = [threading.Thread(target=post, args=(srv, body, ctype), daemon=True) for _ in range(2)]
@@ -603,12 +602,8 @@ def test_a_client_that_hangs_up_before_its_decode_is_not_decoded(srv):
     after = admission_of(srv)
     assert after["client_gone"] == before["client_gone"] + 1, after
     assert after["decodes"] == before["decodes"] + 2, after  # the two busy ones only
-    assert _healthz(srv)["images"] == images_before + 2  # and only they were run
+    assert healthz(srv)["images"] == images_before + 2  # and only they were run
     assert "the client closed the connection before its photos were decoded" in srv.output()
     assert after["uploads_ahead"] == 0
 
 
-def _healthz(srv) -> dict:
-    import requests
-
-    return requests.get(f"{srv.url}/healthz", timeout=30).json()

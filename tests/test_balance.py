@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from fleet import healthz
 from webapp import balance
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the board is shared through fork")
@@ -132,7 +133,7 @@ def _busy_one(srv, big: bytes, ctype: str, conn: http.client.HTTPConnection | No
         conn.sock.settimeout(300)
     out = {"pid": pid}
 
-    def upload(conn=conn):  # bound now: the loop below reuses the name for its /healthz connections
+    def upload():
         _post(conn, big, ctype)
         conn.close()
 
@@ -140,24 +141,11 @@ def _busy_one(srv, big: bytes, ctype: str, conn: http.client.HTTPConnection | No
     t.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-        conn.request("GET", "/healthz")
-        board = json.loads(conn.getresponse().read())["idle_first"]["board"]
-        conn.close()
+        board = healthz(srv)["idle_first"]["board"]
         if sorted(v for v in board if v >= 0) == [0, 1]:  # one worker at work, the other idle
             return t, out
         time.sleep(0.01)
     pytest.fail(f"the 8-photo upload never showed on the board: {board}")
-
-
-def requests_get_healthz(srv) -> bytes:
-    """``/healthz`` of whichever worker answers, on a connection of its own."""
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
-    try:
-        conn.request("GET", "/healthz")
-        return conn.getresponse().read()
-    finally:
-        conn.close()
 
 
 def _photos():
@@ -228,7 +216,7 @@ def test_new_connections_go_to_the_idle_worker(two_workers):
     # Without the rule about half of them would be accepted by the busy worker (and wait behind it).
     assert all(pid != out["pid"] for pid, _ in served), (out, served)
     assert len({pid for pid, _ in served}) == 1, served
-    board = json.loads(requests_get_healthz(two_workers))["idle_first"]  # for the message: the board after
+    board = healthz(two_workers)["idle_first"]  # for the message: the board after
     assert all(c != "close" for _, c in served), (served, out, board)  # the idle worker had nothing else in progress
 
 
