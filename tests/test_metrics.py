@@ -76,9 +76,11 @@ def test_counts_add_up_in_one_process(client):
     after = scrape(client)
 
     assert diff(requests_by_status(after), requests_by_status(before)) == {"200": 6, "400": 2, "415": 1}
-    assert diff(latency_counts(after), latency_counts(before)) == {"200": 6, "400": 2, "415": 1}
-    assert value(after, "classifier_http_requests_total", endpoint="unmatched", method="GET", status=405) \
-        - value(before, "classifier_http_requests_total", endpoint="unmatched", method="GET", status=405) == 1
+    assert diff(latency_counts(after), latency_counts(before)) == {"200": 6, "400": 2, "415": 1, "405": 1}  # any method
+    assert diff(requests_by_status(after, "GET"), requests_by_status(before, "GET")) == {"405": 1}  # under its route
+    assert client.get("/no/such/path").status_code == 404
+    assert value(scrape(client), "classifier_http_requests_total", endpoint="unmatched", method="GET", status=404) \
+        - value(before, "classifier_http_requests_total", endpoint="unmatched", method="GET", status=404) == 1
     # One observation per classified image (5 + 3), from the answers' own numbers.
     images = [r for a in answers for r in a["results"]]
     for name in ("classifier_queue_wait_seconds_count", "classifier_batch_size_count",

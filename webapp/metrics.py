@@ -12,7 +12,8 @@ Recorded here, in the request's greenlet, never on the inference thread (the bat
 nothing of Prometheus):
 
 - ``classifier_http_requests_total`` and ``classifier_http_request_duration_seconds``, by
-  ``endpoint`` (the route, e.g. ``/api/v1/predict``; ``unmatched`` for 404/405), ``method`` and
+  ``endpoint`` (the route, e.g. ``/api/v1/predict``, a 405 under the route it asked; ``unmatched``
+  for a path no route has, so the label's values stay the routes), ``method`` and
   ``status``;
 - per classified image: ``classifier_queue_wait_seconds``, ``classifier_batch_size`` (the size of
   the batch the image ran in) and ``classifier_inference_seconds`` (that batch's forward pass).
@@ -31,6 +32,7 @@ import time
 from typing import Iterable
 
 from flask import Flask, Response, current_app, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
@@ -124,6 +126,23 @@ class Metrics:
         return encoder(registry), content_type
 
 
+def endpoint_label() -> str:
+    """The ``endpoint`` label of this request: its route's rule (``/api/v1/predict``); for a method the
+    route does not take (405) the same route, found again with one of its methods; ``unmatched`` for a
+    path no route has (404), so a scanner's random paths never add label values."""
+    if request.url_rule is not None:
+        return request.url_rule.rule
+    exc = request.routing_exception
+    if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+        try:
+            rule, _ = current_app.url_map.bind_to_environ(request.environ).match(
+                method=sorted(exc.valid_methods)[0], return_rule=True)
+            return rule.rule
+        except HTTPException:
+            pass
+    return "unmatched"
+
+
 def init_metrics(app: Flask, settings) -> Metrics | None:
     """Install the metrics on ``app`` if ``METRICS`` is on: the hooks and ``GET /metrics``."""
     if not settings.METRICS:
@@ -139,8 +158,7 @@ def init_metrics(app: Flask, settings) -> Metrics | None:
     def count_request(resp):
         try:
             start = request_started()
-            rule = request.url_rule
-            metrics.observe_request(rule.rule if rule is not None else "unmatched", request.method,
+            metrics.observe_request(endpoint_label(), request.method,
                                     resp.status_code, None if start is None else time.perf_counter() - start)
             metrics.sample(classifier, model=False)
         except Exception:  # never fail a request over a metric
