@@ -19,6 +19,11 @@ ResNet-18 (seeded weights: no meaningful top-1) gets its int8 logit error and sp
 agreement, and int8 >= 1.3x bf16's speed for ``auto`` to consider it.
 
     python bench/int8_bench.py [--quick] [--json out.json] [--configs none,depthwise,depthwise+stem+head]
+
+``--sweep``: the per-block sensitivity sweep instead. For EfficientNet-Lite0, each block (the stem conv,
+every MBConv block ``blocks.i.j``, the head conv, the classifier; ``sweep_units``) alone in int8, the rest
+fp32, in the reference (eager, simulated q/dq) graph, against eager fp32 on the same photos; then
+everything in int8. Where int8's answers are lost, block by block (``--threads 0``: about 20 s a block on 2 cores).
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=0, help="round-robin timing rounds (0: 8, --quick 3)")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (0: the cores this process may use; 1: timed in thread CPU time)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="per-block sensitivity sweep: each block alone in int8 (reference graph), no timing")
     parser.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "photo-classifier"),
                         help="where the engines' packages and int8 programs are kept across runs, as the service keeps them")
 
@@ -155,9 +162,60 @@ def measure(name: str, configs: list[tuple[str, ...]], photos: list, extra: list
     return {"photos": len(x), "not_calibration": len(inputs.fidelity), "rows": rows}
 
 
+def sweep_units(module: torch.nn.Module) -> list[str]:
+    """The blocks of a sweep, by module name, in forward order: each top-level conv or linear (``conv_stem``,
+    ``conv_head``, ``classifier``; ResNet's ``conv1``, ``fc``), and each block of a top-level ``Sequential``
+    (``blocks.1.0`` in timm's EfficientNet, a Sequential of stages; ``layer1.0`` in ResNet)."""
+    units = []
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.Sequential):
+            for i, block in enumerate(child):
+                if isinstance(block, torch.nn.Sequential):
+                    units += [f"{name}.{i}.{j}" for j in range(len(block))]
+                else:
+                    units.append(f"{name}.{i}")
+        elif isinstance(child, (torch.nn.Conv2d, torch.nn.Linear)):
+            units.append(name)
+    return units
+
+
+def sweep(args) -> dict:
+    """``--sweep``: EfficientNet-Lite0 with one block at a time in int8 (``sweep_units``), then all; print the table."""
+    from webapp.quantize import quantize_int8
+
+    photos = shared_photos()
+    imgs = [img for _, img in photos]
+    views = fidelity_views(imgs)
+    extra = views + augmented(imgs[:7], max(0, args.photos - len(photos) - len(views) - 28), seed=0)
+    loaded = models.load_model(settings.load(environ={}, overrides={"MODEL": "efficientnet_lite0"}))
+    inputs = make_inputs(loaded, photos, extra)
+    x = torch.cat([inputs.fidelity, torch.stack(inputs.calibration)])
+    with torch.inference_mode():
+        ref = torch.cat([loaded.module(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+    rows = {}
+    for unit in sweep_units(loaded.module) + ["(all)"]:
+        t0 = time.perf_counter()
+        only = None if unit == "(all)" else (unit,)
+        program = quantize_int8(copy.deepcopy(loaded.module), inputs.calibration, input_size=loaded.preprocessing.crop,
+                                reduce_range=choose_reduce_range("auto"), keep_fp32=(), int8_only=only)
+        int8 = program.module()
+        with torch.no_grad():
+            got = torch.cat([int8(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+        rows[unit] = compare(got, ref, len(inputs.fidelity))
+        log(f"  {unit}: top-1 {100 * rows[unit]['top1_agree']:.1f}% ({time.perf_counter() - t0:.0f} s)")
+    cells = [[u, f"{100 * r['top1_agree']:.1f}%", f"{100 * r['top1_agree_not_calibration']:.1f}%",
+              num(r["max_top1_prob_change_pts"]), f"{100 * r['rel_err']:.2f}%"] for u, r in rows.items()]
+    print(table(["int8 block", "top1", "top1 not calib", "max dp pts", "logit err"], cells,
+                title=f"efficientnet_lite0: one block in int8, the rest fp32 (reference graph), vs eager fp32 on "
+                      f"{len(x)} photos ({len(inputs.fidelity)} not calibration)"))
+    return {"sweep": rows, "photos": len(x), "not_calibration": len(inputs.fidelity)}
+
+
 def run(args) -> dict:
-    """Both models, every configuration; print the tables; return every number."""
+    """Both models, every configuration; print the tables; return every number (``--sweep``: ``sweep``)."""
     configure_threads(args.threads)
+    if args.sweep:
+        return sweep(args)
     served = tuple(INT8_KEEP_FP32)
     spec = args.configs or ("none," + "+".join(served) if args.quick else DEFAULT_CONFIGS)
     configs = [tuple(g for g in c.split("+") if g and g != "none") for c in spec.split(",") if c.strip()]

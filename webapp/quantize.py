@@ -16,6 +16,14 @@ answers; depthwise convs in fp32 91.0%; stem and head 89.8%; depthwise, stem and
 photos, depthwise and projection convs (``conv_pwl``, which write the residual stream) 94.5%, which
 leaves only the expansion 1x1 convs in int8. The loss is spread over every layer kind, so the
 default stays everything int8, and int8 stays opt-in.
+
+The per-block sweep (``bench/int8_bench.py --sweep``: one block in int8, the rest fp32, 256 photos,
+2026-12-02, Zen 5) says why: a single block alone in int8 already loses up to 7.8% of top-1 answers
+(``blocks.0.0`` 92.2%, ``blocks.1.0`` 94.5%, ``blocks.4.0`` 94.9%, the stem 96.9%), only 3 of 19 blocks
+keep >= 99.2%, and the losses add up to 87.1% for all of them. Leaving the nine most sensitive blocks in
+fp32 (stem, 0.0, 1.0, 1.1, 2.0, 3.0, 4.0, 5.0, 6.0) still gave only 94.5%, so no choice of fp32 layers
+reaches 98% with this recipe (per-tensor activations calibrated by histogram; min-max observers gave
+89.8% in all, 100 more calibration views 87.9%).
 """
 
 from __future__ import annotations
@@ -64,13 +72,16 @@ def layer_names(module: nn.Module, group: str) -> list[str]:
 
 
 def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_size: int,
-                  reduce_range: bool = False, keep_fp32: tuple[str, ...] = INT8_KEEP_FP32) -> torch.export.ExportedProgram:
+                  reduce_range: bool = False, keep_fp32: tuple[str, ...] = INT8_KEEP_FP32,
+                  int8_only: tuple[str, ...] | None = None) -> torch.export.ExportedProgram:
     """PT2E static int8 quantization of ``module`` (see module docstring); returns the exported, converted program
     (input ``(N, 3, S, S) float32``, N = 1..1024, output the module's logits in float32).
 
     ``calibration``: normalized images ``(3, S, S) float32`` (real photos), run in batches of up to 8
     to collect activation ranges. ``reduce_range``: 7-bit activations (``engine.choose_reduce_range``).
-    ``keep_fp32``: layer groups left in fp32 (``layer_names``).
+    ``keep_fp32``: layer groups left in fp32 (``layer_names``). ``int8_only``: module names of ``module``
+    (``blocks.1.0``, ``conv_stem``) to quantize, everything else left in fp32 (``keep_fp32`` is then
+    ignored): the per-block sensitivity sweep of ``bench/int8_bench.py --sweep``.
 
     :raises ValueError: no calibration images, or an unknown group.
     """
@@ -83,10 +94,15 @@ def quantize_int8(module: nn.Module, calibration: list[torch.Tensor], *, input_s
     batch = Dim("batch", min=1, max=1024)  # any batch the batcher may form (max_batch_size <= 256)
     example = (torch.zeros(2, 3, input_size, input_size),)
     config = xiq.get_default_x86_inductor_quantization_config(reduce_range=reduce_range)
-    quantizer = xiq.X86InductorQuantizer().set_global(config)
-    for group in keep_fp32:
-        for name in layer_names(module, group):
-            quantizer.set_module_name_qconfig(f"module.{name}", None)  # "module.": inside _Wrap
+    quantizer = xiq.X86InductorQuantizer()
+    if int8_only is not None:
+        for name in int8_only:
+            quantizer.set_module_name_qconfig(f"module.{name}", config)  # "module.": inside _Wrap
+    else:
+        quantizer.set_global(config)
+        for group in keep_fp32:
+            for name in layer_names(module, group):
+                quantizer.set_module_name_qconfig(f"module.{name}", None)
     with torch.no_grad():
         exported = export(_Wrap(module), example, dynamic_shapes=({0: batch},), strict=True)
         prepared = prepare_pt2e(exported.module(), quantizer)
