@@ -37,6 +37,15 @@ def test_predict_raw_body_and_topk(client):
     assert len(resp.get_json()["results"][0]["predictions"]) == 7
 
 
+def test_a_raw_bodys_filename_is_upload_or_its_x_filename(client):
+    """The README's promise: ``upload``, or the ``X-Filename`` header where one is sent."""
+    plain = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    named = client.post("/api/v1/predict", data=small_png(), content_type="image/png",
+                        headers={"X-Filename": "eagle.jpg"})
+    assert plain.get_json()["results"][0]["filename"] == "upload"
+    assert named.get_json()["results"][0]["filename"] == "eagle.jpg"
+
+
 def test_several_files_keep_their_order_and_names(client):
     colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
     files = [(io.BytesIO(small_png(c)), f"{i}.png") for i, c in enumerate(colors)]
