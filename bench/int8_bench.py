@@ -91,6 +91,26 @@ def compare(got: torch.Tensor, ref: torch.Tensor, n_own: int) -> dict:
             "rel_err": float((got - ref).abs().max() / ref.abs().max())}
 
 
+def fidelity_photos(n: int) -> tuple[list, list]:
+    """The fidelity set's photos: ``shared_photos()`` and the extra images (``fidelity_views`` and
+    deterministic augmentations) that, with the 28 calibration photos, make ``n`` in all."""
+    photos = shared_photos()
+    imgs = [img for _, img in photos]
+    views = fidelity_views(imgs)
+    return photos, views + augmented(imgs[:7], max(0, n - len(photos) - len(views) - 28), seed=0)
+
+
+def reference(name: str, photos: list, extra: list) -> tuple:
+    """Model ``name`` loaded, its ``Inputs``, ``x`` (N, 3, S, S) float32: the fidelity set then the calibration
+    photos, and eager fp32's logits for ``x`` (N, 1000) float32: what every configuration is compared with."""
+    loaded = models.load_model(settings.load(environ={}, overrides={"MODEL": name}))
+    inputs = make_inputs(loaded, photos, extra)
+    x = torch.cat([inputs.fidelity, torch.stack(inputs.calibration)])
+    with torch.inference_mode():
+        ref = torch.cat([loaded.module(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+    return loaded, inputs, x, ref
+
+
 def build(loaded, precision: str, keep: tuple[str, ...], inputs: Inputs, cache_dir: Path | None) -> Runner:
     """Our compiled ``Engine`` at ``precision`` (int8 with ``keep`` left in fp32), warmed up to ``BATCH``."""
     key = f"ours-{precision}" + (f"[{'+'.join(keep) or 'none'}]" if precision == "int8" else "")
@@ -137,11 +157,7 @@ def logits(runner: Runner, x: torch.Tensor) -> torch.Tensor:
 
 def measure(name: str, configs: list[tuple[str, ...]], photos: list, extra: list, args, rounds: int) -> dict:
     """One model: fp32, bf16 and every int8 configuration built, compared with eager fp32, timed round-robin."""
-    loaded = models.load_model(settings.load(environ={}, overrides={"MODEL": name}))
-    inputs = make_inputs(loaded, photos, extra)
-    x = torch.cat([inputs.fidelity, torch.stack(inputs.calibration)])
-    with torch.inference_mode():
-        ref = torch.cat([loaded.module(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+    loaded, inputs, x, ref = reference(name, photos, extra)
     cache = Path(args.cache_dir) if args.cache_dir else None
     runners = {r.key: r for r in [build(loaded, "fp32", (), inputs, cache), build(loaded, "bf16", (), inputs, cache)]
                + [build(loaded, "int8", keep, inputs, cache) for keep in configs]}
@@ -183,15 +199,8 @@ def sweep(args) -> dict:
     """``--sweep``: EfficientNet-Lite0 with one block at a time in int8 (``sweep_units``), then all; print the table."""
     from webapp.quantize import quantize_int8
 
-    photos = shared_photos()
-    imgs = [img for _, img in photos]
-    views = fidelity_views(imgs)
-    extra = views + augmented(imgs[:7], max(0, args.photos - len(photos) - len(views) - 28), seed=0)
-    loaded = models.load_model(settings.load(environ={}, overrides={"MODEL": "efficientnet_lite0"}))
-    inputs = make_inputs(loaded, photos, extra)
-    x = torch.cat([inputs.fidelity, torch.stack(inputs.calibration)])
-    with torch.inference_mode():
-        ref = torch.cat([loaded.module(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+    photos, extra = fidelity_photos(args.photos)
+    loaded, inputs, x, ref = reference("efficientnet_lite0", photos, extra)
     rows = {}
     for unit in sweep_units(loaded.module) + ["(all)"]:
         t0 = time.perf_counter()
@@ -222,10 +231,7 @@ def run(args) -> dict:
     if served not in configs:
         configs.append(served)
     rounds = args.rounds or (3 if args.quick else 8)
-    photos = shared_photos()
-    imgs = [img for _, img in photos]
-    views = fidelity_views(imgs)
-    extra = views + augmented(imgs[:7], max(0, args.photos - len(photos) - len(views) - 28), seed=0)
+    photos, extra = fidelity_photos(args.photos)
     out = {"served": list(served), "target_top1": TARGET_TOP1, "target_x_bf16": TARGET_X_BF16,
            "threads": torch.get_num_threads(), "clock": "thread CPU time" if torch.get_num_threads() == 1 else "wall",
            "models": {}}
