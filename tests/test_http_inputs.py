@@ -391,10 +391,14 @@ def _multipart(boundary: bytes, filename: bytes, data: bytes) -> bytes:
 
 @pytest.mark.parametrize("ctype, boundary, problem", [
     ("multipart/form-data", b"b0undary", "no boundary parameter"),
-    ("multipart/form-data; boundary=other", b"b0undary", "no part is delimited by the boundary 'other'"),
+    ("multipart/form-data; boundary=other", b"b0undary", "no complete part delimited by the boundary 'other'"),
+    # the right boundary, but the body stops before its closing delimiter (a cut-off upload)
+    ("multipart/form-data; boundary=b0undary", b"b0undary", "ends before its closing delimiter '--b0undary--'"),
 ])
 def test_broken_multipart_boundary_is_bad_request(srv, ctype, boundary, problem):
     body = _multipart(boundary, b"a.png", small_png())
+    if "closing" in problem:
+        body = body[:body.rindex(b"\r\n--b0undary--")]
     resp = requests.post(predict_url(srv), data=body, headers={"Content-Type": ctype}, timeout=30)
     assert problem in assert_error(resp, 400, "bad_request")
 

@@ -186,9 +186,11 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         if _over_limit(request):
             raise _too_large(request)
         if not parts and not request.files and not request.form and _longer_than_empty(request, boundary):
-            # Werkzeug finds no part when the body's delimiters are not the boundary the header names.
-            raise BadRequest(f"malformed multipart body: no part is delimited by the boundary {boundary[:70]!r} "
-                             f"that the Content-Type header names")
+            # Werkzeug finds no part when the body's delimiters are not the boundary the header names, and
+            # none either when the body stops before its closing delimiter (a cut-off upload): both end here.
+            raise BadRequest(f"malformed multipart body: no complete part delimited by the boundary {boundary[:70]!r} "
+                             f"that the Content-Type header names (its parts use another boundary, or the body "
+                             f"ends before its closing delimiter '--{boundary[:70]}--': a cut-off upload)")
         if not parts and "file" in request.form:  # e.g. curl -F 'file=<photo.jpg': a part without a filename
             raise NoFile("no image: the 'file' field arrived as a text field (its part has no filename); send it "
                          "as a file part, e.g. curl -F 'file=@photo.jpg', or an <input type=file>")
