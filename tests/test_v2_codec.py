@@ -84,6 +84,12 @@ def test_json_request_with_parameters_and_outputs():
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d.pop("inputs"), "this model takes one input, 'image' (BYTES, shape [N]: N encoded photos); got no "
                                 "'inputs' list"),
+    (lambda d: d.update(inputs=d["inputs"][0]), "this model takes one input, 'image' (BYTES, shape [N]: N encoded "
+                                                "photos); got 'inputs' as an object, not a list"),
+    (lambda d: d.update(inputs=None), "this model takes one input, 'image' (BYTES, shape [N]: N encoded photos); "
+                                      "got 'inputs' as null, not a list"),
+    (lambda d: d.update(inputs=3), "this model takes one input, 'image' (BYTES, shape [N]: N encoded photos); "
+                                   "got 'inputs' as a number, not a list"),
     (lambda d: d["inputs"].append(d["inputs"][0]), "this model takes one input, 'image' (BYTES, shape [N]: N encoded "
                                                    "photos); got 2 inputs"),
     (lambda d: d["inputs"][0].update(name="INPUT__0"), 'unknown input "INPUT__0": this model takes one input'),

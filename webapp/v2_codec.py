@@ -195,7 +195,14 @@ def json_element(text: str, index: int, content_type: str | None) -> bytes:
 def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_type: str | None) -> list[bytes]:
     inputs = doc.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1:
-        got = f"{len(inputs)} inputs" if isinstance(inputs, list) else "no 'inputs' list"
+        if isinstance(inputs, list):
+            got = f"{len(inputs)} inputs"
+        elif "inputs" not in doc:
+            got = "no 'inputs' list"
+        else:  # JSON names: an object, a string, a number, true/false, null
+            kind = {dict: "an object", str: "a string", bool: "true/false", type(None): "null"}.get(
+                type(inputs), "a number")
+            got = f"'inputs' as {kind}, not a list"
         raise BadRequest(f"this model takes one input, '{INPUT}' (BYTES, shape [N]: N encoded photos); got {got}")
     tensor = _dict(inputs[0], "an input")
     name = tensor.get("name")
