@@ -23,7 +23,7 @@ agreement, and int8 >= 1.3x bf16's speed for ``auto`` to consider it.
 ``--sweep``: the per-block sensitivity sweep instead. For EfficientNet-Lite0, each block (the stem conv,
 every MBConv block ``blocks.i.j``, the head conv, the classifier; ``sweep_units``) alone in int8, the rest
 fp32, in the reference (eager, simulated q/dq) graph, against eager fp32 on the same photos; then
-everything in int8. Where int8's answers are lost, block by block (``--threads 0``: about 20 s a block on 2 cores).
+everything in int8; then only the weights on int8's grid (``round_weights_int8``: activations in float32). Where int8's answers are lost, block by block (``--threads 0``: about 20 s a block on 2 cores).
 """
 
 from __future__ import annotations
@@ -195,6 +195,21 @@ def sweep_units(module: torch.nn.Module) -> list[str]:
     return units
 
 
+def round_weights_int8(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` whose conv and linear weights are rounded to the int8 grid the quantizer uses
+    (symmetric, per output channel: scale = max |w| of the channel / 127), kept in float32, activations
+    untouched: what int8 weights alone cost in answers, whatever the activations' calibration. A BatchNorm
+    folded into a conv scales each output channel, and so its grid, by one factor: rounding the unfolded
+    weights gives the same values as rounding the folded ones."""
+    out = copy.deepcopy(module)
+    for layer in out.modules():
+        if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):
+            w = layer.weight.data
+            scale = w.abs().amax(dim=tuple(range(1, w.dim())), keepdim=True).clamp_min(1e-12) / 127
+            layer.weight.data = (w / scale).round().clamp(-127, 127) * scale
+    return out
+
+
 def sweep(args) -> dict:
     """``--sweep``: EfficientNet-Lite0 with one block at a time in int8 (``sweep_units``), then all; print the table."""
     from webapp.quantize import quantize_int8
@@ -212,6 +227,12 @@ def sweep(args) -> dict:
             got = torch.cat([int8(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
         rows[unit] = compare(got, ref, len(inputs.fidelity))
         log(f"  {unit}: top-1 {100 * rows[unit]['top1_agree']:.1f}% ({time.perf_counter() - t0:.0f} s)")
+    # Weights alone: every weight on int8's grid, activations in float32 (no calibration involved).
+    rounded = round_weights_int8(loaded.module)
+    with torch.no_grad():
+        got = torch.cat([rounded(x[i:i + BATCH]) for i in range(0, len(x), BATCH)])
+    rows["(int8 weights only)"] = compare(got, ref, len(inputs.fidelity))
+    log(f"  int8 weights only: top-1 {100 * rows['(int8 weights only)']['top1_agree']:.1f}%")
     cells = [[u, f"{100 * r['top1_agree']:.1f}%", f"{100 * r['top1_agree_not_calibration']:.1f}%",
               num(r["max_top1_prob_change_pts"]), f"{100 * r['rel_err']:.2f}%"] for u, r in rows.items()]
     print(table(["int8 block", "top1", "top1 not calib", "max dp pts", "logit err"], cells,
