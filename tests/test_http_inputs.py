@@ -391,9 +391,9 @@ def _multipart(boundary: bytes, filename: bytes, data: bytes) -> bytes:
 
 @pytest.mark.parametrize("ctype, boundary, problem", [
     ("multipart/form-data", b"b0undary", "no boundary parameter"),
-    ("multipart/form-data; boundary=other", b"b0undary", "no complete part delimited by the boundary 'other'"),
+    ("multipart/form-data; boundary=other", b"b0undary", "no part is delimited by the boundary 'other'"),
     # the right boundary, but the body stops before its closing delimiter (a cut-off upload)
-    ("multipart/form-data; boundary=b0undary", b"b0undary", "ends before its closing delimiter '--b0undary--'"),
+    ("multipart/form-data; boundary=b0undary", b"b0undary", "it ends before its closing delimiter '--b0undary--'"),
 ])
 def test_broken_multipart_boundary_is_bad_request(srv, ctype, boundary, problem):
     body = _multipart(boundary, b"a.png", small_png())
@@ -407,6 +407,36 @@ def test_a_multipart_body_with_no_parts_is_still_no_file(srv):
     resp = requests.post(predict_url(srv), data=b"--b--\r\n", headers={"Content-Type": "multipart/form-data; boundary=b"},
                          timeout=30)
     assert_error(resp, 400, "no_file")
+
+
+@pytest.mark.parametrize("sent, echoed", [
+    (b"caf\xe9.png", "caf\u00e9.png"),  # Latin-1 bytes, as curl -F sends a Latin-1 file name: read as Latin-1
+    ("caf\u00e9 \u72d7.png".encode(), "caf\u00e9 \u72d7.png"),  # UTF-8, as browsers send it
+])
+def test_a_part_header_that_is_not_utf8_still_gets_its_photo_classified(srv, sent, echoed):
+    # Werkzeug reads part headers as strict UTF-8 and drops the whole form on one byte that is not.
+    body = _multipart(b"XyZ", sent, small_png())
+    resp = requests.post(predict_url(srv), data=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+                         timeout=30)
+    assert assert_ok(resp)["results"][0]["filename"] == echoed
+
+
+@pytest.mark.parametrize("sent, echoed", [
+    ("\u72d7 caf\u00e9.png".encode(), "\u72d7 caf\u00e9.png"),  # UTF-8 bytes, as curl -H and requests send them
+    (b"caf\xe9.png", "caf\u00e9.png"),  # not UTF-8: Latin-1
+    (b"plain.png", "plain.png"),
+])
+def test_a_raw_bodys_x_filename_is_read_as_utf8(srv, sent, echoed):
+    resp = post_raw(srv, small_png(), "image/png", headers={"X-Filename": sent})
+    assert assert_ok(resp)["results"][0]["filename"] == echoed
+
+
+def test_parts_with_bare_lf_line_ends_are_read(srv):
+    body = (b'--XyZ\nContent-Disposition: form-data; name="file"; filename="a.png"\nContent-Type: image/png\n\n'
+            + small_png() + b"\n--XyZ--\n")
+    resp = requests.post(predict_url(srv), data=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+                         timeout=30)
+    assert assert_ok(resp)["results"][0]["filename"] == "a.png"
 
 
 @pytest.mark.parametrize("sent, echoed", [

@@ -51,7 +51,9 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s [%(process)d] [%(levelname)s] %(name)s: %(message)s"))
         log.addHandler(handler)
-    from .uploads import UploadRequest
+    from .uploads import UploadRequest, lenient_multipart_headers
+
+    lenient_multipart_headers()
 
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
     app.request_class = UploadRequest

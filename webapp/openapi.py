@@ -282,7 +282,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
              "schema": {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}},
             {"$ref": "#/components/parameters/RequestId"},
             {"name": "X-Filename", "in": "header", "required": False,
-             "description": "Raw bodies only: the name echoed as `filename` (its first 255 characters).",
+             "description": "Raw bodies only: the name echoed as `filename` (its first 255 characters; "
+                            "UTF-8 bytes are read as UTF-8, others as Latin-1).",
              "schema": {"type": "string"}},
         ],
         "requestBody": {

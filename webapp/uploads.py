@@ -12,6 +12,8 @@ import io
 import re
 
 from flask import Request
+from werkzeug import formparser
+from werkzeug.sansio.multipart import MultipartDecoder
 from werkzeug.exceptions import HTTPException
 
 from .errors import BadRequest, NoFile, NotAnImage, TooLarge
@@ -26,8 +28,50 @@ class UploadRequest(Request):
     bounded by ``MAX_CONTENT_LENGTH``, which is checked before parsing.
     """
 
+    form_error: str | None = None  # why Werkzeug could not parse the multipart body (None: it could)
+
     def _get_file_stream(self, total_content_length, content_type, filename=None, content_length=None):
         return io.BytesIO()
+
+    def make_form_data_parser(self):
+        """Werkzeug's parser, told not to swallow its parse errors: ``_load_form_data`` keeps the reason."""
+        parser = super().make_form_data_parser()
+        parser.silent = False
+        return parser
+
+    def _load_form_data(self) -> None:
+        """As Werkzeug's, but a body it cannot parse leaves ``form_error`` saying why (Werkzeug's silent mode
+        would leave only an empty form, which reads as "no file"); the form and files stay empty, as there."""
+        if "form" in self.__dict__:
+            return
+        try:
+            super()._load_form_data()
+        except ValueError as exc:  # UnicodeDecodeError included
+            self.form_error = str(exc)[:200]
+            self.__dict__["form"] = self.parameter_storage_class()
+            self.__dict__["files"] = self.parameter_storage_class()
+
+
+class LenientHeadersDecoder(MultipartDecoder):
+    """Werkzeug's multipart decoder, reading each part's header lines as UTF-8, and a line that is not
+    UTF-8 as Latin-1 (HTTP's historical charset): ``curl -F file=@café.jpg`` on a system whose file names
+    are Latin-1 sends the name's raw bytes, and Werkzeug's strict UTF-8 would drop the whole form."""
+
+    def _parse_headers(self, data):
+        lines = []
+        for line in bytes(data).split(b"\n"):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError:
+                line = line.decode("latin-1").encode("utf-8")
+            lines.append(line)
+        return super()._parse_headers(b"\n".join(lines))
+
+
+def lenient_multipart_headers() -> None:
+    """Make Werkzeug's multipart parser use ``LenientHeadersDecoder`` (it has no hook for its decoder class,
+    so this sets the name ``werkzeug.formparser`` looks it up by; ``create_app`` calls it, idempotent)."""
+    formparser.MultipartDecoder = LenientHeadersDecoder
 
 
 def parse_topk(raw: str | None, default: int) -> int:
@@ -158,6 +202,17 @@ def _too_large(request: Request) -> TooLarge:
     return TooLarge.body(request.max_content_length)
 
 
+def _header_text(value: str | None) -> str | None:
+    """A header's text: WSGI hands headers over decoded as Latin-1, so a UTF-8 value (``X-Filename: 狗.jpg``,
+    as curl and requests send it) arrives as mojibake; its bytes are read as UTF-8 where they are that."""
+    if not value:
+        return value
+    try:
+        return value.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return value  # Latin-1 it is
+
+
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     """The uploads in ``request``, in order.
 
@@ -185,12 +240,19 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
             raise BadRequest(f"malformed multipart body: {exc.description}") from None
         if _over_limit(request):
             raise _too_large(request)
+        error = request.form_error or ""
+        # Werkzeug's "Invalid form-data cannot parse beyond State.<where the body ended>": PREAMBLE: no
+        # delimiter of this boundary at all; PART or DATA: inside a part, before the closing delimiter.
+        cut_off = "cannot parse beyond" in error and "PREAMBLE" not in error
+        if cut_off:
+            raise BadRequest(f"malformed multipart body: it ends before its closing delimiter "
+                             f"'--{boundary[:70]}--' (a cut-off upload?)")
+        if error and "cannot parse beyond" not in error:
+            raise BadRequest(f"malformed multipart body: {error}")
         if not parts and not request.files and not request.form and _longer_than_empty(request, boundary):
-            # Werkzeug finds no part when the body's delimiters are not the boundary the header names, and
-            # none either when the body stops before its closing delimiter (a cut-off upload): both end here.
-            raise BadRequest(f"malformed multipart body: no complete part delimited by the boundary {boundary[:70]!r} "
-                             f"that the Content-Type header names (its parts use another boundary, or the body "
-                             f"ends before its closing delimiter '--{boundary[:70]}--': a cut-off upload)")
+            # Werkzeug finds no part when the body's delimiters are not the boundary the header names.
+            raise BadRequest(f"malformed multipart body: no part is delimited by the boundary {boundary[:70]!r} "
+                             f"that the Content-Type header names")
         if not parts and "file" in request.form:  # e.g. curl -F 'file=<photo.jpg': a part without a filename
             raise NoFile("no image: the 'file' field arrived as a text field (its part has no filename); send it "
                          "as a file part, e.g. curl -F 'file=@photo.jpg', or an <input type=file>")
@@ -205,7 +267,7 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
             raise NoFile("no image: the 'file' field is empty; choose a photo first")
         return uploads
     if mimetype.startswith("image/") or mimetype in RAW_TYPES:
-        name = request.headers.get("X-Filename") or "upload"
+        name = _header_text(request.headers.get("X-Filename")) or "upload"
         data = request.get_data(cache=False)
         if _over_limit(request):
             raise _too_large(request)
