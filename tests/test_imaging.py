@@ -18,7 +18,7 @@ from PIL import EpsImagePlugin, Image, ImageFile, ImageOps
 from torchvision.transforms import InterpolationMode, v2
 
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
-from webapp.imaging import build_transform, center_limit, decode, preprocess
+from webapp.imaging import FORMATS, build_transform, center_limit, claimed_format, decode, preprocess
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
@@ -370,6 +370,28 @@ def test_a_known_format_whose_header_is_garbage_is_400_not_415(data, claimed):
     """It claims a format we decode (its magic bytes) and is broken: undecodable, as the README's table says."""
     exc = _raises(data, UndecodableImage, 400)
     assert claimed in exc.message or "header" in exc.message
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("keep", [12, 40, 0.5])
+def test_a_cut_off_file_of_every_decodable_format_is_400_never_415(fmt, keep):
+    """A format we decode, cut off (the first ``keep`` bytes, or that fraction): broken data of a known format
+    (400 ``undecodable_image``), never "a format this server cannot decode" (415). Where the cut still decodes
+    (a format that tolerates it), the answer is a picture, not an error."""
+    rng = np.random.default_rng(0)
+    photo = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8), "RGB")
+    whole = encode(photo, fmt)
+    data = whole[:keep if isinstance(keep, int) else int(len(whole) * keep)]
+    try:
+        decode(data, max_pixels=BIG, name="photo.x")
+    except ServiceError as exc:
+        assert type(exc) is UndecodableImage and exc.status == 400, (fmt, keep, exc.message)
+
+
+def test_an_avif_with_avif_among_its_compatible_brands_is_claimed_as_avif():
+    head = b"\x00\x00\x00\x1cftypmif1\x00\x00\x00\x00mif1avifmiaf" + b"\x00" * 40
+    assert claimed_format(head) == "AVIF"
+    assert claimed_format(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic") is None  # HEIC: not ours
 
 
 EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\n"

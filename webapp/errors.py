@@ -103,7 +103,7 @@ def check_file_size(size: int, limit: int) -> None:
 
 class NotAnImage(ServiceError):
     status, code = 415, "unsupported_media_type"
-    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF (PDF, HEIC, text... named in the message), or a raw body "
+    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message), or a raw body "
             "whose Content-Type is not `image/*` or `application/octet-stream`")
 
 

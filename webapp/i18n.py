@@ -43,7 +43,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "details": "Details",
         "starting": "The model is still starting; photos are answered once it is ready.",
         "photos": "Choose photos",
-        "photos_hint": "JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF; several at once.",
+        "photos_hint": "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM; several at once.",
         "camera": "Take a photo",
         "drop_hint": "You can also drop photos here, or paste one (Ctrl+V).",
         "privacy": "Large photos are scaled down in your browser before upload, without their location or camera "
@@ -103,7 +103,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "details": "详情",
         "starting": "模型仍在启动，就绪后即可识别照片。",
         "photos": "选择照片",
-        "photos_hint": "支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF，可一次选多张。",
+        "photos_hint": "支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF、PPM，可一次选多张。",
         "camera": "拍照",
         "drop_hint": "也可以把照片拖到这里，或直接粘贴（Ctrl+V）。",
         "privacy": "较大的照片会先在浏览器中缩小再上传，不含位置和相机信息（EXIF）。",

@@ -33,6 +33,8 @@ from .models import Preprocessing
 # icon's embedded image while opening it, before its real size is known, so the pixel check
 # could not come first (a 16x16 entry can hide a 13000x13000 PNG).
 FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
+# The same formats, for people (the 415 message; README's table and the page's hint say the same).
+FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM"
 
 
 def silence_pillow_warnings() -> None:
@@ -54,8 +56,10 @@ _SIGNATURES = (
 )
 # Leading bytes of formats we do decode: a file that starts like one but that Pillow cannot even
 # identify claims that format and is broken (400 undecodable), not an unknown format (415).
+# Every format of FORMATS has its magic here (WebP and AVIF, in RIFF and ISO media boxes, in claimed_format).
 _DECODABLE = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
-              (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"))
+              (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
+              *((b"P%d" % i, "PPM") for i in range(1, 7)))
 _FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF",
                 b"avif": "AVIF", b"avis": "AVIF"}
 
@@ -79,13 +83,22 @@ class Decoded:
 
 
 def claimed_format(data: bytes) -> str | None:
-    """The decodable format ``data`` starts like (JPEG, PNG, GIF, WebP, TIFF), or None."""
+    """The decodable format ``data`` starts like (one of ``FORMATS``, by its magic bytes), or None."""
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WebP"
+    if data[4:8] == b"ftyp" and {b"avif", b"avis"} & set(_ftyp_brands(data)):
+        return "AVIF"
     for magic, name in _DECODABLE:
         if data.startswith(magic):
             return name
     return None
+
+
+def _ftyp_brands(data: bytes) -> list[bytes]:
+    """An ISO media file's brands: its major brand, then the compatible ones of its ``ftyp`` box (an AVIF
+    may say ``mif1`` first and ``avif`` among the compatible ones)."""
+    size = min(int.from_bytes(data[:4], "big"), len(data), 256)
+    return [data[8:12]] + [data[i:i + 4] for i in range(16, size - 3, 4)]
 
 
 def sniff_format(data: bytes) -> str | None:
@@ -173,7 +186,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                                    f"cannot be read)") from None
         fmt = sniff_format(data)
         what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
-        raise NotAnImage(f"{name}: {what}; send JPEG, PNG, WebP, GIF, BMP, TIFF or AVIF") from None
+        raise NotAnImage(f"{name}: {what}; send {FORMAT_NAMES}") from None
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
         raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
     width, height = img.size
