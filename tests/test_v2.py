@@ -176,6 +176,27 @@ def test_triton_classification_extension(triton, reference, name):
     assert got == [f"{p['probability']:f}:{p['index']}:{p['label']}" for p in reference[name]]
 
 
+def test_the_readmes_tritonclient_example_prints_what_it_says(srv, capsys):
+    """The README's tritonclient snippet, run as written against this server (its model and precision: the
+    offline EfficientNet-Lite0, fp32): it prints the ranks its comment shows."""
+    import re
+
+    from conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("```python\nimport numpy as np\nimport tritonclient.http")
+    code = readme[start + len("```python"):readme.index("```", start + 9)]
+    shown = re.findall(r"b'([0-9.]+):(\d+):([^']+)'", code.split("print(", 1)[1])
+    assert len(shown) == 3, code
+    code = code.replace('"localhost:8000"', repr(srv.url.removeprefix("http://"))).replace(
+        '"../shared/images/dog.jpg"', repr(str(shared_image("dog.jpg"))))
+    exec(compile(code, "README.md", "exec"), {})
+    printed = re.findall(r"b'([0-9.]+):(\d+):([^']+)'", capsys.readouterr().out)
+    assert [(i, label) for _, i, label in printed] == [(i, label) for _, i, label in shown]
+    for (got, _, _), (want, _, _) in zip(printed, shown):
+        assert float(got) == pytest.approx(float(want), abs=1e-5), (printed, shown)
+
+
 def test_classification_ranks_the_whole_vector(triton, reference):
     """class_count beyond topk's 10: the full softmax ranked, highest first, summing to ~1."""
     import tritonclient.http as httpclient
