@@ -399,6 +399,25 @@ def test_info(no_classifier_env, capsys):
     assert "precision" in text and "plan" in text and "hub cache" in text
 
 
+def test_info_says_what_the_offline_fallback_runs_at(no_classifier_env, monkeypatch, capsys):
+    """Where auto picks bf16 for the CPU, the offline model (which the catalog keeps in fp32) is listed in fp32."""
+    from webapp import catalog, engine
+
+    real = engine.choose_precision
+    monkeypatch.setattr(engine, "choose_precision",  # this CPU's auto answer, as on one with native bf16
+                        lambda requested: ("bf16", "auto: native bf16 (test)") if requested == "auto" else real(requested))
+    assert cli.main(["info", "--json"]) == 0
+    by_model = json.loads(capsys.readouterr().out)["precision"]["by_model"]
+    assert by_model[catalog.OFFLINE]["precision"] == "fp32"
+    assert catalog.BY_NAME[catalog.OFFLINE].bf16_auto_off in by_model[catalog.OFFLINE]["reason"]
+    assert by_model["resnet18"]["precision"] == "bf16"
+    assert cli.main(["info"]) == 0
+    assert f"  {catalog.OFFLINE}" in capsys.readouterr().out
+    monkeypatch.setenv("CLASSIFIER_PRECISION", "fp32")  # nothing to say when the precision is set
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"]["by_model"] == {}
+
+
 @pytest.mark.parametrize("user_dir", [False, True])
 def test_info_shows_the_kernel_cache_the_service_uses(no_classifier_env, monkeypatch, tmp_path, capsys, user_dir):
     """``info``'s inductor folder is the one ``startup.use_cache_dir`` points torch at (not torch's /tmp default)."""

@@ -44,6 +44,7 @@ def gather_info() -> dict:
     plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
     chosen, reason = choose_precision(s.PRECISION)
     auto, auto_reason = choose_precision("auto")
+    by_model = model_precisions(s, chosen)
     weights = explain_resolution(s)  # the builders' own order, in words
     cache = cache_dir(s)
     return {
@@ -58,7 +59,7 @@ def gather_info() -> dict:
                                                "OMP_NUM_THREADS") if k in os.environ},
         },
         "precision": {"setting": s.PRECISION, "chosen": chosen, "reason": reason, "auto": auto,
-                      "auto_reason": auto_reason},
+                      "auto_reason": auto_reason, "by_model": by_model},
         "cores": {"usable": cores, "count": len(cores)},
         "plan": {"workers": plan.workers, "threads": plan.threads, "slots": [list(c) for c in plan.slots],
                  "oversubscribed": plan.oversubscribed, "shared": plan.shared, "text": cpu.describe(plan, cores),
@@ -70,6 +71,26 @@ def gather_info() -> dict:
         },
         "cache_dir": {"path": str(cache), "exists": cache.is_dir(), "inductor": str(inductor_cache_dir(s))},
     }
+
+
+def model_precisions(s, chosen: str) -> dict[str, dict]:
+    """What each model that may serve here (``MODEL``, and the offline fallback where ``MODEL`` is resnet18
+    with ``FALLBACK`` on) would run at, where ``auto`` does not end at the CPU's answer: ``{name:
+    {"precision", "reason"}}``, empty unless ``PRECISION=auto`` picks bf16 on this CPU. A model whose catalog
+    entry rules bf16 out (``bf16_auto_off``) runs fp32; the others bf16 if the start-up check on the
+    calibration photos keeps fp32's answers (``startup.decide_auto_precision``; not run here: seconds of CPU)."""
+    from .. import catalog
+
+    if s.PRECISION != "auto" or chosen != "bf16":
+        return {}
+    names = [s.MODEL] + ([catalog.OFFLINE] if s.MODEL == "resnet18" and s.FALLBACK else [])
+    out = {}
+    for name in names:
+        off = catalog.BY_NAME[name].bf16_auto_off if name in catalog.BY_NAME else ""
+        out[name] = ({"precision": "fp32", "reason": f"auto: fp32 for {name}: {off}"} if off else
+                     {"precision": "bf16", "reason": "if the start-up check on the calibration photos keeps fp32's "
+                                                     "answers (decided once per host, recorded in the cache folder)"})
+    return out
 
 
 def _yes(flag: bool | None) -> str:
@@ -111,6 +132,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     ]
     if p["setting"] != "auto":
         rows.append(("  auto would be", f"{p['auto']} ({p['auto_reason']})"))
+    for name, m in p["by_model"].items():
+        rows.append((f"  {name}", f"{m['precision']} ({m['reason']})"))
     rows += [
         ("cores", f"{info['cores']['count']} usable: {info['cores']['usable']}"),
         ("plan", plan["text"]),
