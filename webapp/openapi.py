@@ -282,8 +282,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
              "schema": {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}},
             {"$ref": "#/components/parameters/RequestId"},
             {"name": "X-Filename", "in": "header", "required": False,
-             "description": "Raw bodies only: the name echoed as `filename` (its first 255 characters; "
-                            "UTF-8 bytes are read as UTF-8, others as Latin-1).",
+             "description": "Raw bodies only: the name echoed as `filename` (first 255 characters; UTF-8, else Latin-1).",
              "schema": {"type": "string"}},
         ],
         "requestBody": {
