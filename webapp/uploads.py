@@ -58,14 +58,16 @@ class LenientHeadersDecoder(MultipartDecoder):
     are Latin-1 sends the name's raw bytes, and Werkzeug's strict UTF-8 would drop the whole form."""
 
     def _parse_headers(self, data):
-        lines = []
-        for line in bytes(data).split(b"\n"):
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError:
-                line = line.decode("latin-1").encode("utf-8")
-            lines.append(line)
+        lines = [utf8_or_latin1(line).encode("utf-8") for line in bytes(data).split(b"\n")]
         return super()._parse_headers(b"\n".join(lines))
+
+
+def utf8_or_latin1(raw: bytes) -> str:
+    """``raw`` as UTF-8 text where it is that, else as Latin-1 (which every byte string is)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
 
 
 def lenient_multipart_headers() -> None:
@@ -208,9 +210,9 @@ def _header_text(value: str | None) -> str | None:
     if not value:
         return value
     try:
-        return value.encode("latin-1").decode("utf-8")
-    except (UnicodeEncodeError, UnicodeDecodeError):
-        return value  # Latin-1 it is
+        return utf8_or_latin1(value.encode("latin-1"))
+    except UnicodeEncodeError:  # not from a WSGI server (a test client's str): already text
+        return value
 
 
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
