@@ -42,10 +42,8 @@ class UploadRequest(Request):
     def _load_form_data(self) -> None:
         """As Werkzeug's, but a body it cannot parse leaves ``form_error`` saying why (Werkzeug's silent mode
         would leave only an empty form, which reads as "no file"); the form and files stay empty, as there."""
-        if "form" in self.__dict__:
-            return
         try:
-            super()._load_form_data()
+            super()._load_form_data()  # returns at once when the form is parsed already
         except ValueError as exc:  # UnicodeDecodeError included
             self.form_error = str(exc)[:200]
             self.__dict__["form"] = self.parameter_storage_class()
