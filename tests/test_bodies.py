@@ -122,6 +122,50 @@ def test_a_content_length_that_is_not_a_size_gets_a_json_400(srv, length):
     assert "Content-Length must be the body's size in bytes" in error["message"], error
 
 
+_PNG_CHUNK = b"%x\r\n" % len(small_png()) + small_png()
+
+
+@pytest.mark.parametrize("ctype", ["image/png", "multipart/form-data; boundary=xyz"])
+@pytest.mark.parametrize("body, closes", [
+    (b"zz\r\n" + small_png() + b"\r\n0\r\n\r\n", False),  # chunk size not hex
+    (b"-5\r\n" + small_png() + b"\r\n0\r\n\r\n", False),  # negative chunk size
+    (_PNG_CHUNK + b"XX0\r\n\r\n", False),  # no CRLF after the chunk's data
+    (b"%x;;\r\n" % len(small_png()) + small_png() + b"\r\n0\r\n\r\n", False),  # malformed chunk extension
+    (b"%x\n" % len(small_png()) + small_png() + b"\n0\n\n", False),  # bare LF line ends
+    (_PNG_CHUNK + b"\r\n0\r\nnot a trailer\r\n\r\n", False),  # malformed trailer
+    (b"1" + b" " * 9000 + b"\r\n", False),  # a chunk-size line with no end
+    (_PNG_CHUNK + b"\r\n0\r\n", True),  # cut off after the last chunk, then the client closes its side
+    (_PNG_CHUNK[:100], True),  # cut off inside a chunk, then the client closes its side
+], ids=["not-hex", "negative", "no-crlf", "bad-extension", "bare-lf", "bad-trailer", "endless-size-line",
+        "cut-after-last-chunk", "cut-in-chunk"])
+def test_a_malformed_chunked_body_is_a_400_not_a_500(srv, ctype, body, closes):
+    """A chunked body gunicorn cannot de-chunk (RFC 9112 section 7.1) is the client's error: 400 ``bad_request``
+    saying so, and the connection closes (the reader cannot find where a next request would start)."""
+    with connect(srv) as sock:
+        sock.sendall(head(chunked=True, ctype=ctype) + body)
+        if closes:
+            sock.shutdown(socket.SHUT_WR)
+        status, data = read_status(sock)
+        data += sock.recv(65536)
+        assert status == 400 and b'"bad_request"' in data, data[:400]
+        assert b"chunked" in data.partition(b"\r\n\r\n")[2], data[:400]  # the message says what was wrong
+        assert b"Connection: close" in data
+        assert closed_within(sock, DRAIN_SECONDS + 2)
+
+
+def test_a_malformed_chunked_body_left_unread_is_dropped_quietly(srv):
+    """A request answered without reading its body (``GET /healthz``) has the rest drained after the answer;
+    a malformed chunked body there ends the drain (and the connection) with no error logged."""
+    before = srv.output().count("Traceback")
+    with connect(srv) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n")
+        status, _ = read_status(sock)
+        assert status == 200
+        assert closed_within(sock, DRAIN_SECONDS + 2)
+    time.sleep(0.3)  # the drain runs after the answer is written
+    assert srv.output().count("Traceback") == before, srv.output()[-3000:]
+
+
 @pytest.mark.parametrize("case, status", [
     ("over-limit", 413), ("wrong-type", 415), ("no-token", 401),
 ])

@@ -11,6 +11,8 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
 - An idle timeout between received bytes (``BODY_TIMEOUT_S``): a client that sends part of a body
   and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
   connection forever nor stretch a graceful shutdown past that timeout.
+- A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
+  chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
 - A refused request whose body was not read to its end is answered at once, with the connection
   closed after the answer. Only then is what is left of the body read and discarded, bounded in
   bytes and seconds (``DRAIN_BYTES``, ``DRAIN_SECONDS``), so a client still sending reads the
@@ -26,6 +28,8 @@ from __future__ import annotations
 import logging
 import socket
 import sys
+
+from gunicorn.http.errors import NoMoreData, ParseException
 
 from . import balance
 from .concurrency import time_limit
@@ -53,7 +57,9 @@ class GuardedInput:
 
     :raises BodyTimeout: (from any read) no byte arrived for ``idle_s`` seconds (408).
     :raises BadRequest: (from any read) the body ended, the client having closed its side, before the
-        bytes its Content-Length declared (400; the connection then closes).
+        bytes its Content-Length declared, or before the last chunk of a chunked body; or a chunked body
+        that gunicorn cannot de-chunk (a chunk size that is not hex, no CRLF after a chunk, a malformed
+        extension or trailer...). 400; the connection then closes.
     """
 
     def __init__(self, raw, *, sock, expect_continue: bool, content_length: int | None, idle_s: float):
@@ -78,6 +84,9 @@ class GuardedInput:
                 data = fn(*args)
         except TimeoutError:
             raise BodyTimeout.after(self.idle_s) from None
+        except (ParseException, NoMoreData) as exc:  # gunicorn's de-chunking: the client's error, never a 500
+            self.ended = self.cut_short = True  # where a next request would start is unknown: close
+            raise BadRequest(_chunked_problem(exc)) from None
         if not data:
             self.ended = True
             if self.left is not None and self.left > 0 and (not args or args[0] != 0):
@@ -140,9 +149,18 @@ class GuardedInput:
                     if self.left is not None:
                         self.left -= len(chunk)
                         self.ended = self.ended or self.left <= 0
-        except (TimeoutError, OSError, ValueError):  # stalled, gone, or a malformed chunked body
+        except (TimeoutError, OSError, ValueError, ParseException):  # stalled, gone, or a malformed chunked body
             return False
         return self.ended
+
+
+def _chunked_problem(exc: Exception) -> str:
+    """The 400 message for gunicorn's error ``exc`` while it de-chunked a request body."""
+    if isinstance(exc, NoMoreData):
+        return ("the chunked request body ended, the client having closed its side, before its last chunk "
+                "(0 CRLF CRLF): send the whole body")
+    return (f"malformed chunked request body ({str(exc)[:120]}): each chunk is its size in hex, CRLF, the bytes, "
+            "CRLF, ending with 0 CRLF CRLF (RFC 9112 section 7.1); or send a Content-Length instead")
 
 
 class _Answered:
