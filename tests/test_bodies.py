@@ -195,6 +195,16 @@ def test_expect_100_continue_gets_100_when_the_body_is_wanted(srv):
         assert rest.startswith(b"HTTP/1.1 200"), rest[:200]
 
 
+def test_an_http_1_0_client_never_gets_100_continue(srv):
+    """RFC 9110 section 10.1.1: a server MUST ignore a 100-continue expectation in an HTTP/1.0 request (and never
+    sends a 1xx to an HTTP/1.0 client, section 15.2): such a client would read ``100`` as its final answer."""
+    body = small_png()
+    with connect(srv) as sock:
+        sock.sendall(head(length=len(body), expect=True).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1) + body)
+        status, data = read_status(sock)
+        assert status == 200 and b"100 Continue" not in data, data[:200]
+
+
 def test_chunked_body_over_the_limit_gets_a_413_the_client_receives(srv):
     with connect(srv) as sock:
         sock.sendall(head(chunked=True))

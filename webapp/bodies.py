@@ -7,7 +7,7 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   (``gunicorn.conf.py``'s ``pre_request`` hook turns that off), so a client that waits for it
   would upload a body the app then refuses. Here ``100 Continue`` goes out on the first read of the
   body instead: everything the request line and headers decide (413 by Content-Length, 415,
-  401, 429, 503) is answered with no ``100`` at all.
+  401, 429, 503) is answered with no ``100`` at all. Never to an HTTP/1.0 request (RFC 9110 10.1.1).
 - An idle timeout between received bytes (``BODY_TIMEOUT_S``): a client that sends part of a body
   and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
   connection forever nor stretch a graceful shutdown past that timeout.
@@ -192,8 +192,10 @@ def guard_bodies(wsgi_app, *, idle_s: float):
             return wsgi_app(environ, start_response)
         length = environ.get("CONTENT_LENGTH")
         chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
-        guarded = GuardedInput(environ["wsgi.input"], sock=sock,
-                               expect_continue=environ.get("HTTP_EXPECT", "").lower() == "100-continue",
+        # RFC 9110 10.1.1: an HTTP/1.0 request's 100-continue is ignored (a 1.0 client would take 100 as its answer).
+        expect = environ.get("HTTP_EXPECT", "").lower() == "100-continue" and \
+            environ.get("SERVER_PROTOCOL", "HTTP/1.1") not in ("HTTP/1.0", "HTTP/0.9")
+        guarded = GuardedInput(environ["wsgi.input"], sock=sock, expect_continue=expect,
                                content_length=None if chunked else int(length or 0), idle_s=idle_s)
         environ["wsgi.input"] = guarded
 
