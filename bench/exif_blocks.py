@@ -78,6 +78,29 @@ def stored_sideways(upright: Image.Image, raw_exif: bytes, fmt: str = "JPEG") ->
     return buf.getvalue()
 
 
+
+# Orientation -> the transpose that stores an upright picture as that orientation says (the inverse of
+# the one that turns it upright: webapp/exif.py).
+STORE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+         5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
+         8: Image.Transpose.ROTATE_270}
+
+
+def avif_stored_turned(upright: Image.Image, value: int = 6, *, damaged: bool = True, quality: int = 100) -> bytes:
+    """``upright`` stored as orientation ``value`` says, as an AVIF. Pillow's writer turns the EXIF
+    Orientation into the container's own rotation and mirroring (HEIF ``irot``/``imir``) and keeps the
+    rest of the block; ``damaged``: the block's DateTime entry is then re-typed RATIONAL in the file's
+    bytes (Pillow's writer would refuse to write that block itself)."""
+    raw = block([Entry(0x0132, ASCII, 20, b"2024:01:01 00:00:00\0"), orientation(value)])
+    buf = io.BytesIO()
+    upright.transpose(STORE[value]).save(buf, format="AVIF", exif=raw, quality=quality)
+    data = buf.getvalue()
+    if damaged:
+        intact = struct.pack("<HHI", 0x0132, ASCII, 20)
+        assert data.count(intact) == 1, "the DateTime entry is not in the file once"
+        data = data.replace(intact, struct.pack("<HHI", 0x0132, RATIONAL, 1))
+    return data
+
 KINDS = [BYTE, ASCII, SHORT, LONG, RATIONAL, UNDEFINED, DOUBLE, 0, 13, 0xFFFF]
 
 

@@ -237,6 +237,16 @@ def test_damaged_exif_keeps_its_orientation(srv, dog, upright, damage, fmt):
     assert top(body) == top(reference), (damage, fmt, predictions(body), predictions(reference))
 
 
+def test_a_turned_avif_with_damaged_exif_gets_the_upright_answer(srv, dog):
+    """An AVIF stored sideways (the container's irot, as Pillow and libavif write it) with a damaged EXIF tag:
+    answered as the upright AVIF, not refused as undecodable (Pillow's open re-writes the block and raised)."""
+    data = exif_blocks.avif_stored_turned(dog, 6, damaged=True)  # quality 100: no coding noise between the two
+    body = classify(srv, data, "turned.avif")
+    reference = classify(srv, encode(dog, "AVIF", quality=100), "upright.avif")
+    assert size(body) == size(reference) == dog.size
+    assert top(body) == top(reference), (predictions(body), predictions(reference))
+
+
 # ------------------------------------------------------------------------------------ colour modes
 
 def _adobe_cmyk(img: Image.Image) -> bytes:

@@ -8,6 +8,11 @@ structure inside the block (TIFF 6.0, section 2; EXIF 2.32, section 4.6.4), with
 bounds-checked: damage anywhere else (wrong types and counts, offsets past the end, IFD loops,
 truncated blocks) cannot stop it. An entry of the wrong type or count, or a value outside 1..8,
 means "no rotation" and is logged at debug.
+
+AVIF: Pillow reads the container's own rotation and mirroring (HEIF ``irot``/``imir``) as an
+orientation and, on open, re-writes the whole EXIF block to carry it, which raises on the same kinds
+of damage: a good photo would be refused as undecodable. ``SturdyAvifImageFile`` (registered in
+Pillow's place) keeps the block as it came and the container's orientation beside it.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from __future__ import annotations
 import logging
 import struct
 
-from PIL import Image
+from PIL import AvifImagePlugin, Image
 
 log = logging.getLogger(__name__)
 
 ORIENTATION_TAG = 0x0112
+# img.info key of an AVIF's container orientation (1..8), where Pillow could not write it into the EXIF block.
+CONTAINER_ORIENTATION = "container_orientation"
 _SHORT = 3  # TIFF field type of Orientation: one unsigned 16-bit integer
 # Orientation -> the transpose that makes the stored pixels upright (as Pillow's exif_transpose does).
 _TRANSPOSE = {
@@ -68,10 +75,43 @@ def orientation(img: Image.Image) -> int | None:
     """The photo's EXIF orientation (1..8) from its raw EXIF block (JPEG, PNG, WebP...), or None.
 
     A TIFF's orientation is one of its own tags, and Pillow's TIFF reader already turns the image
-    on open (and drops the tag on load), so TIFF has no block here and is never turned twice.
+    on open (and drops the tag on load), so TIFF has no block here and is never turned twice. An
+    AVIF's is its container's (``irot``/``imir``), which Pillow writes into the block, or, where a
+    damaged block could not take it, ``SturdyAvifImageFile`` keeps beside it. Never raises.
     """
+    container = img.info.get(CONTAINER_ORIENTATION)  # an AVIF's irot/imir: the truth there, as Pillow takes it
+    if isinstance(container, int):
+        return container if 1 <= container <= 8 else None
     raw = img.info.get("exif")
     return orientation_from_block(raw) if isinstance(raw, bytes) else None
+
+
+class SturdyAvifImageFile(AvifImagePlugin.AvifImageFile):
+    """Pillow's AVIF reader, except that a damaged EXIF block cannot stop it opening (see the module's words).
+
+    Where Pillow's open fails after the file itself was read (its decoder answers), the EXIF block stays
+    as it came and ``info[CONTAINER_ORIENTATION]`` holds the container's orientation (1..8). A file the
+    decoder cannot read raises as in Pillow (``SyntaxError``, ``ValueError``...).
+    """
+
+    def _open(self) -> None:
+        try:
+            super()._open()
+            return
+        except Exception as exc:  # the EXIF re-write raises whatever its damaged tag makes it raise
+            failure = exc
+        try:
+            *_, raw, value, _xmp = self._decoder.get_info()
+        except Exception:
+            raise failure from None
+        log.debug("AVIF EXIF block cannot carry the container orientation (%s): kept beside it", failure)
+        if raw:
+            self.info["exif"] = raw
+        self.info[CONTAINER_ORIENTATION] = value
+        self.seek(0)
+
+
+Image.register_open(AvifImagePlugin.AvifImageFile.format, SturdyAvifImageFile, AvifImagePlugin._accept)
 
 
 def turn(img: Image.Image, value: int | None) -> Image.Image:
