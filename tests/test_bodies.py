@@ -182,6 +182,19 @@ def test_expect_100_continue_gets_the_refusal_instead_of_100(srv, case, status):
         assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.parametrize("path", ["/", "/api/v1/predict"])
+@pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain"])
+def test_a_body_type_no_photo_comes_in_is_415_before_the_body(srv, path, ctype):
+    """A form posted without ``enctype="multipart/form-data"`` (urlencoded) carries no photo, only its name: the
+    headers say so, on the page as on the API, so the 415 comes at once, not after reading the body (or a 408)."""
+    with connect(srv) as sock:
+        started = time.monotonic()
+        sock.sendall(head(path, length=100_000, ctype=ctype, expect=True))
+        status, data = read_status(sock)
+        assert status == 415 and b"100 Continue" not in data, data[:300]
+        assert time.monotonic() - started < 0.5
+
+
 def test_expect_100_continue_gets_100_when_the_body_is_wanted(srv):
     body = small_png()
     with connect(srv) as sock:

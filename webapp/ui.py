@@ -86,7 +86,9 @@ def classify():
     """Classify the form's photo(s) and show them with their top-k labels and percentages."""
     clf = current_app.extensions["classifier"]
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
-    topk = parse_topk(request.form.get("topk"), clf.settings.TOP_K)
+    # the form's topk field; only a multipart body is read for it (any other type is refused by its headers)
+    topk = parse_topk(request.form.get("topk") if request.mimetype == "multipart/form-data" else None,
+                      clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
     # The form has two file inputs named "file" (choose, and take a photo); the one left empty
     # arrives as a part with no name and no bytes: not a photo the person sent.
