@@ -1,4 +1,4 @@
-"""bench/int8_bench.py's sensitivity sweep: the blocks it quantizes one at a time."""
+"""bench/int8_bench.py's sensitivity sweep: the blocks it quantizes one at a time, and how it scores them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torchvision
 
 import torch
 
-from bench.int8_bench import round_weights_int8, sweep_units
+from bench.int8_bench import compare, round_weights_int8, sweep_units
 from webapp.efficientnet_lite import create_model
 
 
@@ -35,3 +35,17 @@ def test_weights_are_rounded_to_a_per_channel_int8_grid_and_nothing_else_changes
         assert torch.equal(layer.bias, orig.bias)  # biases stay float32 as they were
     assert not torch.equal(rounded[0].weight, model[0].weight)  # it did round, on a copy
     assert torch.equal(rounded[1].running_var, model[1].running_var)
+
+
+def test_compare_splits_agreement_by_how_sure_fp32_was():
+    # Four inputs over 3 classes: a sure one (p >= 0.5) kept, a clear one (top two 10 points apart) flipped,
+    # a near-tie (top two 0.1 point apart) flipped, a clear one kept.
+    ref = torch.log(torch.tensor([[0.80, 0.15, 0.05], [0.45, 0.35, 0.20], [0.334, 0.333, 0.333], [0.2, 0.4, 0.4 - 0.1]]))
+    got = ref.clone()
+    got[1] = ref[1][[1, 0, 2]]  # class 1 now on top
+    got[2] = ref[2][[1, 0, 2]]
+    r = compare(got, ref, n_own=2)
+    assert r["top1_agree"] == 0.5 and r["top1_agree_not_calibration"] == 0.5
+    assert (r["n_p50"], r["top1_agree_p50"]) == (1, 1.0)  # only the first is sure, and kept
+    assert r["n_margin1"] == 3 and abs(r["top1_agree_margin1"] - 2 / 3) < 1e-6  # the near-tie is left out; the clear flip counts
+    assert abs(r["max_top1_prob_change_pts"] - 10.0) < 0.2  # the clear flip: 45% -> 35% for fp32's top-1
