@@ -58,6 +58,18 @@ def scrape(client) -> dict:
     return parse(resp.get_data(as_text=True))
 
 
+def test_made_up_methods_are_one_label_value_not_a_series_each(client):
+    """A client inventing methods (M1, M2, ...) must not grow /metrics without bound: they count as "other"."""
+    for i in range(20):
+        assert client.open("/healthz", method=f"M{i}").status_code == 405
+    client.open("/healthz", method="DELETE")
+    text = client.get("/metrics").get_data(as_text=True)
+    samples = parse(text)
+    assert not any('method="M' in line for line in text.splitlines())
+    assert value(samples, "classifier_http_requests_total", endpoint="/healthz", method="other", status=405) == 20
+    assert value(samples, "classifier_http_requests_total", endpoint="/healthz", method="DELETE", status=405) == 1
+
+
 def test_counts_add_up_in_one_process(client):
     before = scrape(client)
     answers = []

@@ -13,8 +13,8 @@ nothing of Prometheus):
 
 - ``classifier_http_requests_total`` and ``classifier_http_request_duration_seconds``, by
   ``endpoint`` (the route, e.g. ``/api/v1/predict``, a 405 under the route it asked; ``unmatched``
-  for a path no route has, so the label's values stay the routes), ``method`` and
-  ``status``;
+  for a path no route has, so the label's values stay the routes), ``method`` (``other`` for a
+  method HTTP does not define, likewise) and ``status``;
 - per classified image: ``classifier_queue_wait_seconds``, ``classifier_batch_size`` (the size of
   the batch the image ran in) and ``classifier_inference_seconds`` (that batch's forward pass).
   From the batcher's ``Result`` of each image, which the classifier reports to ``on_outcomes``
@@ -126,6 +126,16 @@ class Metrics:
         return encoder(registry), content_type
 
 
+# HTTP's methods (RFC 9110 and PATCH): any other a client makes up is counted as "other", so that no client
+# can add label values (series) to the metrics without bound.
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"})
+
+
+def method_label(method: str) -> str:
+    """The ``method`` label of a request: its method if HTTP defines it (``METHODS``), else ``other``."""
+    return method if method in METHODS else "other"
+
+
 def endpoint_label() -> str:
     """The ``endpoint`` label of this request: its route's rule (``/api/v1/predict``); for a method the
     route does not take (405) the same route, found again with one of its methods; ``unmatched`` for a
@@ -158,7 +168,7 @@ def init_metrics(app: Flask, settings) -> Metrics | None:
     def count_request(resp):
         try:
             start = request_started()
-            metrics.observe_request(endpoint_label(), request.method,
+            metrics.observe_request(endpoint_label(), method_label(request.method),
                                     resp.status_code, None if start is None else time.perf_counter() - start)
             metrics.sample(classifier, model=False)
         except Exception:  # never fail a request over a metric
