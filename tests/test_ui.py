@@ -90,6 +90,17 @@ def test_empty_camera_input_is_not_a_photo(client):
     assert resp.status_code == 200 and html.count('class="result"') == 1 and "red.png" in html
 
 
+def test_the_most_photos_with_the_empty_camera_input_are_all_classified(client):
+    """Without JavaScript a browser sends the unused camera input as an empty part beside the chosen photos:
+    CLASSIFIER_MAX_FILES photos must still be accepted (not refused as one file too many)."""
+    limit = client.application.extensions["settings"].MAX_FILES
+    files = [(io.BytesIO(png_bytes(Image.new("RGB", (32, 32), (i * 15, 0, 0)))), f"p{i}.png") for i in range(limit)]
+    resp = client.post("/", data={"file": files + [(io.BytesIO(b""), "")]})
+    assert resp.status_code == 200 and resp.get_data(as_text=True).count('class="result"') == limit
+    files = [(io.BytesIO(png_bytes(Image.new("RGB", (32, 32)))), f"p{i}.png") for i in range(limit + 1)]
+    assert client.post("/", data={"file": files + [(io.BytesIO(b""), "")]}).status_code == 413  # still the limit
+
+
 def test_filename_is_escaped_never_a_path(client):
     name = '<script>alert(1)</script>../../étoile🐶.png'
     resp = client.post("/", data={"file": (io.BytesIO(png_bytes(Image.new("RGB", (32, 32)))), name)})

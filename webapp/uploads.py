@@ -259,13 +259,16 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         if not parts:
             other = ", ".join(sorted(request.files)) or "none"
             raise NoFile(f"no image: send it as multipart field 'file' (file fields received: {other})")
+        # A browser sends every <input type=file> of the form, an unused one as a part with an empty filename and
+        # no bytes (the page's camera input): nothing chosen there, so it is neither a photo nor counted as one.
+        blank = [not p.filename and not _part_bytes(p) for p in parts]
+        if all(blank):
+            raise NoFile("no image: the 'file' field is empty; choose a photo first")
+        parts = [p for p, b in zip(parts, blank) if not b]
         if len(parts) > max_files:
             raise TooLarge(f"{len(parts)} files in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
         originals = read_originals(request.form, len(parts))
-        uploads = [Upload(_clean_name(_part_name(p)), _part_bytes(p), o) for p, o in zip(parts, originals)]
-        if all(not u.data for u in uploads) and all(not p.filename for p in parts):
-            raise NoFile("no image: the 'file' field is empty; choose a photo first")
-        return uploads
+        return [Upload(_clean_name(_part_name(p)), _part_bytes(p), o) for p, o in zip(parts, originals)]
     if mimetype.startswith("image/") or mimetype in RAW_TYPES:
         name = _header_text(request.headers.get("X-Filename")) or "upload"
         data = request.get_data(cache=False)
