@@ -18,7 +18,7 @@ from PIL import EpsImagePlugin, Image, ImageFile, ImageOps
 from torchvision.transforms import InterpolationMode, v2
 
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
-from webapp.imaging import FORMATS, build_transform, center_limit, claimed_format, decode, preprocess
+from webapp.imaging import FORMATS, build_transform, center_limit, claimed_format, decode, preprocess, to_rgb
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
@@ -640,3 +640,28 @@ def test_fast_decode_shrinks_a_12mp_jpeg_but_decodes_other_formats_at_full_size(
     big = png_bytes(upright, compress_level=1)
     out = decode(big, max_pixels=DEFAULT_MAX_PIXELS, min_side=256).image
     assert out.size == (4032, 3024) and out.tobytes() == upright.tobytes()
+
+
+@pytest.mark.parametrize("mode", ["I;16", "I", "F"])
+def test_16_bit_and_float_greys_convert_in_bands_not_whole_image_copies(mode):
+    """An 8000x10000 16-bit PNG of zeros is 155 KB on the wire: converting it through a whole-image float64
+    array took ~1.6 GB (here ~25 bytes a pixel). The arrays made on the way (numpy's and the bands' bytes,
+    which tracemalloc sees) stay under 4 bytes a pixel: the grey result, its copy into the image, a band; the values are the exact rint(v / 257) / [0, 1] -> 0..255 mapping."""
+    import tracemalloc
+
+    w, h = 2000, 3000
+    ramp = (np.arange(w * h) % 65536).reshape(h, w)
+    img = {"I;16": lambda: Image.frombytes("I;16", (w, h), ramp.astype("<u2").tobytes()),
+           "I": lambda: Image.fromarray(ramp.astype(np.int32) - 1000),
+           "F": lambda: Image.fromarray((ramp / 65535).astype(np.float32))}[mode]()
+    tracemalloc.start()
+    try:
+        out = to_rgb(img)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * w * h, f"{peak / 2**20:.0f} MB of arrays for a {w * h / 1e6:.0f} MP grey image"
+    grey = np.asarray(out)[..., 0].astype(np.int64)
+    src = np.asarray(img).astype(np.float64)
+    want = np.clip(np.rint(src * 255) if mode == "F" else np.rint(src / 257), 0, 255)
+    assert out.mode == "RGB" and np.array_equal(grey, want)
