@@ -118,6 +118,19 @@ def test_errors_are_shown_in_words_on_the_page(client):
     assert resp.status_code == 400 and "choose a photo" in resp.get_data(as_text=True)
 
 
+def test_a_bad_request_is_not_blamed_on_topk(client):
+    """The page's words for a 400 are general; what was wrong is the detail under them (here a bad original_*
+    field the page's script would send), never "labels per photo" for a fault that is not topk."""
+    photo = png_bytes(Image.new("RGB", (32, 32), "red"))
+    resp = client.post("/", data={"file": (io.BytesIO(photo), "red.png"), "original_width": "abc",
+                                  "original_height": "1", "original_format": "JPEG", "original_bytes": "5"})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 400 and "original_width" in html
+    assert "labels per photo" not in html and "not understood" in html
+    resp = client.post("/", data={"file": (io.BytesIO(b"%PDF-1.4"), "a.pdf")})
+    assert resp.status_code == 415 and "PPM" in resp.get_data(as_text=True)  # the formats it does read, all of them
+
+
 def test_errors_in_chinese(client):
     client.set_cookie("lang", "zh")
     resp = client.post("/", data={"file": (io.BytesIO(b"not a photo"), "notes.txt")})
