@@ -121,10 +121,13 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
 
     Called by gunicorn's ``Worker.handle_error`` for a request it could not parse (400, 414, 431, 501...)
-    before the app saw it. A Content-Length that is not a number of bytes says so in words."""
+    before the app saw it. A Content-Length that is not a number of bytes, is repeated, or comes with
+    ``Transfer-Encoding: chunked`` says what Content-Length must be, in words."""
     message = mesg
     if "CONTENT-LENGTH" in mesg.upper():
-        message = f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0"
+        # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
+        message = (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
+                   f"and not together with Transfer-Encoding: chunked")
     body = json.dumps({"error": {"code": _PARSE_CODES.get(status_int, "http_error"), "message": message,
                                  "status": status_int}}).encode()
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
