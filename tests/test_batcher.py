@@ -569,9 +569,11 @@ def test_under_gevent_model_runs_on_a_real_thread_and_hub_stays_responsive():
     assert len(out["predict_native_ids"]) == 1  # one inference thread
     assert out["batch_sizes"] and max(out["batch_sizes"]) <= 4 and sum(out["batch_sizes"]) == 21
     assert out["min_predict_s"] >= 0.25
-    # The hub kept ticking every 10 ms while the model ran for ~0.3 s per batch.
+    # The hub kept ticking every 10 ms while the model ran for ~0.3 s per batch: had a batch run on the hub's
+    # thread, a gap would be at least one whole batch (>= min_predict_s). The margin below that absorbs a
+    # loaded 2-core box's scheduling (0.16 s seen there with a browser test alongside; 0.12 was too tight).
     assert out["ticks"] >= 50, out
-    assert out["max_tick_gap_s"] < 0.12, out
+    assert out["max_tick_gap_s"] < 0.8 * out["min_predict_s"], out
     assert out["poison_status"] == 500
     assert out["stop_s"] < 2.0 and out["alive_after_stop"] is False
     assert out["stop_while_running"] == "ok", out  # not gevent's LoopExit at gunicorn's worker_exit
