@@ -126,6 +126,27 @@ def test_a_content_length_that_is_not_a_size_gets_a_json_400(srv, headers):
     assert "given once" in error["message"] and "Transfer-Encoding: chunked" in error["message"]
 
 
+@pytest.mark.parametrize("request_text, status", [
+    ("GET /" + "a" * 9000 + " HTTP/1.1\r\nHost: x\r\n\r\n", 414),  # over limit_request_line
+    ("GET /healthz HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-H{i}: v\r\n" for i in range(150)) + "\r\n", 431),
+])
+def test_what_gunicorn_refuses_without_a_row_is_http_error_in_the_json_shape(srv, request_text, status):
+    """A request line or headers over gunicorn's limits never reach the app: the answer is still the API's
+    JSON, with its own status and the table's last row's code (``http_error``, webapp/errors.py)."""
+    from webapp.errors import OTHER_HTTP_CODE
+
+    with connect(srv) as sock:
+        sock.sendall(request_text.encode())
+        sock.settimeout(5.0)
+        raw = b""
+        while chunk := sock.recv(65536):  # to the server's close
+            raw += chunk
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    assert head_part.startswith(f"HTTP/1.1 {status} ".encode()) and b"application/json" in head_part, raw
+    error = json.loads(body)["error"]
+    assert error["code"] == OTHER_HTTP_CODE == "http_error" and error["status"] == status and error["message"]
+
+
 _PNG_CHUNK = b"%x\r\n" % len(small_png()) + small_png()
 
 

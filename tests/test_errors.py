@@ -72,3 +72,17 @@ def test_werkzeug_errors_are_rendered_by_their_row(client, path, method, status,
     resp = getattr(client, method)(path, headers={"Accept": "application/json"})
     assert resp.status_code == status and resp.get_json()["error"] == {
         "code": code, "message": resp.get_json()["error"]["message"], "status": status}
+
+
+def test_the_table_ends_with_the_code_every_other_http_error_gets(client, app):
+    """``http_error`` is the table's last row (status "other") and a code the OpenAPI document allows; the
+    app's one handler gives it, with the real status, to a Werkzeug error that has no row (here a 416 for
+    a byte range past the end of a static file)."""
+    last = errors.markdown_table().splitlines()[-1]
+    assert last.startswith(f"| other | `{errors.OTHER_HTTP_CODE}` | any other HTTP error")
+    enum = client.get("/openapi.json").get_json()["components"]["schemas"]["Error"]["properties"]["error"][
+        "properties"]["code"]["enum"]
+    assert errors.OTHER_HTTP_CODE in enum
+    resp = client.get("/static/favicon.svg", headers={"Range": "bytes=99999999-", "Accept": "application/json"})
+    assert resp.status_code == 416
+    assert resp.get_json()["error"]["code"] == errors.OTHER_HTTP_CODE and resp.get_json()["error"]["status"] == 416

@@ -182,6 +182,12 @@ BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in ERRORS}
 RETRYABLE: tuple[str, ...] = tuple(cls.code for cls in ERRORS if cls.retryable)
 # Werkzeug's HTTP errors that have a row of their own; any other becomes "http_error" with its status.
 _HTTP = {404: NotFound, 405: MethodNotAllowed, 413: TooLarge, 429: RateLimited}
+# The table's last row: no class (no one status), the code and words for every HTTP error without a row,
+# answered by the app's handler (Werkzeug's unlisted ones) or by gunicorn before the app sees the request.
+OTHER_HTTP_CODE = "http_error"
+OTHER_HTTP_WHEN = ("any other HTTP error, with its own status in the same JSON shape: e.g. a request line over "
+                   "gunicorn's limit (414) or too many or too large headers (431), refused by gunicorn before the "
+                   "app sees the request")
 
 
 class ClientGone(ServiceError):
@@ -219,6 +225,7 @@ def markdown_table() -> str:
     for cls in ERRORS:
         setting = ", ".join(f"`CLASSIFIER_{name}`" for name in cls.settings)
         rows.append(f"| {cls.status} | `{cls.code}` | {cls.when} | {setting} |")
+    rows.append(f"| other | `{OTHER_HTTP_CODE}` | {OTHER_HTTP_WHEN} |  |")
     return "\n".join(rows)
 
 
@@ -261,7 +268,7 @@ def init_errors(app, settings) -> None:
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
         row = _HTTP.get(exc.code)
-        code = row.code if row else "http_error"
+        code = row.code if row else OTHER_HTTP_CODE
         message = exc.description or exc.name
         headers = None
         if row is RateLimited:

@@ -77,8 +77,9 @@ SCHEMAS: dict[str, Any] = {
             "required": ["code", "message", "status"],
             "additionalProperties": False,
             "properties": {
-                "code": {"type": "string", "description": "Stable machine-readable code (see the README's table).",
-                         "enum": sorted({c for codes, _ in ERRORS.values() for c in codes})},
+                "code": {"type": "string", "description": "Stable machine-readable code (see the README's table); "
+                                                          f"`{errors.OTHER_HTTP_CODE}`: {errors.OTHER_HTTP_WHEN}.",
+                         "enum": sorted({errors.OTHER_HTTP_CODE, *(c for codes, _ in ERRORS.values() for c in codes)})},
                 "message": {"type": "string", "minLength": 1, "description": "What was wrong and what to do, for people."},
                 "status": {"type": "integer", "description": "The HTTP status, repeated."},
                 "request_id": {"type": "string", "description": "Reserved: the request's id (see `X-Request-ID`)."},

@@ -32,6 +32,7 @@ from gunicorn import util as gunicorn_util
 from gunicorn.workers.ggevent import GeventWorker
 
 from . import balance
+from .errors import OTHER_HTTP_CODE
 
 
 class IdleFirstServer(StreamServer):
@@ -128,7 +129,7 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
         # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
         message = (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
                    f"and not together with Transfer-Encoding: chunked")
-    body = json.dumps({"error": {"code": _PARSE_CODES.get(status_int, "http_error"), "message": message,
+    body = json.dumps({"error": {"code": _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), "message": message,
                                  "status": status_int}}).encode()
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
