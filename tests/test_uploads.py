@@ -10,7 +10,7 @@ import pytest
 import schemathesis
 from PIL import Image
 
-from conftest import encode
+from conftest import encode, small_png
 from webapp.contract import ORIGINAL_FORMATS, Original, Upload
 from webapp.errors import BadRequest
 from webapp.uploads import ORIGINAL_FIELDS, read_originals
@@ -136,3 +136,29 @@ def test_a_file_field_sent_as_text_says_so(client):
     error = resp.get_json()["error"]
     assert resp.status_code == 400 and error["code"] == "no_file"
     assert "arrived as a text field" in error["message"] and "file=@photo.jpg" in error["message"], error
+
+
+def _one_part(disposition: bytes, data: bytes) -> bytes:
+    return (b"--XX\r\nContent-Disposition: " + disposition + b"\r\nContent-Type: image/png\r\n\r\n" + data
+            + b"\r\n--XX--\r\n")
+
+
+@pytest.mark.parametrize("raw, shown", [
+    (b"a\rb.png", "a%0Db.png"), (b"a\nb.png", "a%0Ab.png"), (b"a\r\nb.png", "a%0D%0Ab.png"),
+    (b"two\rbreaks\n.png", "two%0Dbreaks%0A.png"), (b"caf\xc3\xa9\r.png", "caf\u00e9%0D.png"),
+])
+def test_a_raw_line_break_in_a_filename_keeps_the_part_a_file(client, raw, shown):
+    """A hand-made client's raw CR or LF inside the quoted filename used to end the header there: the photo
+    arrived "as a text field" (400). It is the file part it is, its name shown as a browser would send it."""
+    body = _one_part(b'form-data; name="file"; filename="' + raw + b'"', small_png())
+    resp = client.post("/api/v1/predict", data=body, content_type="multipart/form-data; boundary=XX")
+    assert resp.status_code == 200, resp.get_json()
+    assert resp.get_json()["results"][0]["filename"] == shown
+
+
+def test_a_filename_never_closed_is_still_not_a_file(client):
+    """Without a closing quote on the next line there is nothing to rejoin: the part has no filename, as before,
+    and the next header line (its Content-Type) is not swallowed into a name."""
+    body = _one_part(b'form-data; name="file"; filename="a', small_png())
+    resp = client.post("/api/v1/predict", data=body, content_type="multipart/form-data; boundary=XX")
+    assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "no_file"

@@ -50,14 +50,45 @@ class UploadRequest(Request):
             self.__dict__["files"] = self.parameter_storage_class()
 
 
+_LINE_BREAK = re.compile(rb"(\r\n|\n|\r)")  # Werkzeug ends a part's header line at any of these
+# The HTML standard's multipart/form-data encoding of a line break in a field or file name.
+_NAME_BREAK = {b"\r\n": b"%0D%0A", b"\n": b"%0A", b"\r": b"%0D"}
+
+
+def _open_quote(line: bytes) -> bool:
+    """Whether ``line`` ends inside a quoted string (an odd count of ``"`` not escaped by a backslash)."""
+    return len(re.findall(rb'(?<!\\)"', line)) % 2 == 1
+
+
 class LenientHeadersDecoder(MultipartDecoder):
     """Werkzeug's multipart decoder, reading each part's header lines as UTF-8, and a line that is not
     UTF-8 as Latin-1 (HTTP's historical charset): ``curl -F file=@café.jpg`` on a system whose file names
-    are Latin-1 sends the name's raw bytes, and Werkzeug's strict UTF-8 would drop the whole form."""
+    are Latin-1 sends the name's raw bytes, and Werkzeug's strict UTF-8 would drop the whole form.
+
+    A raw CR or LF inside a quoted ``filename`` (a hand-made client; browsers send ``%0D``/``%0A``)
+    would end the ``Content-Disposition`` line there and leave the part without a filename, so the
+    photo read as a text field (a misleading 400). Where a line ends inside a quoted string and the
+    next line closes it, the two are one header: the break is written as a browser writes it (``%0D``,
+    ``%0A``), so the name echoed is the one a browser upload of that file would show."""
 
     def _parse_headers(self, data):
-        lines = [utf8_or_latin1(line).encode("utf-8") for line in bytes(data).split(b"\n")]
-        return super()._parse_headers(b"\n".join(lines))
+        pieces = _LINE_BREAK.split(bytes(data))  # line, break, line, break, ..., line
+        lines, breaks = pieces[0::2], pieces[1::2]
+        joined: list[bytes] = []
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            if _open_quote(line):  # the first later line with a quote closes it (none folded in between)
+                j = next((k for k in range(i + 1, len(lines)) if b'"' in lines[k] or lines[k][:1] in (b" ", b"\t")),
+                         None)
+                if j is not None and b'"' in lines[j] and lines[j][:1] not in (b" ", b"\t"):
+                    for k in range(i + 1, j + 1):
+                        line += _NAME_BREAK[breaks[k - 1]] + lines[k]
+                    i = j
+            joined.append(line)
+            i += 1
+        lines = [utf8_or_latin1(line).encode("utf-8") for line in joined]
+        return super()._parse_headers(b"\r\n".join(lines))
 
 
 def utf8_or_latin1(raw: bytes) -> str:
