@@ -113,11 +113,23 @@ def test_json_request_with_parameters_and_outputs():
      "output 'probabilities' classification must be an integer from 1 to 1000, got 1001"),
     (lambda d: d.update(outputs="labels"), "'outputs' must be a list, got str"),
     (lambda d: d.update(parameters=[1]), "the request's parameters must be a JSON object, got list"),
+    (lambda d: d.update(parameters={"content_type": 5}), "the request's content_type must be a string such as "
+                                                         '"base64" or "str", got 5'),
+    (lambda d: d["inputs"][0].update(parameters={"content_type": ["base64"]}),
+     "input 'image' content_type must be a string such as \"base64\" or \"str\", got [\"base64\"]"),
 ])
 def test_malformed_requests_are_400_saying_what(mutate, message):
     doc = json.loads(json_request([PNG]))
     mutate(doc)
     assert refused(BadRequest, json.dumps(doc).encode()).startswith(message)
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize("where", ['{"parameters": {"topk": %s}, "inputs": []}', '{"id": "a", "x": [%s], "inputs": []}'])
+def test_nan_and_infinity_are_not_json(constant, where):
+    """Python's json reads them; RFC 8259 has no such values, so the request is not valid JSON (400), wherever they are."""
+    message = refused(BadRequest, (where % constant).encode())
+    assert message.startswith("the inference request is not valid JSON") and constant.lstrip("-") in message, message
 
 
 def test_deep_nesting_is_400_not_a_crash():

@@ -112,6 +112,20 @@ def _flag(value, what: str) -> bool:
     return value
 
 
+def _not_json(name: str):
+    """Python's ``json`` reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON (RFC 8259) has no such values."""
+    raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
+
+
+def _content_type(params: dict, what: str, default: str | None) -> str | None:
+    """``params``' ``content_type`` (``default`` where absent). :raises BadRequest: not a string (400)."""
+    value = params.get("content_type", default)
+    if value is not None and not isinstance(value, str):
+        raise BadRequest(f"{what} content_type must be a string such as \"base64\" or \"str\", got "
+                         f"{json.dumps(value)[:40]}")
+    return value
+
+
 def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
     """The JSON header of ``body`` and the bytes after it (``header_length``: the binary extension's
     ``Inference-Header-Content-Length`` value, or None for an all-JSON body).
@@ -130,7 +144,7 @@ def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
     if not head.strip():
         raise BadRequest("empty body: send an inference request, {\"inputs\": [{\"name\": \"image\", ...}]}")
     try:
-        doc = json.loads(head)
+        doc = json.loads(head, parse_constant=_not_json)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]})") from None
     return _dict(doc, "the inference request"), rest
@@ -222,7 +236,7 @@ def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_ty
     if n > max_files:
         raise TooLarge(f"{n} photos in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
     params = _dict(tensor.get("parameters"), f"input '{INPUT}' parameters")
-    content_type = params.get("content_type", content_type)
+    content_type = _content_type(params, f"input '{INPUT}'", content_type)
     if "binary_data_size" in params:
         size = _count(params["binary_data_size"], f"input '{INPUT}' binary_data_size", 0, 2**62)
         if "data" in tensor:
@@ -307,9 +321,8 @@ def parse_request(body: bytes, header_length: str | None, *, default_topk: int, 
             raise BadRequest(f"topk must be an integer from 1 to 10, got {json.dumps(raw)[:40]}")
         topk = parse_topk(str(raw), default_topk)
     binary_default = _flag(params.get("binary_data_output", False), "binary_data_output")
-    content_type = params.get("content_type")
-    photos = _input(doc, rest, max_files=max_files, max_bytes=max_bytes,
-                    content_type=content_type if isinstance(content_type, str) else None)
+    content_type = _content_type(params, "the request's", None)
+    photos = _input(doc, rest, max_files=max_files, max_bytes=max_bytes, content_type=content_type)
     return InferRequest(req_id, photos, topk, _outputs(doc, binary_default=binary_default, categories=categories))
 
 
