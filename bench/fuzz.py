@@ -2,7 +2,7 @@
 
 Hypothesis generates (a) arbitrary bytes and (b) mutations of small valid photos in every format
 the service decodes (byte sets and bit flips, 16/32-bit "interesting" values written into the
-header, inserted junk, deleted or duplicated runs, truncations, splices of two files; PNG chunk
+header, inserted junk, deleted or duplicated runs, truncations (some closed by a JPEG EOI marker), splices of two files; PNG chunk
 CRCs are re-fixed half the time so a mutated IHDR really reaches the decoder). The same inputs go
 
 * to ``decode`` + ``preprocess`` in this process (thousands a second): anything but the documented
@@ -169,7 +169,8 @@ def mutated(draw) -> bytes:
             break
         n = len(data)
         pos = min(draw(st.one_of(st.integers(8, 127), st.integers(0, n - 1))), n - 1)
-        op = draw(st.sampled_from(["set", "flip", "value", "insert", "delete", "dup", "truncate", "splice"]))
+        op = draw(st.sampled_from(["set", "flip", "value", "insert", "delete", "dup", "truncate", "cut_closed",
+                                   "splice"]))
         if op == "set":
             data[pos] = draw(st.integers(0, 255))
         elif op == "flip":
@@ -187,6 +188,8 @@ def mutated(draw) -> bytes:
             data[pos:pos] = data[pos:pos + draw(st.integers(1, 256))]
         elif op == "truncate":
             del data[pos:]
+        elif op == "cut_closed":  # cut, then closed by a JPEG EOI marker, as some tools save a partial file
+            data[pos:] = b"\xff\xd9"
         else:
             other = SEEDS[draw(st.sampled_from(sorted(SEEDS)))]
             data[pos:] = other[min(pos, len(other) - 1):]

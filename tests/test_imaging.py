@@ -345,6 +345,59 @@ def test_truncated_jpeg_is_undecodable():
     _raises(raw[: len(raw) // 2], UndecodableImage, 400)
 
 
+def _photo_like(width: int, height: int, seed: int = 0) -> Image.Image:
+    """A generated RGB image with photo-like detail everywhere (noise over gradients): no row is flat grey."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([x * 255 // max(1, width - 1), y * 255 // max(1, height - 1), (x + y) % 256], axis=-1)
+    return Image.fromarray(np.clip(base + rng.integers(-40, 40, base.shape), 0, 255).astype(np.uint8))
+
+
+@pytest.mark.parametrize("size, min_side", [((768, 576), None), ((768, 576), 224), ((2400, 1800), 224),
+                                            ((2400, 1800), None)])
+@pytest.mark.parametrize("subsampling", [0, 2])
+@pytest.mark.parametrize("kept", [0.05, 0.5, 0.85])
+def test_a_jpeg_cut_short_and_closed_by_eoi_is_400_not_grey_fill(size, min_side, subsampling, kept):
+    """A cut JPEG closed by an EOI marker (what some tools write when they save a partial download) decodes
+    in libjpeg without an error, the rest of the image mid-grey fill, which the model would classify. It
+    is refused like any other cut JPEG, saying about how much of it had data; cut without EOI it already was."""
+    whole = encode(_photo_like(*size), "JPEG", quality=90, subsampling=subsampling)
+    cut = whole[:int(len(whole) * kept)] + b"\xff\xd9"
+    with pytest.raises(UndecodableImage, match=r"the JPEG data is incomplete: its scan data stops after about \d+%"):
+        decode(cut, max_pixels=BIG, min_side=min_side)
+    assert decode(whole, max_pixels=BIG, min_side=min_side).size == size  # the whole file decodes
+
+
+@pytest.mark.parametrize("band", [1, 7, 16, 17, 24, 33, 48, 120, 576])
+@pytest.mark.parametrize("subsampling", [0, 2])
+@pytest.mark.parametrize("min_side", [None, 224, 60])
+def test_a_real_grey_band_at_the_bottom_is_never_taken_for_a_cut(band, subsampling, min_side):
+    """The other side: a whole JPEG whose bottom rows really are exact mid-grey (a screenshot's #808080
+    footer; all of it grey at 576) decodes as itself, at every band height around the iMCU rows judged
+    and at every decode scale."""
+    img = _photo_like(768, 576, seed=band)
+    img.paste((128, 128, 128), (0, 576 - band, 768, 576))
+    data = encode(img, "JPEG", quality=95, subsampling=subsampling)
+    d = decode(data, max_pixels=BIG, min_side=min_side)
+    if band >= 48:  # tall enough to be exact 128 away from the edge's ringing: the judged path was taken
+        assert (pixels(d.image)[-1] == 128).all()
+
+
+def test_a_tiny_jpeg_whose_header_claims_a_big_image_is_400():
+    """A 1x1 JPEG with its frame header patched to 10000x8000: all but its first block would be grey fill."""
+    data = bytearray(encode(Image.new("RGB", (1, 1), (200, 10, 10)), "JPEG"))
+    sof = data.find(b"\xff\xc0")
+    struct.pack_into(">HH", data, sof + 5, 8000, 10000)  # height, width
+    with pytest.raises(UndecodableImage, match="the JPEG data is incomplete"):
+        decode(bytes(data), max_pixels=10**8, min_side=224)
+
+
+def test_the_shared_phone_photo_cut_and_closed_is_400():
+    raw = shared_image("phone-12mp.jpg").read_bytes()
+    with pytest.raises(UndecodableImage, match="stops after about 4[0-9]% of the image"):
+        decode(raw[: len(raw) // 2] + b"\xff\xd9", max_pixels=10**8, min_side=224)
+
+
 @pytest.mark.parametrize("data,named", [
     (b"hello, this is a text file and not a photo\n" * 20, None),
     (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + b"\x00" * 200, "PDF"),
@@ -665,3 +718,4 @@ def test_16_bit_and_float_greys_convert_in_bands_not_whole_image_copies(mode):
     src = np.asarray(img).astype(np.float64)
     want = np.clip(np.rint(src * 255) if mode == "F" else np.rint(src / 257), 0, 255)
     assert out.mode == "RGB" and np.array_equal(grey, want)
+
