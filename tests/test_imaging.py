@@ -719,3 +719,20 @@ def test_16_bit_and_float_greys_convert_in_bands_not_whole_image_copies(mode):
     want = np.clip(np.rint(src * 255) if mode == "F" else np.rint(src / 257), 0, 255)
     assert out.mode == "RGB" and np.array_equal(grey, want)
 
+
+def test_a_float_image_holding_signalling_nans_converts_without_a_warning():
+    """Found by ``bench/fuzz.py``: a float (F) TIFF whose samples include signalling NaNs made numpy warn
+    "invalid value encountered in cast" on the conversion (a warning escaping the service's filters).
+    Every NaN, quiet or signalling, becomes 0 and nothing is warned."""
+    import warnings
+
+    bits = np.full((6, 8), np.float32(0.5).view(np.uint32), dtype=np.uint32)
+    bits[0, :4] = 0x7FA00000  # signalling NaN
+    bits[1, :4] = 0x7FC00000  # quiet NaN
+    data = encode(Image.fromarray(bits.view(np.float32), "F"), "TIFF")
+    assert np.isnan(np.asarray(reopen(data))).sum() == 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = decode(data, max_pixels=BIG)
+    grey = pixels(d.image)[..., 0]
+    assert (grey[:2, :4] == 0).all() and (grey[2:] == 128).all()  # 0.5 of [0, 1] -> 128 (rint 127.5)

@@ -151,7 +151,12 @@ def to_rgb(img: Image.Image) -> Image.Image:
         # for an 80 MP 16-bit PNG of 155 KB.
         return _to_l(img, lambda band: ((np.clip(band, 0, 65535).astype(np.uint32) + 128) // 257).astype(np.uint8))
     if mode == "F":
-        finite = lambda band: np.nan_to_num(band.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+        def finite(band):
+            # A signalling NaN (any bit pattern a file may hold) raises numpy's "invalid value" on the cast:
+            # it becomes 0 like every NaN, without the warning.
+            with np.errstate(invalid="ignore"):
+                return np.nan_to_num(band.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+
         peak = max((float(finite(band).max()) for band in _bands(img) if band.size), default=0.0)
         scale = 255.0 if img.width * img.height and peak <= 1.0 else 1.0
         return _to_l(img, lambda band: np.clip(np.rint(finite(band) * scale), 0, 255).astype(np.uint8))
