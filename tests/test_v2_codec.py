@@ -167,7 +167,7 @@ def test_binary_data_that_does_not_match_its_shape_is_400():
     body, head = binary_request([], doc, extra=struct.pack("<I", 3) + b"abc")
     assert refused(BadRequest, body, head) == "input 'image' has shape [2] but its binary data holds 1 element(s)"
     body, _ = binary_request([PNG])
-    assert refused(BadRequest, body + b"", None).startswith("the inference request is not valid JSON")
+    assert refused(BadRequest, body, None).startswith("the body is a JSON header of")  # no header length: below
 
 
 def test_limits_are_the_apis():
@@ -330,3 +330,14 @@ def test_document_covers_the_v2_routes(app, client):
     resp = client.post(INFER, json=binary)
     assert resp.mimetype == "application/octet-stream"
     schema["/v2/models/{name}/infer"]["POST"].validate_response(resp)
+
+
+def test_binary_data_without_its_header_length_says_what_is_missing():
+    """The binary extension's body sent without ``Inference-Header-Content-Length``: the JSON header parses,
+    bytes follow it. The 400 names the missing header and the length to put in it, not a UTF-8 error."""
+    body, header = binary_request([PNG])
+    message = refused(BadRequest, body, None)
+    assert message.startswith(f"the body is a JSON header of {int(header):,} bytes followed by") and \
+        f"send the {codec.HEADER} header with the JSON header's length, {header}" in message, message
+    assert codec.parse_request(body, header, **LIMITS).photos == [PNG]  # with it, the same body is fine
+    assert refused(BadRequest, b'{"inputs": [}').startswith("the inference request is not valid JSON")

@@ -117,6 +117,20 @@ def _not_json(name: str):
     raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
 
 
+def _json_object_end(body: bytes) -> int | None:
+    """Where a JSON object at the start of ``body`` ends (bytes), if something other than whitespace follows
+    it: the binary extension's layout sent without its header-length header. None otherwise."""
+    text = body.decode("utf-8", "surrogateescape")  # the bytes after the JSON need not be UTF-8
+    try:
+        doc, end = json.JSONDecoder(parse_constant=_not_json).raw_decode(text.lstrip())
+    except (ValueError, RecursionError):
+        return None
+    end += len(text) - len(text.lstrip())
+    if not isinstance(doc, dict) or not text[end:].strip():
+        return None
+    return len(text[:end].encode("utf-8", "surrogateescape"))
+
+
 def _content_type(params: dict, what: str, default: str | None) -> str | None:
     """``params``' ``content_type`` (``default`` where absent). :raises BadRequest: not a string (400)."""
     value = params.get("content_type", default)
@@ -146,6 +160,9 @@ def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
     try:
         doc = json.loads(head, parse_constant=_not_json)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if header_length is None and (end := _json_object_end(head)) is not None:
+            raise BadRequest(f"the body is a JSON header of {end:,} bytes followed by {len(head) - end:,} more (binary "
+                             f"tensor data?): send the {HEADER} header with the JSON header's length, {end}") from None
         raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]})") from None
     return _dict(doc, "the inference request"), rest
 
