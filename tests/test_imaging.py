@@ -736,3 +736,28 @@ def test_a_float_image_holding_signalling_nans_converts_without_a_warning():
         d = decode(data, max_pixels=BIG)
     grey = pixels(d.image)[..., 0]
     assert (grey[:2, :4] == 0).all() and (grey[2:] == 128).all()  # 0.5 of [0, 1] -> 128 (rint 127.5)
+
+
+@pytest.mark.parametrize("fmt, save", [("WEBP", {"quality": 90}), ("WEBP", {"lossless": True}), ("AVIF", {"quality": 80})])
+@pytest.mark.parametrize("kept", [0.3, 0.7, 0.99])
+def test_a_webp_or_avif_cut_short_says_so_not_that_its_header_is_unreadable(fmt, save, kept):
+    """Found by a fresh-user tryout: Pillow reports a cut WebP only as "could not create decoder object",
+    which read as a damaged header. Its container (RIFF's size, AVIF's boxes) says how long it should be."""
+    whole = encode(_photo_like(400, 300), fmt, **save)
+    with pytest.raises(UndecodableImage, match=rf"data is incomplete: its container says {len(whole):,} bytes, "
+                                               rf"{int(len(whole) * kept):,} arrived \(a file cut short\)"):
+        decode(whole[:int(len(whole) * kept)], max_pixels=BIG)
+    assert decode(whole, max_pixels=BIG).size == (400, 300)
+
+
+def test_container_sizes_that_make_no_sense_are_not_called_a_cut():
+    from webapp.incomplete import container_cut
+
+    webp = encode(_photo_like(40, 30), "WEBP")
+    assert container_cut(webp) is None and container_cut(webp + b"trailing") is None
+    assert container_cut(b"RIFF" + struct.pack("<I", 10**6) + b"WEBPVP8 ") == (10**6 + 8, 16)
+    ftyp = struct.pack(">I", 16) + b"ftypavif" + b"\0" * 4
+    assert container_cut(ftyp + struct.pack(">I", 3) + b"mdat") is None  # a box smaller than its header: damage
+    assert container_cut(ftyp + struct.pack(">I", 0) + b"mdat" + b"x" * 10) is None  # size 0: to the end
+    assert container_cut(ftyp + struct.pack(">I", 1) + b"mdat" + struct.pack(">Q", 10**9)) == (16 + 10**9, 32)
+    assert container_cut(b"\x89PNG\r\n\x1a\n" + b"\0" * 20) is None

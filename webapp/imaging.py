@@ -13,7 +13,6 @@ failure is a ``ServiceError`` with the right status; nothing here raises anythin
 from __future__ import annotations
 
 import io
-import logging
 import math
 import re
 import time
@@ -25,7 +24,7 @@ import torch
 from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
-from . import exif
+from . import exif, incomplete
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
@@ -209,6 +208,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                        f"(CLASSIFIER_MAX_PIXELS)") from None
     except UnidentifiedImageError:
         claimed = claimed_format(data)
+        if claimed and (cut := incomplete.container_cut(data)):
+            raise _cut_short(name, claimed, *cut) from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
                                    f"cannot be read)") from None
@@ -216,6 +217,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
         raise NotAnImage(f"{name}: {what}; send {FORMAT_NAMES}") from None
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
+        if cut := incomplete.container_cut(data):  # e.g. WebP: "could not create decoder object"
+            raise _cut_short(name, claimed_format(data) or "image", *cut) from None
         raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
     width, height = img.size
     if width * height > max_pixels:
@@ -229,7 +232,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if min_side and fmt == "JPEG":
             _draft(img, min_side)
         img.load()
-        if fmt == "JPEG" and (kept := _jpeg_rows_decoded(img, data, height, min_side)) is not None:
+        redraft = (lambda im: _draft(im, min_side)) if min_side and fmt == "JPEG" else (lambda im: None)
+        if fmt == "JPEG" and (kept := incomplete.jpeg_rows_decoded(img, data, height, redraft)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and a marker closes it early, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
@@ -244,64 +248,15 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     except UndecodableImage:
         raise
     except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
+        if cut := incomplete.container_cut(data):
+            raise _cut_short(name, fmt, *cut) from None
         raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
 
 
-log = logging.getLogger(__name__)
-_JPEG_FILL = 128  # what libjpeg writes where a scan has no data: all-zero coefficients, mid-grey
-
-
-def _row_values(core, y: int) -> set[tuple[int, int]]:
-    """The (min, max) of each band of row ``y`` of a Pillow core image (``Image.im``)."""
-    row = core.crop((0, y, core.size[0], y + 1))
-    return {row.getband(i).getextrema() for i in range(row.bands)}
-
-
-def _jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int, min_side: int | None) -> float | None:
-    """For a decoded baseline JPEG whose scan data stopped early but was closed by a marker: the fraction of
-    its rows that had data (0..1); None for every other JPEG.
-
-    libjpeg decodes such a file without an error (a warning Pillow does not pass on): the blocks past
-    the cut are all-zero coefficients, rows of exact mid-grey (128) to the bottom, and the model would
-    classify the fill. A real photo almost never ends in exact 128 rows, but a grey band can (a
-    screenshot's #808080 footer), so exact-grey bottom rows, at least ``iMCU + max(iMCU, 4)`` of them
-    (an iMCU row: 8 x the vertical sampling factor, times the decode scale), are judged by decoding the
-    file again without its final EOI: there rows that have data come out as decoded (128) and rows past
-    a cut are never written (0). Without EOI the decoder also holds back the last iMCU row and its
-    context rows (<= iMCU + 2 rows, measured at scales 1 to 1/8 on the shared photos), fewer than the
-    rows judged, so a grey band is never taken for a cut. A cut inside those last rows is not caught
-    (32 of a 512-row photo's rows at full scale; 8 of a 12 MP photo's 756 at the 1/4 scale it is
-    decoded at): a little grey fill at the bottom. Progressive JPEGs (their scans refine the whole
-    image: a cut leaves it blurred, not grey) and CMYK are not judged; nor a file that does not end in EOI.
-    """
-    if img.mode not in ("L", "RGB") or "progressive" in img.info or "progression" in img.info:
-        return None
-    if not data.endswith(b"\xff\xd9"):
-        return None
-    try:
-        width, height = img.size
-        if _row_values(img.im, height - 1) != {(_JPEG_FILL, _JPEG_FILL)}:
-            return None  # every photo but the rare one ends here: one row looked at
-        rows = np.asarray(img).reshape(height, -1)
-        kept = np.flatnonzero(~(rows == _JPEG_FILL).all(axis=1))
-        grey = height - (int(kept[-1]) + 1 if kept.size else 0)
-        imcu = 8 * max((layer[2] for layer in getattr(img, "layer", [])), default=2) * height / header_height
-        if grey < imcu + max(imcu, 4):
-            return None
-        again = Image.open(io.BytesIO(data[:-2]), formats=("JPEG",))
-        if min_side:
-            _draft(again, min_side)
-        try:
-            again.load()  # raises at the end of the data; the rows decoded until then are in again.im
-        except OSError:
-            pass
-        if again.size != img.size or _row_values(again.im, height - grey) != {(0, 0)}:
-            return None  # the grey rows have data: a grey band, not a cut
-        return (height - grey) / height
-    except Exception as exc:  # a check must never fail a photo the decoder read
-        log.debug("JPEG cut check skipped: %s: %s", type(exc).__name__, exc)
-        return None
+def _cut_short(name: str, fmt: str, need: int, got: int) -> UndecodableImage:
+    return UndecodableImage(f"{name}: the {fmt} data is incomplete: its container says {need:,} bytes, {got:,} arrived "
+                            f"(a file cut short); send the whole file")
 
 
 def _draft(img: Image.Image, min_side: int) -> None:
