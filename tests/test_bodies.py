@@ -126,25 +126,47 @@ def test_a_content_length_that_is_not_a_size_gets_a_json_400(srv, headers):
     assert "given once" in error["message"] and "Transfer-Encoding: chunked" in error["message"]
 
 
-@pytest.mark.parametrize("request_text, status", [
-    ("GET /" + "a" * 9000 + " HTTP/1.1\r\nHost: x\r\n\r\n", 414),  # over limit_request_line
-    ("GET /healthz HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-H{i}: v\r\n" for i in range(150)) + "\r\n", 431),
-])
-def test_what_gunicorn_refuses_without_a_row_is_http_error_in_the_json_shape(srv, request_text, status):
-    """A request line or headers over gunicorn's limits never reach the app: the answer is still the API's
-    JSON, with its own status and the table's last row's code (``http_error``, webapp/errors.py)."""
-    from webapp.errors import OTHER_HTTP_CODE
-
+def _raw_answer(srv, request_text: str) -> tuple[bytes, bytes]:
+    """Send ``request_text`` on a new connection; the answer's head and body, read to the server's close."""
     with connect(srv) as sock:
         sock.sendall(request_text.encode())
         sock.settimeout(5.0)
         raw = b""
-        while chunk := sock.recv(65536):  # to the server's close
+        while chunk := sock.recv(65536):
             raw += chunk
     head_part, _, body = raw.partition(b"\r\n\r\n")
-    assert head_part.startswith(f"HTTP/1.1 {status} ".encode()) and b"application/json" in head_part, raw
+    return head_part, body
+
+
+_REFUSED_BY_GUNICORN = [  # (request line's method and path -> the whole request, status)
+    (lambda p: f"GET {p}" + "a" * 9000 + " HTTP/1.1\r\nHost: x\r\n\r\n", 414),  # over limit_request_line
+    (lambda p: f"GET {p} HTTP/1.1\r\nHost: x\r\n" + "".join(f"X-H{i}: v\r\n" for i in range(150)) + "\r\n", 431),
+    (lambda p: f"POST {p} HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nContent-Length: 0\r\n\r\n", 417),
+]
+
+
+@pytest.mark.parametrize("make, status", _REFUSED_BY_GUNICORN)
+def test_what_gunicorn_refuses_without_a_row_is_http_error_in_the_json_shape(srv, make, status):
+    """A request line or headers over gunicorn's limits never reach the app: the answer is still the API's
+    JSON, with its own status and the table's last row's code (``http_error``, webapp/errors.py)."""
+    from webapp.errors import OTHER_HTTP_CODE
+
+    head_part, body = _raw_answer(srv, make("/healthz"))
+    assert head_part.startswith(f"HTTP/1.1 {status} ".encode()) and b"application/json" in head_part, head_part
     error = json.loads(body)["error"]
     assert error["code"] == OTHER_HTTP_CODE == "http_error" and error["status"] == status and error["message"]
+
+
+@pytest.mark.parametrize("make, status", [*_REFUSED_BY_GUNICORN, (
+    lambda p: f"POST {p} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: abc\r\n\r\n{{}}",
+    400)])
+def test_what_gunicorn_refuses_under_v2_is_in_the_protocols_error_shape(srv, make, status):
+    """Found by a fresh-user tryout: under /v2 the Open Inference Protocol's clients read ``error`` as a
+    string; gunicorn's refusals there came in the API's nested shape. The path is read as far as gunicorn got."""
+    head_part, body = _raw_answer(srv, make("/v2/models/classifier/infer"))
+    assert head_part.startswith(f"HTTP/1.1 {status} ".encode()), head_part
+    error = json.loads(body)["error"]
+    assert isinstance(error, str) and error.split(":")[0] in ("http_error", "bad_request"), error
 
 
 _PNG_CHUNK = b"%x\r\n" % len(small_png()) + small_png()

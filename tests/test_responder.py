@@ -59,6 +59,11 @@ def test_answers_503_while_needed_then_steps_aside(listening):
             assert headers["Content-Type"] == "application/json"
             error = json.loads(body)["error"]
             assert error["code"] == "not_ready" and error["status"] == 503 and "starting" in error["message"]
+        # Under /v2, the Open Inference Protocol's shape: its clients read "error" as a string.
+        for method, path in [("GET", "/v2/health/ready"), ("POST", "/v2/models/classifier/infer")]:
+            status, headers, body = ask(port, method, path, body=b"{}" if method == "POST" else None)
+            error = json.loads(body)["error"]
+            assert status == 503 and isinstance(error, str) and error.startswith("not_ready: the service is starting")
         status, headers, body = ask(port, "HEAD")
         assert status == 503 and body == b"" and int(headers["Content-Length"]) > 0
 

@@ -190,6 +190,20 @@ OTHER_HTTP_WHEN = ("any other HTTP error, with its own status in the same JSON s
                    "app sees the request")
 
 
+def is_v2(path: str | None) -> bool:
+    """Whether ``path`` is under ``/v2``, the Open Inference Protocol's routes (their own error shape)."""
+    return bool(path) and (path == "/v2" or path.startswith("/v2/") or path.startswith("/v2?"))
+
+
+def error_body(path: str | None, code: str, message: str, status: int) -> dict:
+    """An error's JSON body for a request to ``path`` (None: unknown): the protocol's ``{"error": "<code>:
+    <message>"}`` under ``/v2`` (its clients read a string), else ``{"error": {"code", "message", "status"}}``.
+    The one handler, gunicorn's refusals (webapp/worker.py) and the master's 503 (webapp/responder.py) all use it."""
+    if is_v2(path):
+        return {"error": f"{code}: {message}"}
+    return {"error": {"code": code, "message": message, "status": status}}
+
+
 class ClientGone(ServiceError):
     """499 ``client_gone``: the client hung up before its photos were decoded or run, so they were not.
 
@@ -246,9 +260,8 @@ def init_errors(app, settings) -> None:
 
     def render(status: int, code: str, message: str, headers: dict | None = None):
         body = {"error": {"code": code, "message": message, "status": status}}
-        if request.path == "/v2" or request.path.startswith("/v2/"):
-            # The Open Inference Protocol's shape (webapp/v2.py): its clients read the string "error".
-            resp = jsonify({"error": f"{code}: {message}"})
+        if is_v2(request.path):  # the Open Inference Protocol's shape (webapp/v2.py)
+            resp = jsonify(error_body(request.path, code, message, status))
         elif wants_json():
             resp = jsonify(body)
         else:

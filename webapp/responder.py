@@ -25,7 +25,7 @@ import socket
 import time
 from typing import Callable
 
-from .errors import NotReady
+from .errors import NotReady, error_body
 
 RETRY_AFTER_S = 5
 MESSAGE = ("the service is starting: no worker has its model ready yet (a first start compiles it, about a minute "
@@ -35,9 +35,10 @@ _READ_S = 0.5  # a slow or silent client is answered anyway after this long (s)
 _TICK_S = 0.25  # how often the thread looks at whether the master is stopping (s)
 
 
-def response(head: bool = False) -> bytes:
-    """The whole HTTP/1.1 503 answer (``head``: without the body, for a HEAD request)."""
-    body = json.dumps(NotReady(MESSAGE).to_dict()).encode()
+def response(head: bool = False, path: str | None = None) -> bytes:
+    """The whole HTTP/1.1 503 answer (``head``: without the body, for a HEAD request; ``path``: the request's,
+    for the error's shape: the Open Inference Protocol's under ``/v2``)."""
+    body = json.dumps(error_body(path, NotReady.code, MESSAGE, NotReady.status)).encode()
     lines = ["HTTP/1.1 503 Service Unavailable", "Content-Type: application/json",
              f"Content-Length: {len(body)}", f"Retry-After: {RETRY_AFTER_S}", "Cache-Control: no-store",
              "X-Content-Type-Options: nosniff", "Connection: close"]
@@ -94,7 +95,9 @@ class Responder:
         try:
             conn.settimeout(_READ_S)
             head = _read_head(conn)
-            conn.sendall(response(head=head.startswith(b"HEAD ")))
+            target = head.split(b"\r\n", 1)[0].split(b" ")
+            path = target[1].decode("latin-1") if len(target) > 1 else None
+            conn.sendall(response(head=head.startswith(b"HEAD "), path=path))
             self.answered += 1
             conn.shutdown(socket.SHUT_WR)  # FIN now, even though forked workers may hold a copy
             _discard(conn)  # unread bytes at close would turn into a reset that can eat our answer

@@ -14,7 +14,8 @@
   a ``SystemExit: 0`` traceback. Here only the first stop signal counts.
 - **Requests gunicorn itself refuses** (a request line or header it cannot parse: ``Content-Length: abc``,
   a line over its limit, bad chunked framing) are answered in the API's JSON error shape
-  (``write_json_error``), not gunicorn's HTML page.
+  (``write_json_error``), not gunicorn's HTML page; under ``/v2``, where the path got that far, in the
+  Open Inference Protocol's (``errors.error_body``).
 - **New connections go to an idle worker first** (``CLASSIFIER_IDLE_FIRST``, ``webapp/balance.py``):
   its servers are ``IdleFirstServer``, which, while this worker has a request in progress and
   another worker is idle, leaves a new connection for ``balance.DEFER_S`` before accepting it.
@@ -24,15 +25,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 from gevent.server import StreamServer
 from gunicorn.workers import ggevent
 from gunicorn import util as gunicorn_util
+from gunicorn.http import message as gunicorn_message
 from gunicorn.workers.ggevent import GeventWorker
 
 from . import balance
-from .errors import OTHER_HTTP_CODE
+from .errors import OTHER_HTTP_CODE, error_body
 
 
 class IdleFirstServer(StreamServer):
@@ -78,6 +81,16 @@ class Worker(GeventWorker):
         gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
         super().run()
 
+    def handle_error(self, req, client, addr, exc):
+        """gunicorn's, with the refused request's path known to ``write_json_error`` (for its error shape)."""
+        path = _request_path(req, exc)
+        if path:
+            _PATHS[id(client)] = path
+        try:
+            super().handle_error(req, client, addr, exc)
+        finally:
+            _PATHS.pop(id(client), None)
+
     def handle_quit(self, sig, frame):
         """SIGINT / SIGQUIT: before ready, leave now; after, gunicorn's quick stop, once."""
         if not self.booted:
@@ -117,6 +130,32 @@ def exit_on_stop_signals(log) -> None:
 _PARSE_CODES = {400: "bad_request"}
 
 
+# id(client socket) -> the path of the request gunicorn refused on it, from Worker.handle_error to
+# write_json_error, which it calls (same greenlet, same call: the entry is removed right after).
+_PATHS: dict[int, str] = {}
+_LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
+
+
+def _request_path(req, exc: BaseException) -> str | None:
+    """The path of a request gunicorn could not parse, as far as it got: its request object (``req``, or the
+    one the error carries, or the one being parsed in the traceback), else the start of the request line it
+    was reading (a line over the limit). None where nothing says."""
+    for candidate in (req, getattr(exc, "req", None)):
+        if isinstance(getattr(candidate, "path", None), str):
+            return candidate.path
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == gunicorn_message.__file__:  # gunicorn's parser, outer frames first
+            local = tb.tb_frame.f_locals
+            owner, line = local.get("self"), local.get("data")
+            if isinstance(owner, gunicorn_message.Request) and isinstance(getattr(owner, "path", None), str):
+                return owner.path
+            if isinstance(line, (bytes, bytearray)) and (m := _LINE_START.match(bytes(line[:512]))):
+                return m.group(1).decode("latin-1")  # read_line: the request line, too long to parse
+        tb = tb.tb_next
+    return None
+
+
 def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
     the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
@@ -129,8 +168,8 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
         # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
         message = (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
                    f"and not together with Transfer-Encoding: chunked")
-    body = json.dumps({"error": {"code": _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), "message": message,
-                                 "status": status_int}}).encode()
+    body = json.dumps(error_body(_PATHS.get(id(sock)), _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message,
+                                 status_int)).encode()
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
     gunicorn_util.write_nonblock(sock, head + body)
