@@ -37,8 +37,8 @@ class ServiceError(Exception):
         self.headers = headers or {}
 
     def to_dict(self) -> dict:
-        """The JSON error body: ``{"error": {"code", "message", "status"}}``."""
-        return {"error": {"code": self.code, "message": self.message, "status": self.status}}
+        """The JSON error body: ``{"error": {"code", "message", "status"}}`` (``error_body``'s API shape)."""
+        return error_body(None, self.code, self.message, self.status)
 
 
 class NoFile(ServiceError):
@@ -259,10 +259,8 @@ def init_errors(app, settings) -> None:
             or request.path != "/" and request.accept_mimetypes.best == "application/json"
 
     def render(status: int, code: str, message: str, headers: dict | None = None):
-        body = {"error": {"code": code, "message": message, "status": status}}
-        if is_v2(request.path):  # the Open Inference Protocol's shape (webapp/v2.py)
-            resp = jsonify(error_body(request.path, code, message, status))
-        elif wants_json():
+        body = error_body(request.path, code, message, status)  # under /v2: the protocol's shape (webapp/v2.py)
+        if is_v2(request.path) or wants_json():
             resp = jsonify(body)
         else:
             classifier = app.extensions["classifier"]

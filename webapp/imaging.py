@@ -232,8 +232,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if min_side and fmt == "JPEG":
             _draft(img, min_side)
         img.load()
-        redraft = (lambda im: _draft(im, min_side)) if min_side and fmt == "JPEG" else (lambda im: None)
-        if fmt == "JPEG" and (kept := incomplete.jpeg_rows_decoded(img, data, height, redraft)) is not None:
+        if fmt == "JPEG" and (kept := incomplete.jpeg_rows_decoded(
+                img, data, height, lambda im: _draft(im, min_side) if min_side else None)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and a marker closes it early, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
