@@ -7,6 +7,7 @@ no model is needed. The preprocessing is checked against torchvision's own refer
 from __future__ import annotations
 
 import io
+import re
 import struct
 import time
 import zlib
@@ -400,15 +401,29 @@ def test_the_shared_phone_photo_cut_and_closed_is_400():
 
 @pytest.mark.parametrize("data,named", [
     (b"hello, this is a text file and not a photo\n" * 20, None),
-    (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + b"\x00" * 200, "PDF"),
-    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 200, "HEIC"),
-    (b"PK\x03\x04" + b"\x00" * 200, "ZIP"),
-    (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>', "SVG"),
+    (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + b"\x00" * 200, "a PDF file"),
+    (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + b"\x00" * 200, "a HEIC file"),
+    (b"PK\x03\x04" + b"\x00" * 200, "a ZIP file"),
+    (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>', "an SVG file"),
+    (b"\n<!DOCTYPE html>\n<html><body>502 Bad Gateway</body></html>\n", "an HTML file"),  # an error page saved as .jpg
+    (b"<HTML><HEAD><TITLE>Not Found</TITLE></HEAD></HTML>", "an HTML file"),
+    (encode(Image.new("RGB", (16, 16)), "ICO"), "an ICO file"),
+    (encode(Image.new("RGB", (16, 16)), "JPEG2000"), "a JPEG 2000 file"),
+    (encode(Image.new("RGB", (16, 16)), "QOI"), "a QOI file"),
+    (encode(Image.new("RGB", (16, 16)), "DDS"), "a DDS file"),
+    (b"\xff\x0a\xfa\x7f\x01\x90\x08" + b"\x00" * 64, "a JPEG XL file"),
+    (b"\x00\x00\x00\x0cJXL \r\n\x87\n" + b"\x00" * 64, "a JPEG XL file"),
+    (b"v/1\x01\x02\x00\x00\x00channels" + b"\x00" * 64, "an OpenEXR file"),
+    (b"#?RADIANCE\nFORMAT=32-bit_rle_rgbe\n\n-Y 2 +X 2\n" + b"\x80" * 16, "a Radiance HDR file"),
+    (encode(Image.new("RGB", (16, 16)), "TGA"), None),  # no magic bytes to name it by (and never taken for CUR)
 ])
 def test_non_images_are_415_and_named(data, named):
+    """The 415 names what was sent where its leading bytes say (with the article as the name is said)."""
     exc = _raises(data, NotAnImage, 415)
     if named:
-        assert named in exc.message
+        assert f": {named}, which this server cannot decode" in exc.message, exc.message
+    else:
+        assert "not an image format this server can decode" in exc.message, exc.message
 
 
 @pytest.mark.parametrize("data,claimed", [
@@ -744,10 +759,53 @@ def test_a_webp_or_avif_cut_short_says_so_not_that_its_header_is_unreadable(fmt,
     """Found by a fresh-user tryout: Pillow reports a cut WebP only as "could not create decoder object",
     which read as a damaged header. Its container (RIFF's size, AVIF's boxes) says how long it should be."""
     whole = encode(_photo_like(400, 300), fmt, **save)
-    with pytest.raises(UndecodableImage, match=rf"data is incomplete: its container says {len(whole):,} bytes, "
+    with pytest.raises(UndecodableImage, match=rf"data is incomplete: its container needs at least {len(whole):,} bytes, "
                                                rf"{int(len(whole) * kept):,} arrived \(a file cut short\)"):
         decode(whole[:int(len(whole) * kept)], max_pixels=BIG)
     assert decode(whole, max_pixels=BIG).size == (400, 300)
+
+
+@pytest.mark.parametrize("save", [{"compression": "raw"}, {"compression": "tiff_lzw"}, {"compression": "packbits"},
+                                  {"compression": "tiff_adobe_deflate"}, {"compression": "jpeg"},
+                                  {"compression": "tiff_lzw", "big_tiff": True}, {"compression": "raw", "big_tiff": True}],
+                         ids=["raw", "lzw", "packbits", "deflate", "jpeg", "bigtiff-lzw", "bigtiff-raw"])
+@pytest.mark.parametrize("kept", [0.1, 0.5, 0.97])
+def test_a_tiff_cut_short_says_so_not_that_its_header_is_unreadable(save, kept):
+    """Left alone last round: libtiff writes the IFD after the pixels, so a cut compressed TIFF lost its IFD and
+    was "damaged (its header cannot be read)"; a cut uncompressed one said "image file is truncated (64 bytes
+    not processed)". Its first IFD and the strips it lists say how long it should be."""
+    whole = encode(_photo_like(300, 200), "TIFF", **save)
+    with pytest.raises(UndecodableImage, match=rf"the TIFF data is incomplete: its container needs at least ([\d,]+) "
+                                               rf"bytes, {int(len(whole) * kept):,} arrived \(a file cut short\)") as info:
+        decode(whole[:int(len(whole) * kept)], max_pixels=BIG)
+    need = int(re.search(r"at least ([\d,]+)", info.value.message).group(1).replace(",", ""))
+    assert len(whole) * kept < need <= len(whole)  # the IFD (written last) or a strip: a true lower bound
+    assert decode(whole, max_pixels=BIG).size == (300, 200)
+
+
+def _tiff(entries: list[tuple[int, int, int, bytes]], tail: bytes = b"") -> bytes:
+    """A little-endian classic TIFF: header, IFD at 8 with ``(tag, type, count, 4-byte value)`` entries, ``tail``."""
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHI", t, k, n) + v for t, k, n, v in entries)
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + b"\x00" * 4 + tail
+
+
+def test_tiff_structures_that_make_no_sense_are_not_called_a_cut():
+    from webapp.incomplete import container_cut
+
+    tile = 8 + 2 + 2 * 12 + 4  # where the pixel data starts in these files
+    one_strip = [(273, 4, 1, struct.pack("<I", tile)), (279, 4, 1, struct.pack("<I", 100))]
+    assert container_cut(_tiff(one_strip, b"x" * 100)) is None
+    assert container_cut(_tiff(one_strip, b"x" * 40)) == (tile + 100, tile + 40)
+    tiles = [(324, 3, 2, struct.pack("<HH", tile, tile + 10)), (325, 3, 2, struct.pack("<HH", 10, 10))]
+    assert container_cut(_tiff(tiles, b"x" * 20)) is None and container_cut(_tiff(tiles, b"x" * 15)) == (tile + 20, tile + 15)
+    assert container_cut(b"II*\x00" + struct.pack("<I", 4) + b"\x00" * 20) is None  # IFD inside the header: damage
+    assert container_cut(b"II*\x00" + struct.pack("<I", 10**6)) == (10**6 + 2, 8)  # IFD written last, then cut
+    assert container_cut(b"MM\x00*\x00\x00\x00\x08\x00\x05") == (8 + 2 + 5 * 12 + 4, 10)  # big-endian, IFD cut
+    assert container_cut(_tiff([(273, 2, 1, b"abcd"), (279, 4, 1, b"\0\0\0\1")])) is None  # offsets as ASCII
+    assert container_cut(_tiff([(273, 4, 1, struct.pack("<I", 10**9)), (279, 4, 2, b"\0" * 4)])) is None  # 1 vs 2
+    for n in range(60):  # every cut of a small whole one, and garbage after its header: never an exception
+        whole = _tiff(one_strip, b"x" * 100)
+        container_cut(whole[:n]), container_cut(whole[:8] + bytes(range(n, n + 60)))
 
 
 def test_container_sizes_that_make_no_sense_are_not_called_a_cut():

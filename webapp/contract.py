@@ -3,7 +3,8 @@
 The Flask views (``api.py``, ``ui.py``), the error pages and ``/metrics`` talk to a classifier
 only through ``ClassifierLike``. Two implement it: ``service.Classifier`` (this process's model,
 engine and batcher: a gunicorn worker, the CLI) and ``cluster.ingress.RemoteClassifier`` (forwards
-to Ray Serve model replicas). Torch-free and Flask-free, so both sides can import it.
+to Ray Serve model replicas). Also the formats the service decodes (``FORMATS``), which the CLI names.
+Torch-free and Flask-free, so both sides (and the CLI) can import it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
+
+# Photo formats the service decodes (imaging.decode opens uploads as these only). Others Pillow knows (EPS
+# via Ghostscript, PSD, FITS, ...) are refused: less attack surface, and none of them is a photo a person
+# uploads. Not ICO: Pillow decodes an icon's embedded image while opening it, before its real size is
+# known, so the pixel check could not come first (a 16x16 entry can hide a 13000x13000 PNG).
+FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
+# The same formats, for people: the 415 message and classify's words for a HEIC or RAW photo it skips
+# (README's table and the page's hint say the same).
+FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM"
 
 # Formats a client may name as the original of a photo it scaled before upload: what browsers and
 # phones decode (HEIC/HEIF included: Safari decodes them, so the page can send a JPEG of one).

@@ -25,16 +25,12 @@ from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from . import exif, incomplete
+from .contract import FORMAT_NAMES, FORMATS
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
-# Photo formats we decode. Others Pillow knows (EPS via Ghostscript, PSD, FITS, ...) are refused:
-# less attack surface, and none of them is a photo a person uploads. Not ICO: Pillow decodes an
-# icon's embedded image while opening it, before its real size is known, so the pixel check
-# could not come first (a 16x16 entry can hide a 13000x13000 PNG).
-FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
-# The same formats, for people (the 415 message; README's table and the page's hint say the same).
-FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM"
+# FORMATS: the only formats Pillow may open here; FORMAT_NAMES: the same for people (the 415 message).
+# Both live in contract.py, torch-free, so the CLI names the same list without importing this module.
 
 
 def silence_pillow_warnings() -> None:
@@ -52,8 +48,12 @@ silence_pillow_warnings()
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (
     (b"%PDF", "PDF"), (b"%!PS", "PostScript"), (b"PK\x03\x04", "ZIP"), (b"\x1f\x8b", "gzip"),
-    (b"8BPS", "PSD"), (b"<svg", "SVG"), (b"<?xml", "XML/SVG"),
-)
+    (b"8BPS", "PSD"), (b"<svg", "SVG"), (b"<?xml", "XML/SVG"), (b"<!doctype html", "HTML"), (b"<html", "HTML"),
+    (b"\x00\x00\x01\x00", "ICO"), (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"),
+    (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"), (b"\xff\x0a", "JPEG XL"),
+    (b"qoif", "QOI"), (b"v/1\x01", "OpenEXR"), (b"DDS ", "DDS"), (b"#?RADIANCE", "Radiance HDR"),
+    (b"#?RGBE", "Radiance HDR"),
+)  # compared case-blind (HTML's doctype is written either way); TGA has no magic bytes
 # Leading bytes of formats we do decode: a file that starts like one but that Pillow cannot even
 # identify claims that format and is broken (400 undecodable), not an unknown format (415).
 # Every format of FORMATS has its magic here (WebP and AVIF, in RIFF and ISO media boxes, in claimed_format).
@@ -105,11 +105,16 @@ def sniff_format(data: bytes) -> str | None:
     """Name the format of bytes Pillow cannot open (HEIC, PDF...), for the 415 message; None if unknown."""
     if data[4:8] == b"ftyp":
         return _FTYP_BRANDS.get(data[8:12], "ISO media (" + data[8:12].decode("latin-1") + ")")
-    head = data[:64].lstrip()
+    head = data[:64].lstrip().lower()
     for magic, name in _SIGNATURES:
-        if head.startswith(magic):
+        if head.startswith(magic.lower()):
             return name
     return None
+
+
+def _article(name: str) -> str:
+    """"a" or "an" before a format's name as it is said: letter by letter for the acronyms (an HTML, an SVG)."""
+    return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG") else "a"
 
 
 _BAND = 256  # rows converted at a time from 16-bit and float images (an 8000 px wide band: ~16 MB in float64)
@@ -214,7 +219,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
                                    f"cannot be read)") from None
         fmt = sniff_format(data)
-        what = f"a {fmt} file, which this server cannot decode" if fmt else "not an image format this server can decode"
+        what = (f"{_article(fmt)} {fmt} file, which this server cannot decode" if fmt
+                else "not an image format this server can decode")
         raise NotAnImage(f"{name}: {what}; send {FORMAT_NAMES}") from None
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
         if cut := incomplete.container_cut(data):  # e.g. WebP: "could not create decoder object"
@@ -255,8 +261,9 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
 
 
 def _cut_short(name: str, fmt: str, need: int, got: int) -> UndecodableImage:
-    return UndecodableImage(f"{name}: the {fmt} data is incomplete: its container says {need:,} bytes, {got:,} arrived "
-                            f"(a file cut short); send the whole file")
+    """The 400 for a file shorter than its own structure says (``incomplete.container_cut``'s bytes)."""
+    return UndecodableImage(f"{name}: the {fmt} data is incomplete: its container needs at least {need:,} bytes, "
+                            f"{got:,} arrived (a file cut short); send the whole file")
 
 
 def _draft(img: Image.Image, min_side: int) -> None:
