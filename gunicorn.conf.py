@@ -254,11 +254,12 @@ def pre_request(worker, req):
 
 
 def worker_exit(server, worker):
-    """Serve what is still queued, then stop the inference thread."""
+    """Serve what is still queued, then stop the inference thread; a clean stop then leaves at once."""
     balance.serving(False)  # stopping: never taken for idle again
     wsgi = getattr(worker, "wsgi", None)
     if wsgi is not None:
         wsgi.extensions["classifier"].stop()
+    lifecycle.leave_if_stopped_cleanly()  # no interpreter teardown of torch (1.4 s of CPU per stop)
 
 
 def child_exit(server, worker):

@@ -11,8 +11,10 @@ The pieces without a server (exit table, listen check, the channel) are unit tes
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -366,3 +368,97 @@ def test_describe_failure_is_one_line_with_what_to_do():
     assert line == ("compiling failed: RuntimeError: InvalidCxxCompiler: no working C++ compiler "
                     "(CLASSIFIER_LOG_LEVEL=debug logs the traceback; CLASSIFIER_COMPILE=0 serves the model uncompiled)")
     assert "\n" not in lifecycle.describe_failure("loading model", ValueError("a\nb"))
+
+
+# -- a clean stop leaves without the interpreter's teardown ------------------------------------------------
+LEAVE = """
+import atexit, logging, sys
+from webapp import lifecycle
+handler = logging.StreamHandler(open(sys.argv[2], "w", buffering=1 << 16))  # flushed only when asked
+logging.getLogger("t").addHandler(handler)
+atexit.register(lambda: print("interpreter teardown ran", flush=True))
+logging.getLogger("t").warning("last line before %s", sys.argv[1])
+try:
+    if sys.argv[1] == "error":
+        raise RuntimeError("boom")
+    sys.exit(None if sys.argv[1] == "none" else int(sys.argv[1]))
+finally:
+    lifecycle.leave_if_stopped_cleanly()
+"""
+
+
+@pytest.mark.parametrize("how, status, teardown", [("0", 0, False), ("none", 0, False), ("3", 3, True),
+                                                   ("1", 1, True), ("error", 1, True)])
+def test_only_a_clean_stop_skips_the_teardown_and_its_log_lines_are_written(tmp_path, how, status, teardown):
+    """gunicorn's worker_exit hook calls leave_if_stopped_cleanly last: with SystemExit(0) (a stop) the worker
+    flushes its logs and leaves at once; a failed start's status (3), an abort's (1) or an error keep gunicorn's
+    way out, atexit hooks included."""
+    log = tmp_path / "log.txt"
+    out = subprocess.run([sys.executable, "-c", LEAVE, how, str(log)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == status, out.stderr
+    assert ("interpreter teardown ran" in out.stdout) is teardown, out.stdout
+    assert log.read_text() == f"last line before {how}\n"
+
+
+def test_gunicorns_worker_loop_ticks_quickly():
+    """GeventWorker.run sleeps 1 s between its checks of ``alive`` (and of open connections while stopping):
+    through QuickTicks every sleep it asks for is cut to TICK_S; everything else is gevent's own."""
+    import gevent
+    from gunicorn.workers import ggevent
+
+    from webapp import worker
+
+    slept = []
+    ticks = worker.QuickTicks()
+    real = gevent.sleep
+    try:
+        gevent.sleep = lambda seconds=0, ref=True: slept.append(seconds)
+        ticks.sleep(1.0), ticks.sleep(0.01), ticks.sleep()
+    finally:
+        gevent.sleep = real
+    assert slept == [worker.TICK_S, 0.01, 0] and worker.TICK_S <= 0.1
+    assert ticks.Timeout is gevent.Timeout and ticks.spawn is gevent.spawn
+    assert "gevent.sleep(1.0)" in Path(ggevent.__file__).read_text()  # the loop QuickTicks is for
+
+
+@pytest.mark.server
+def test_sigterm_closes_idle_keep_alive_connections_and_answers_the_request_in_flight(tmp_path):
+    """Idle connections (one that was answered and kept alive, one that never sent a byte) held a stop for
+    gunicorn's ``keepalive``; with it at 60 s here, the server must stop well within it, having closed them
+    quietly, while a request already in flight on a third connection is still answered in full."""
+    srv = Server(tmp_path / "server.log", args=("--keep-alive", "60"), MODEL="resnet18_seeded", COMPILE=0,
+                 PRECISION="fp32", WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1, METRICS=0)
+    srv.wait_ready(workers=1)
+    kept = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += kept.recv(65536)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(head.split(b"\r\n\r\n", 1)[1]) < length:  # the whole answer read: the connection is idle
+        head += kept.recv(65536)
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" not in head.lower(), head[:300]
+    silent = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    png = b"\x89PNG\r\n\x1a\n" + b"\0" * 4  # a body sent in two parts: the request is in flight when the stop comes
+    busy = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+    busy.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                 + f"Content-Length: {len(png) + 4}\r\n\r\n".encode() + png)
+    time.sleep(1.0)  # all three idle past IDLE_GRACE_S (0.5 s)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    busy.sendall(b"\0" * 4)  # the rest of its body, after the stop began
+    answer = b""
+    while chunk := busy.recv(65536):
+        answer += chunk
+    code = srv.proc.wait(30)
+    took = time.monotonic() - t0
+    assert answer.startswith(b"HTTP/1.1 400 "), answer[:300]  # then closed (read to EOF above)
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "undecodable_image"  # its own answer
+    assert kept.recv(65536) == b"" and silent.recv(65536) == b""  # closed by the server, nothing written
+    assert code == 0 and took < 20, (code, took)  # not the 60 s keep-alive
+    out = srv.output()
+    assert "Traceback" not in out and "[ERROR]" not in out, out[-3000:]
+    for s in (kept, silent, busy):
+        s.close()

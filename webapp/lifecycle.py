@@ -226,6 +226,29 @@ def close_in_worker() -> None:
         _master.responder.close_in_child()
 
 
+def leave_if_stopped_cleanly() -> None:
+    """In a worker's ``worker_exit`` hook, last: a worker that gunicorn is ending with ``SystemExit(0)`` (a
+    stop signal or ``max_requests``; its requests drained, its inference thread stopped) flushes its logs and
+    leaves with ``os._exit(0)``, skipping the interpreter's teardown of torch and of everything start-up froze
+    out of the GC: 1.4 s of CPU per stop, measured with strace on the 2-core box from "Worker exiting" to
+    the process's end, which a stop or a rolling restart waited for and the other workers paid for in CPU.
+    Nothing in a worker needs its teardown: caches are renamed into place when complete, Prometheus's
+    multiprocess files are shared memory (the master marks the worker dead), atexit hooks here are the
+    master's. Any other exit (a failed start, an abort, an error) goes gunicorn's way with its status."""
+    exc = sys.exc_info()[1]
+    if not isinstance(exc, SystemExit) or exc.code not in (0, None):
+        return
+    import logging
+
+    logging.shutdown()  # flushes every handler (gunicorn's error log, the JSON access log)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
+            pass
+    os._exit(0)
+
+
 def remove_at_exit(path: str) -> None:
     """Remove folder ``path`` when this process exits, however it exits (short of SIGKILL).
 
