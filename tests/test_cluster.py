@@ -282,6 +282,7 @@ def test_replica_batch_failure_fails_its_requests_then_serves_again(replica, mon
 
 # ----------------------------------------------------------------------------------------- Ray Data
 
+@pytest.mark.extended  # a Ray Data job over every shared photo, ~55 s on 2 cores: with `-m extended`
 def test_bulk_classify_matches_gunicorn(ray_address, gunicorn, tmp_path):
     """classify --cluster over the shared photos plus broken files: one row per file, errors as rows."""
     photos = _photos()

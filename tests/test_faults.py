@@ -97,6 +97,8 @@ def preload_server(fleet):
 N_DISTINCT = 500
 
 
+@pytest.mark.extended  # 560 reference answers and 500 uploads, ~26 s on 2 cores: with `-m extended`; the
+# batcher's own isolation tests (200 concurrent submissions, failing batches) stay in the plain run
 def test_isolation_and_routing_at_scale(main_server, offline_app):
     """500 distinct photos, 150 in flight at a time: every answer is its own photo's, none lost or duplicated.
 
