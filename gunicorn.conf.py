@@ -14,10 +14,13 @@ import sys
 import tempfile
 
 from webapp import GUNICORN_ENV
-from webapp import balance, cpu, lifecycle, settings
+from webapp import balance, caches, cpu, lifecycle, settings
 
 try:
     _s = settings.load()
+    # The workers' cache folder, made here as a worker would: one that cannot be is a setting's fault, said
+    # before listening, not each worker's "loading model failed" and exit 3.
+    caches.make_cache_dir(_s)
 except settings.SettingsError as exc:
     lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {exc}")
 

@@ -262,7 +262,9 @@ def test_failed_compile_is_one_line_and_exit_3(tmp_path):
 
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
-@pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000")])
+@pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000"),
+                                             ("RATE_LIMIT", "lots"), ("RATE_LIMIT_STORAGE", "bogus://x"),
+                                             ("RATE_LIMIT_STORAGE", "memcached://127.0.0.1:11211")])
 def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value):
     argv = GUNICORN if launcher == "gunicorn" else SERVE
     settings = {} if variable == "BIND" else {variable: value}
@@ -270,6 +272,39 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value)
                                    bind=value if variable == "BIND" else None, **settings)
     assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"CLASSIFIER_{variable}=", most=1)
     assert lines[-1].count("allowed") == 1
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+@pytest.mark.parametrize("settings", [{"RATE_LIMIT": "5/minute", "RATE_LIMIT_STORAGE": ""},
+                                      {"RATE_LIMIT": "5/minute", "RATE_LIMIT_STORAGE": "redis://127.0.0.1:1"}])
+def test_rate_limit_without_a_usable_storage_is_one_line_and_exit_2(tmp_path, launcher, settings):
+    """No storage, or redis:// without its client package: the master says so before listening, not a worker's
+    traceback at app load and exit 3."""
+    if settings["RATE_LIMIT_STORAGE"] and importlib.util.find_spec("redis") is not None:
+        pytest.skip("the redis client is installed here")
+    code, lines, temp = run_to_end(tmp_path, "storage", GUNICORN if launcher == "gunicorn" else SERVE, timeout=60,
+                                   **settings)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names="CLASSIFIER_RATE_LIMIT_STORAGE=",
+                        most=1)
+    assert lines[-1].startswith("configuration error: ") and lines[-1].count("allowed") == 1
+    if settings["RATE_LIMIT_STORAGE"]:
+        assert "pip install redis" in lines[-1]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+@pytest.mark.parametrize("where, why", [("/proc/nope", "cannot be created: No such file or directory"),
+                                        ("a-file", "cannot be created: it exists and is not a folder")])
+def test_cache_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, launcher, where, why):
+    """Made in the master before it listens, as each worker would: each worker failed "loading model" (exit 3)."""
+    (tmp_path / "a-file").write_text("not a folder")
+    folder = where if where.startswith("/") else str(tmp_path / where)
+    code, lines, temp = run_to_end(tmp_path, "cache", GUNICORN if launcher == "gunicorn" else SERVE, timeout=60,
+                                   CACHE_DIR=folder)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"CLASSIFIER_CACHE_DIR={folder} ",
+                        most=1)
+    assert lines[-1] == f"configuration error: CLASSIFIER_CACHE_DIR={folder} {why}"
 
 
 @pytest.mark.server

@@ -1,6 +1,9 @@
+import sys
+import time
+
 import pytest
 
-from webapp import settings
+from webapp import rate_limits, settings
 from webapp.settings import SettingsError
 
 
@@ -112,3 +115,69 @@ def test_bind_refuses_anything_else_with_the_allowed_forms(given):
         settings.load(environ={"CLASSIFIER_BIND": given})
     assert str(err.value) == f"CLASSIFIER_BIND={given!r} is not valid; allowed: {settings.BIND_RULE}"
     assert str(err.value).count("unix:PATH") == 1
+
+
+# -- the rate limit's two settings: checked by the table with the limits library, connecting nowhere -----------
+@pytest.fixture
+def package(monkeypatch, tmp_path):
+    """``package(name, installed)``: make ``import name`` find a stub package (no client in it) or nothing."""
+    def make(name: str, installed: bool) -> None:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+        if installed:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "__init__.py").write_text("")  # nothing to connect with: a check that tried fails
+            monkeypatch.syspath_prepend(str(tmp_path))
+        else:
+            monkeypatch.setitem(sys.modules, name, None)  # import and find_spec: not installed
+    return make
+
+
+@pytest.mark.parametrize("given", ["120/minute", "10/second;500/hour", " 10 per 2 minutes ", ""])
+def test_rate_limit_in_the_limits_notation_is_taken(given):
+    assert settings.load(environ={"CLASSIFIER_RATE_LIMIT": given}).RATE_LIMIT == given.strip()
+
+
+@pytest.mark.parametrize("given", ["lots", "5/fortnight", "/minute", "10/minute;;"])
+def test_rate_limit_outside_the_notation_is_refused_by_the_table(given):
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={"CLASSIFIER_RATE_LIMIT": given})
+    assert str(err.value) == f"CLASSIFIER_RATE_LIMIT={given!r} is not valid; allowed: {rate_limits.RATE_LIMIT_RULE}"
+
+
+@pytest.mark.parametrize("given", ["bogus://x", "memory", "async+memory://", "memcached://cache:11211",
+                                   "redis://cache:port", "redis://cache:70000"])
+def test_rate_limit_storage_that_flask_limiter_cannot_use_is_refused_by_the_table(given):
+    """Unknown scheme, no scheme, an async storage, one without the moving window the limiter uses, a bad port."""
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={"CLASSIFIER_RATE_LIMIT_STORAGE": given})
+    assert str(err.value) == f"CLASSIFIER_RATE_LIMIT_STORAGE={given!r} is not valid; allowed: {rate_limits.STORAGE_RULE}"
+
+
+@pytest.mark.parametrize("uri, name", [("redis://127.0.0.1:1", "redis"), ("rediss://:pw@cache:6380/0", "redis"),
+                                       ("redis+sentinel://cache:26379/main", "redis"), ("valkey://cache:6379", "valkey"),
+                                       ("mongodb://cache:27017", "pymongo")])
+def test_rate_limit_storage_says_which_client_package_to_install(uri, name, package):
+    package(name, installed=False)
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": uri})
+    message = str(err.value)
+    assert message.startswith(f"CLASSIFIER_RATE_LIMIT_STORAGE={uri!r} is not valid: ")
+    assert f"pip install {name}; allowed: " in message and message.count("allowed") == 1
+    package(name, installed=True)  # with the client there, the same value passes: nothing is connected to
+    t0 = time.monotonic()
+    assert settings.load(environ={"CLASSIFIER_RATE_LIMIT_STORAGE": uri}).RATE_LIMIT_STORAGE == uri
+    assert time.monotonic() - t0 < 1
+
+
+def test_a_rate_limit_needs_a_storage():
+    assert settings.load(environ={"CLASSIFIER_RATE_LIMIT_STORAGE": ""}).RATE_LIMIT_STORAGE == ""  # no limit: unused
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": " "})
+    assert str(err.value) == f"CLASSIFIER_RATE_LIMIT_STORAGE='' is not valid; allowed: {rate_limits.STORAGE_RULE}"
+    with pytest.raises(SettingsError, match="^RATE_LIMIT_STORAGE='' is not valid"):
+        settings.load(environ={}, overrides={"RATE_LIMIT": "5/minute", "RATE_LIMIT_STORAGE": ""})
+
+
+def test_the_readme_row_of_the_storage_says_redis_needs_installing():
+    row = next(line for line in settings.markdown_table().splitlines() if "`CLASSIFIER_RATE_LIMIT_STORAGE`" in line)
+    assert "redis://host:6379" in row and "pip install redis" in row

@@ -4,7 +4,8 @@ Both are off by default (a localhost service needs neither) and switched on by s
 The rate limit uses Flask-Limiter: one budget per client address, shared by every way of
 classifying (the page, the JSON API, /v2); its counters live where ``RATE_LIMIT_STORAGE`` says
 (``memory://`` is per worker process, so N workers admit up to N times the limit; point it
-at Redis or Memcached to share one count). A refused token says whether it was missing or wrong.
+at Redis to share one count; Memcached keeps no moving window). A refused token says whether
+it was missing or wrong.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import hmac
 from flask import Flask, request
 
 from .errors import Unauthorized
-from .settings import SettingsError
 
 # Endpoints that classify (and so cost CPU): the rate limit applies to these, the API token to the
 # JSON API's and the Open Inference Protocol's (webapp/v2.py), not to the page's.
@@ -45,7 +45,8 @@ def token_refusal(header: str | None, token: str, what: str) -> Unauthorized | N
 def init_access(app: Flask, settings) -> None:
     """Install the token check and the rate limit on ``app`` as ``settings`` say.
 
-    :raises SettingsError: ``RATE_LIMIT`` is not in Flask-Limiter's notation, or its storage is unknown.
+    ``settings`` come from ``settings.load``, whose table has checked ``RATE_LIMIT`` and its storage
+    (``webapp/rate_limits.py``) before any worker starts.
     """
     # Which token each protected endpoint takes. /metrics is open only when no token is set at all:
     # with an API token, a scrape needs METRICS_TOKEN if set (Prometheus' `authorization` config),
@@ -68,18 +69,7 @@ def init_access(app: Flask, settings) -> None:
         return
     from flask_limiter import Limiter
     from flask_limiter.util import get_remote_address
-    from limits import parse_many
-    from limits.storage import storage_from_string
 
-    try:
-        parse_many(settings.RATE_LIMIT)
-    except ValueError:  # its words repeat the value; the rule is what helps
-        raise SettingsError(f"CLASSIFIER_RATE_LIMIT={settings.RATE_LIMIT!r} is not valid; allowed: Flask-Limiter "
-                            f"notation such as '120/minute' or '10/second;500/hour'") from None
-    try:
-        storage_from_string(settings.RATE_LIMIT_STORAGE)
-    except Exception as exc:
-        raise SettingsError(f"CLASSIFIER_RATE_LIMIT_STORAGE={settings.RATE_LIMIT_STORAGE!r} is not valid: {exc}") from None
     @app.after_request  # registered before the limiter's own hook, so it runs after it
     def retry_after_at_least_one_second(resp):
         # Flask-Limiter rounds the time to the window's reset, which can give "Retry-After: 0":

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-from . import catalog
+from . import catalog, rate_limits
 
 PREFIX = "CLASSIFIER_"
 
@@ -107,7 +107,8 @@ class Setting:
 
     ``parse`` turns the env-var text into a value (raising ``ValueError`` with the rule);
     ``low``/``high`` bound numbers inclusively; ``choices`` limits strings; ``commands`` are the
-    commands it applies to (``COMMANDS``); ``secret`` values are never printed in clear.
+    commands it applies to (``COMMANDS``); ``secret`` values are never printed in clear; ``allowed`` is
+    the rule in words for a parser of its own (one of ``rate_limits``').
     """
 
     name: str
@@ -119,6 +120,7 @@ class Setting:
     choices: tuple[str, ...] | None = None
     commands: tuple[str, ...] = COMMANDS
     secret: bool = False
+    allowed: str = ""
 
     @property
     def env(self) -> str:
@@ -130,12 +132,14 @@ class Setting:
         """Short type name for docs: int, float, bool, str or one of the choices."""
         if self.choices:
             return " / ".join(self.choices)
-        return {_bool: "bool", _int: "int", _float: "float", _str: "str", _bind: "address"}[self.parse]
+        return {_bool: "bool", _int: "int", _float: "float", _bind: "address"}.get(self.parse, "str")
 
     def rule(self) -> str:
         """What values are allowed, in words (used in error messages and docs)."""
         if self.choices:
             return "one of " + ", ".join(self.choices)
+        if self.allowed:
+            return self.allowed
         if self.parse is _bool:
             return "a boolean (1/0, true/false, yes/no, on/off)"
         if self.parse is _bind:
@@ -164,10 +168,11 @@ class Setting:
                 raise ValueError("expected a number, got a boolean")
             else:
                 value = self.parse(str(raw)) if self.parse is not _float else _float(raw)
-        except ValueError:
+        except ValueError as exc:
             # The parser's own words ("invalid literal for int() with base 10") are Python's, not the
-            # operator's: the rule says what is allowed, once.
-            raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}") from None
+            # operator's: the rule says what is allowed, once; a package to install is said too.
+            why = f": {exc}" if isinstance(exc, rate_limits.MissingPackage) else ""
+            raise SettingsError(f"{source}={raw!r} is not valid{why}; allowed: {self.rule()}") from None
         if self.choices and value not in self.choices:
             raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}")
         if self.low is not None and value < self.low or self.high is not None and value > self.high:
@@ -261,13 +266,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
             "Bearer <token>' (compared in constant time); else 401. The page and /healthz, /readyz, /v2 health and "
             "metadata stay open.", commands=SERVERS, secret=True),
-    Setting("RATE_LIMIT", _str, "", "Per-client-address limit on classify requests: one budget for the page, the "
-            "API and /v2 together, in Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: "
+    Setting("RATE_LIMIT", rate_limits.rate_limit, "", "Per-client-address limit on classify requests: one budget "
+            "for the page, the API and /v2 together, in Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: "
             "429. Empty: off.",
-            commands=SERVERS),
-    Setting("RATE_LIMIT_STORAGE", _str, "memory://", "Where rate-limit counters live (Flask-Limiter storage URI). "
-            "memory:// counts per worker; redis://host:6379 shares counts between workers and hosts.",
-            commands=SERVERS),
+            commands=SERVERS, allowed=rate_limits.RATE_LIMIT_RULE),
+    Setting("RATE_LIMIT_STORAGE", rate_limits.storage, "memory://", "Where rate-limit counters live (Flask-Limiter "
+            "storage URI with a moving window). memory:// counts per worker; redis://host:6379 shares counts between "
+            "workers and hosts and needs the redis client, which requirements.txt leaves out: pip install redis.",
+            commands=SERVERS, allowed=rate_limits.STORAGE_RULE),
     # -- operations --
     Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted). With "
             "API_TOKEN set, a scrape needs a token too (METRICS_TOKEN, else API_TOKEN).",
@@ -344,7 +350,8 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
     """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys).
 
     :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not
-        be silently ignored), or a value outside what the table allows.
+        be silently ignored), a value outside what the table allows, or ``RATE_LIMIT`` set with an
+        empty ``RATE_LIMIT_STORAGE``.
     """
     environ = os.environ if environ is None else environ
     overrides = overrides or {}
@@ -362,6 +369,9 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
         if s.name in overrides:
             value = s.convert(overrides[s.name], s.name)
         values[s.name] = value
+    if values["RATE_LIMIT"] and not values["RATE_LIMIT_STORAGE"]:  # a limit needs somewhere to count
+        source = "RATE_LIMIT_STORAGE" if "RATE_LIMIT_STORAGE" in overrides else PREFIX + "RATE_LIMIT_STORAGE"
+        raise SettingsError(f"{source}='' is not valid; allowed: {BY_NAME['RATE_LIMIT_STORAGE'].rule()}")
     return Settings(values)
 
 

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torchvision.transforms import v2
 
-from . import catalog, cpu, imaging
+from . import caches, catalog, cpu, imaging
 from .assets import GOLDEN, calibration_files
 from .bf16 import BF16_KEEP_FP32, judge_bf16
 from .engine import Engine, choose_precision, choose_reduce_range, configure_threads, native_bf16
@@ -67,7 +67,7 @@ class Started:
 
 def cache_dir(settings) -> Path:
     """The persistent cache folder: ``CACHE_DIR``, else ``~/.cache/photo-classifier`` (not created here)."""
-    return Path(settings.CACHE_DIR or Path.home() / ".cache" / "photo-classifier").expanduser()
+    return caches.cache_dir(settings)
 
 
 def inductor_cache_dir(settings) -> Path:
@@ -86,9 +86,11 @@ def inductor_cache_dir(settings) -> Path:
 
 
 def use_cache_dir(settings) -> Path:
-    """Create the cache folder and point inductor's kernel cache at ``inductor_cache_dir``; return the folder."""
-    cache = cache_dir(settings)
-    cache.mkdir(parents=True, exist_ok=True)
+    """Create the cache folder and point inductor's kernel cache at ``inductor_cache_dir``; return the folder.
+
+    :raises SettingsError: the folder cannot be created or written (``caches.make_cache_dir``).
+    """
+    cache = caches.make_cache_dir(settings)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir(settings))
     return cache
 

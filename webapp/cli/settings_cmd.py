@@ -27,8 +27,8 @@ def cmd_settings(args: argparse.Namespace) -> int:
     """``settings``: print each setting's variable, value in effect (secrets masked) and help.
 
     ``--markdown``: the README's table instead. Returns EXIT_OK, or EXIT_USAGE when a variable
-    holds an invalid value or a ``CLASSIFIER_*`` variable names no setting (the service would
-    refuse to start).
+    holds an invalid value, values are invalid together (``settings.load``'s checks across settings)
+    or a ``CLASSIFIER_*`` variable names no setting (the service would refuse to start).
     """
     if args.markdown:
         print(settings_mod.markdown_table())
@@ -52,4 +52,10 @@ def cmd_settings(args: argparse.Namespace) -> int:
     for key in unknown:
         bad += 1
         print(f"{key}: UNKNOWN setting (a typo?); the service refuses to start with it")
+    if not bad:  # each value is fine alone; together (a rate limit with no storage), as the service loads them?
+        try:
+            settings_mod.load(os.environ)
+        except SettingsError as exc:
+            bad += 1
+            print(f"INVALID together: {exc}")
     return EXIT_USAGE if bad else EXIT_OK

@@ -1,0 +1,55 @@
+"""The cache folder (webapp/caches.py): made as a start-up makes it, or refused in one line naming the setting."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from webapp import caches, settings
+from webapp.settings import SettingsError
+
+
+def test_the_folder_and_its_parents_are_made(tmp_path):
+    folder = tmp_path / "a" / "b" / "cache"
+    assert caches.make_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(folder)})) == folder
+    assert folder.is_dir()
+    assert caches.make_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(folder)})) == folder  # there: fine
+
+
+def test_empty_means_the_default_under_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert caches.make_cache_dir(settings.load({})) == tmp_path / ".cache" / "photo-classifier"
+    monkeypatch.setenv("HOME", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SettingsError) as err:
+        caches.make_cache_dir(settings.load({}))
+    assert str(err.value) == (f"CLASSIFIER_CACHE_DIR (empty: the default {tmp_path}/file/.cache/photo-classifier) "
+                              f"cannot be created: Not a directory")
+
+
+@pytest.mark.parametrize("where, why", [("/proc/nope", "No such file or directory"),
+                                        ("a-file", "it exists and is not a folder"),
+                                        ("a-file/sub", "Not a directory")])
+def test_a_folder_that_cannot_be_made_names_the_setting_and_the_reason(tmp_path, where, why):
+    (tmp_path / "a-file").write_text("x")
+    folder = where if where.startswith("/") else str(tmp_path / where)
+    with pytest.raises(SettingsError) as err:
+        caches.make_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": folder}))
+    assert str(err.value) == f"CLASSIFIER_CACHE_DIR={folder} cannot be created: {why}"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")
+def test_a_folder_that_cannot_be_written_is_refused(tmp_path):
+    folder = tmp_path / "locked"
+    folder.mkdir(mode=0o500)
+    with pytest.raises(SettingsError, match=f"^CLASSIFIER_CACHE_DIR={folder} cannot be written: Permission denied$"):
+        caches.make_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(folder)}))
+
+
+def test_start_up_makes_it_the_same_way(tmp_path):
+    from webapp import startup
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(SettingsError, match="cannot be created"):
+        startup.use_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(tmp_path / "a-file")}))
+    assert startup.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~/x"})) == Path.home() / "x"

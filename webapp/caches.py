@@ -1,0 +1,41 @@
+"""The persistent cache folder (``CACHE_DIR``): where it is, and made, or refused, before anything starts.
+
+Compiled kernels, AOTInductor packages, the int8 program and the precision record live there
+(``webapp/startup.py``). A folder that cannot be made or written is a setting's fault: gunicorn's
+master checks it before it listens (``gunicorn.conf.py``) and ``classify`` before any model starts,
+so each says so in one line and exits 2, instead of a pathlib traceback or every worker's "loading
+model failed" and exit 3. Torch-free, for the master.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from .settings import PREFIX, SettingsError
+
+
+def cache_dir(values: Mapping[str, Any]) -> Path:
+    """The cache folder of ``values`` (``settings.load``'s): ``CACHE_DIR``, else ``~/.cache/photo-classifier``."""
+    return Path(values["CACHE_DIR"] or Path.home() / ".cache" / "photo-classifier").expanduser()
+
+
+def make_cache_dir(values: Mapping[str, Any]) -> Path:
+    """Create the cache folder (``cache_dir``) with its parents if it is missing, as every start-up does; return it.
+
+    :raises SettingsError: naming ``CLASSIFIER_CACHE_DIR`` and the folder: it cannot be created (the OS's
+        reason: no such file or directory, permission denied, read-only file system...), it exists and is
+        not a folder, or this process cannot write in it.
+    """
+    path = cache_dir(values)
+    what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "it exists and is not a folder" if path.exists() else exc.strerror or str(exc)
+        raise SettingsError(f"{what} cannot be created: {why}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SettingsError(f"{what} cannot be written: {os.strerror(errno.EACCES)}")
+    return path
