@@ -86,3 +86,20 @@ def test_the_table_ends_with_the_code_every_other_http_error_gets(client, app):
     resp = client.get("/static/favicon.svg", headers={"Range": "bytes=99999999-", "Accept": "application/json"})
     assert resp.status_code == 416
     assert resp.get_json()["error"]["code"] == errors.OTHER_HTTP_CODE and resp.get_json()["error"]["status"] == 416
+
+
+def test_every_api_route_answers_a_wrong_method_with_json(client, app):
+    """Only the page's routes (``/``, its assets) answer errors with the HTML page; every other route,
+    ``/openapi.json`` included, answers a wrong method with the JSON 405 whatever the client accepts."""
+    page = ("ui.", "static")
+    api = {r.rule for r in app.url_map.iter_rules() if not r.endpoint.startswith(page) and "<" not in r.rule}
+    assert {"/openapi.json", "/healthz", "/readyz", "/metrics", "/api/v1/models", "/api/v1/predict"} <= api
+    for path in sorted(api):
+        for method in ("put", "delete", "patch") + (() if path.endswith("predict") else ("post",)):
+            resp = getattr(client, method)(path, headers={"Accept": "text/html,*/*;q=0.8"})
+            assert (resp.status_code, resp.mimetype) == (405, "application/json"), (method, path)
+            body = resp.get_json()
+            error = body["error"] if isinstance(body["error"], dict) else {"code": body["error"].split(":")[0]}
+            assert error["code"] == "method_not_allowed" and resp.headers["Allow"], (method, path)
+    resp = client.put("/", headers={"Accept": "text/html"})
+    assert (resp.status_code, resp.mimetype) == (405, "text/html")

@@ -186,3 +186,32 @@ def test_models_and_probes_fit_the_document(client, app):
     conforms(schema, "/api/v1/models", "GET", client.get("/api/v1/models"), 200)
     conforms(schema, "/healthz", "GET", client.get("/healthz"), 200)
     conforms(schema, "/readyz", "GET", client.get("/readyz"), 200)
+
+
+def test_a_wrong_method_on_predict_fits_the_documents_405(client, app):
+    """The README's 405 example, ``GET /api/v1/predict``: not an operation of the document (a client generator
+    would make a method of it), but its answer is the documented 405 response: the Error body, and Allow."""
+    import jsonschema
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT7
+
+    doc = json.loads(json.dumps(build_spec(app.extensions["settings"])))
+    assert set(doc["paths"]["/api/v1/predict"]) == {"post"}
+    e405 = doc["components"]["responses"]["E405"]
+    resp = client.get("/api/v1/predict")
+    assert resp.status_code == 405 and resp.headers["Allow"] == "OPTIONS, POST" and "Allow" in e405["headers"]
+    registry = Registry().with_resource("urn:doc", Resource.from_contents(doc, default_specification=DRAFT7))
+    schema = json.loads(json.dumps(e405["content"]["application/json"]["schema"]).replace('"#/', '"urn:doc#/'))
+    jsonschema.Draft7Validator(schema, registry=registry).validate(resp.get_json())  # Error, code and status 405
+    assert resp.get_json()["error"]["code"] == "method_not_allowed"
+
+
+def test_every_field_of_the_model_an_answer_describes_is_documented(client, app):
+    """``model`` in every answer (predict, /healthz, /readyz) carries ``backend``, as the README says: the
+    document names each of its fields, and the value answered is one it allows."""
+    model = json.loads(json.dumps(build_spec(app.extensions["settings"])))["components"]["schemas"]["Model"]
+    answer = client.post("/api/v1/predict", data=small_png(), content_type="image/png").get_json()["model"]
+    for described in (answer, client.get("/healthz").get_json()["model"], client.get("/readyz").get_json()["model"]):
+        assert set(described) <= set(model["properties"]), set(described) - set(model["properties"])
+    assert answer["backend"] in model["properties"]["backend"]["enum"]
+    assert set(model["properties"]["backend"]["enum"]) == {"aoti", "inductor", "eager"}

@@ -243,6 +243,11 @@ def markdown_table() -> str:
     return "\n".join(rows)
 
 
+# Routes outside /api/ and /v2 whose errors are JSON whatever the client accepts (a 405 for `PUT /openapi.json`
+# too): the API blueprint's probes and document, and /metrics. The page (/, its assets) answers its HTML page.
+API_PATHS = ("/healthz", "/readyz", "/openapi.json", "/metrics")
+
+
 def init_errors(app, settings) -> None:
     """Register the one error handler on ``app``: JSON for the API, the page for the UI, and
     ``{"error": "<code>: <message>"}`` under ``/v2`` (the Open Inference Protocol's shape).
@@ -255,7 +260,7 @@ def init_errors(app, settings) -> None:
     from werkzeug.exceptions import HTTPException
 
     def wants_json() -> bool:
-        return request.path.startswith("/api/") or request.path in ("/healthz", "/readyz", "/metrics") \
+        return request.path.startswith("/api/") or request.path in API_PATHS \
             or request.path != "/" and request.accept_mimetypes.best == "application/json"
 
     def render(status: int, code: str, message: str, headers: dict | None = None):

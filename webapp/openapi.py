@@ -47,6 +47,8 @@ def _error_response(status: int) -> dict:
         headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
     if status == 401:
         headers["WWW-Authenticate"] = {"description": "`Bearer realm=\"classifier\"`", "schema": {"type": "string"}}
+    if status == 405:
+        headers["Allow"] = {"description": "The methods this path takes, e.g. `OPTIONS, POST`.", "schema": _STR}
     return {
         "description": when[0].upper() + when[1:] + ".",
         "headers": headers,
@@ -60,6 +62,12 @@ def _error_response(status: int) -> dict:
 def _json(schema_ref: str, description: str) -> dict:
     return {"description": description, "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}}
+
+
+def _get(op: str, summary: str, tag: str, responses: dict) -> dict:
+    """A GET operation that takes only the ``X-Request-ID`` header."""
+    return {"get": {"operationId": op, "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+                    "summary": summary, "tags": [tag], "responses": responses}}
 
 
 _NUM = {"type": "number", "minimum": 0}
@@ -101,6 +109,8 @@ SCHEMAS: dict[str, Any] = {
             "categories": {"type": "integer", "minimum": 1},
             "precision": {"type": "string", "enum": ["fp32", "bf16", "int8"]},
             "compiled": {"type": "boolean"},
+            "backend": {"type": "string", "enum": ["aoti", "inductor", "eager"], "description": "How it runs: `aoti` "
+                        "compiled ahead of time (AOTInductor), `inductor` torch.compile, `eager` not compiled."},
         },
     },
     "Prediction": {
@@ -316,41 +326,23 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
         "security": [{"bearerAuth": []}] if token else [{}, {"bearerAuth": []}],
     }
     paths: dict[str, Any] = {
+        # A wrong method (GET...) is 405 with Allow (components E405), not an operation: client generators
+        # would make a method of it.
         "/api/v1/predict": {"post": predict},
-        "/api/v1/models": {"get": {
-            "operationId": "listModels",
-            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
-            "summary": "The models this server knows, and the one it serves",
-            "tags": ["classify"],
-            "responses": {"200": _json("ModelList", "Every model `CLASSIFIER_MODEL` can name; the serving one has "
-                                                    "`serving: true` with its weights and fallback note.")},
-        }},
-        "/healthz": {"get": {
-            "operationId": "healthz",
-            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
-            "summary": "Liveness: this worker is alive",
-            "tags": ["operations"],
-            "responses": {"200": _json("Health", "Alive; with pid, pinned cores, threads, model, precision, "
-                                                 "self-test and queue depth (of the worker that answered).")},
-        }},
-        "/readyz": {"get": {
-            "operationId": "readyz",
-            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
-            "summary": "Readiness: warmed up and self-tested",
-            "tags": ["operations"],
-            "responses": {"200": _json("Readiness", "Ready to classify."),
-                          "503": _json("Readiness", "Not ready: warming up, self-test failed or shutting down "
-                                                    "(`state` says which).")},
-        }},
-        "/openapi.json": {"get": {
-            "operationId": "openapi",
-            "parameters": [{"$ref": "#/components/parameters/RequestId"}],
-            "summary": "This document",
-            "tags": ["operations"],
-            "responses": {"200": {"description": "OpenAPI 3 document.",
-                                  "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
-                                  "content": {"application/json": {"schema": {"type": "object"}}}}},
-        }},
+        "/api/v1/models": _get("listModels", "The models this server knows, and the one it serves", "classify", {
+            "200": _json("ModelList", "Every model `CLASSIFIER_MODEL` can name; the serving one has `serving: true` "
+                                      "with its weights and fallback note.")}),
+        "/healthz": _get("healthz", "Liveness: this worker is alive", "operations", {
+            "200": _json("Health", "Alive; with pid, pinned cores, threads, model, precision, self-test and queue "
+                                   "depth (of the worker that answered).")}),
+        "/readyz": _get("readyz", "Readiness: warmed up and self-tested", "operations", {
+            "200": _json("Readiness", "Ready to classify."),
+            "503": _json("Readiness", "Not ready: warming up, self-test failed or shutting down (`state` says "
+                                      "which).")}),
+        "/openapi.json": _get("openapi", "This document", "operations", {"200": {
+            "description": "OpenAPI 3 document.",
+            "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
+            "content": {"application/json": {"schema": {"type": "object"}}}}}),
     }
     if metrics:
         paths["/metrics"] = {"get": {
