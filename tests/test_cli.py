@@ -152,7 +152,10 @@ def test_settings_markdown_is_the_readme_table(no_classifier_env, capsys):
     assert capsys.readouterr().out == settings.markdown_table() + "\n"
 
 
-def test_settings_shows_values_and_flags_bad_ones(no_classifier_env, monkeypatch, capsys):
+def test_settings_shows_values_and_flags_bad_ones(no_classifier_env, monkeypatch, tmp_path, capsys):
+    (tmp_path / "redis").mkdir()  # the redis:// storage needs its client package (requirements.txt leaves it out)
+    (tmp_path / "redis" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("CLASSIFIER_PRECISION", "fp32")
     monkeypatch.setenv("CLASSIFIER_API_TOKEN", "s3cret")
     monkeypatch.setenv("CLASSIFIER_RATE_LIMIT_STORAGE", "redis://:pw@cache:6379")
@@ -168,6 +171,48 @@ def test_settings_shows_values_and_flags_bad_ones(no_classifier_env, monkeypatch
     assert "CLASSIFIER_THREADS = many  (INVALID" in out and "CLASSIFIER_THREAD: UNKNOWN" in out
 
 
+@pytest.mark.parametrize("environ, flagged", [
+    ({"CLASSIFIER_RATE_LIMIT": "lots"}, "CLASSIFIER_RATE_LIMIT = lots  (INVALID: CLASSIFIER_RATE_LIMIT='lots' is not "
+                                        "valid; allowed: empty (off), or Flask-Limiter notation"),
+    ({"CLASSIFIER_RATE_LIMIT_STORAGE": "bogus://x"}, "CLASSIFIER_RATE_LIMIT_STORAGE = bogus://x  (INVALID: "),
+    ({"CLASSIFIER_RATE_LIMIT_STORAGE": "redis://127.0.0.1:1"}, "not valid: redis:// needs the Python package 'redis'"),
+    ({"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": ""},
+     "INVALID together: CLASSIFIER_RATE_LIMIT_STORAGE='' is not valid; allowed: "),
+])
+def test_settings_flags_a_rate_limit_the_server_would_refuse(environ, flagged, no_classifier_env, monkeypatch,
+                                                             capsys):
+    monkeypatch.setitem(sys.modules, "redis", None)  # not installed, whatever this machine has
+    for key, value in environ.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["settings"]) == 2
+    assert flagged in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("environ", [{"CLASSIFIER_RATE_LIMIT": "lots"},
+                                     {"CLASSIFIER_RATE_LIMIT_STORAGE": "bogus://x"},
+                                     {"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": ""}])
+def test_classify_refuses_a_bad_rate_limit_setting_in_one_line(environ):
+    out = run_cli("classify", *QUICK, str(SHARED_IMAGES / "dog.jpg"), env=clean_env(**environ), timeout=60)
+    assert out.returncode == 2, out.stderr
+    name = next(iter(environ)) if len(environ) == 1 else "CLASSIFIER_RATE_LIMIT_STORAGE"
+    assert out.stderr.startswith(f"configuration error: {name}=") and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.parametrize("where, why", [("/proc/nope", "cannot be created: No such file or directory"),
+                                        ("a-file", "cannot be created: it exists and is not a folder"),
+                                        ("a-file/sub", "cannot be created: Not a directory")])
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_classify_with_a_cache_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, where, why, how):
+    """Even --no-compile makes the cache folder (the precision record): pathlib's traceback and exit 1 before."""
+    (tmp_path / "a-file").write_text("not a folder")
+    folder = where if where.startswith("/") else str(tmp_path / where)
+    given = ("--cache-dir", folder) if how == "option" else ()
+    env = clean_env(**({} if how == "option" else {"CLASSIFIER_CACHE_DIR": folder}))
+    out = run_cli("classify", *QUICK, *given, str(SHARED_IMAGES / "dog.jpg"), env=env, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"configuration error: CLASSIFIER_CACHE_DIR={folder} {why}\n"
+
+
 def test_classify_with_no_image_files_is_a_usage_error_before_loading_a_model(no_classifier_env, tmp_path, capsys):
     (tmp_path / "readme.txt").write_text("x")
     (tmp_path / "IMG_0001.HEIC").write_bytes(b"\x00\x00\x00\x18ftypheic")
@@ -175,7 +220,7 @@ def test_classify_with_no_image_files_is_a_usage_error_before_loading_a_model(no
     err = capsys.readouterr().err.splitlines()
     assert err == [
         f"{tmp_path / 'IMG_0001.HEIC'}: skipped: HEIC is not a format read here (JPEG, PNG, WebP, GIF, BMP, TIFF, "
-        "AVIF); convert it to JPEG first",
+        "AVIF or PPM); convert it to JPEG first",
         f"error: no image files in {tmp_path} (skipped in folders: 1 photo in a format not read here (named above), "
         "1 other file (--all-files tries them))"]
 
@@ -199,6 +244,98 @@ def test_raw_and_heic_photos_in_folders_are_named_with_why(tmp_path):
     assert why[str(tmp_path / "d.CR2")].startswith("skipped: RAW (Canon) is not a format read here")
     assert why[str(tmp_path / "e.dng")].startswith("skipped: RAW (DNG)")
     assert why[str(tmp_path / "notes.txt")] is None and why[str(tmp_path / ".hidden.heic")] is None
+
+
+def test_a_file_is_read_up_to_the_limit_and_no_further(tmp_path):
+    """read_limited (local and --server classify): a file over the limit by its size is refused unread; one whose
+    size says less than it holds (a pipe here, a file growing between stat and read) is refused after limit + 1
+    bytes, the writer left with the rest unread."""
+    from webapp.errors import TooLarge
+
+    exact = tmp_path / "ten.bin"
+    exact.write_bytes(b"0123456789")
+    assert files.read_limited(exact, 10) == b"0123456789"
+    with pytest.raises(TooLarge, match=r"^the file is 10 bytes; the limit is 9 \(CLASSIFIER_MAX_UPLOAD_BYTES\)$"):
+        files.read_limited(exact, 9)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    wrote: list = []
+
+    def writer() -> None:
+        try:
+            with open(fifo, "wb") as f:
+                for _ in range(64):  # 4 MiB, more than the pipe buffer holds
+                    f.write(bytes(65536))
+            wrote.append("all")
+        except BrokenPipeError:
+            wrote.append("cut off")
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    with pytest.raises(TooLarge, match=r"^the file is larger than 1,000 bytes \(CLASSIFIER_MAX_UPLOAD_BYTES\)$"):
+        files.read_limited(fifo, 1000)
+    thread.join(10)
+    assert wrote == ["cut off"]
+
+
+def test_a_skipped_photo_is_told_every_format_the_decoder_reads():
+    """The skip message's list is the decoder's own (webapp/imaging.py opens uploads as FORMATS only)."""
+    from webapp import imaging
+
+    why = files.why_skipped(Path("IMG_0001.HEIC"))
+    listed = re.search(r"\((.*)\)", why).group(1)
+    assert {name.upper() for name in re.split(r", | or ", listed)} == set(imaging.FORMATS), why
+    assert listed == imaging.FORMAT_NAMES
+
+
+def _odd_entries(folder: Path) -> dict[str, str]:
+    """A broken link, a FIFO and a link to a device, each with a photo's name; a real photo; two text files."""
+    folder.mkdir(exist_ok=True)
+    (folder / "IMG_0001.jpg").symlink_to(folder / "nowhere")
+    os.mkfifo(folder / "IMG_0002.jpg")
+    (folder / "IMG_0003.jpg").symlink_to("/dev/zero")
+    (folder / "dog.jpg").write_bytes((SHARED_IMAGES / "dog.jpg").read_bytes())
+    (folder / "gone.txt").symlink_to(folder / "nowhere")
+    (folder / "notes.txt").write_text("x")
+    return {"IMG_0001.jpg": "no such file or directory (a broken link)", "IMG_0002.jpg": "not a regular file",
+            "IMG_0003.jpg": "not a regular file"}
+
+
+def test_a_folders_broken_links_fifos_and_devices_are_error_entries_not_skipped(tmp_path):
+    """In a folder, an entry classify would take that cannot be read is an error, as on the command line;
+    "skipped ... (--all-files tries them)" counts only what --all-files would really try."""
+    if not (SHARED_IMAGES / "dog.jpg").is_file():
+        pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
+    odd = _odd_entries(tmp_path / "f")
+    items, skipped = files.collect_files([str(tmp_path / "f")])
+    assert [(Path(shown).name, path, why) for shown, path, why in items] == [
+        *((name, None, why) for name, why in odd.items()), ("dog.jpg", tmp_path / "f" / "dog.jpg", None)]
+    assert skipped == [(str(tmp_path / "f" / "notes.txt"), None)]  # not the broken gone.txt
+    assert files.skipped_note(skipped) == "; skipped in folders: 1 other file (--all-files tries them)"
+    items, skipped = files.collect_files([str(tmp_path / "f")], all_files=True)
+    assert {Path(shown).name: why for shown, _, why in items} == {
+        **odd, "dog.jpg": None, "gone.txt": "no such file or directory (a broken link)", "notes.txt": None}
+    assert skipped == []
+    # the same words as each named on the command line
+    for name, why in odd.items():
+        assert files.collect_files([str(tmp_path / "f" / name)])[0] == [(str(tmp_path / "f" / name), None, why)]
+
+
+def test_classify_reports_a_folders_unreadable_entries_and_never_opens_a_fifo(tmp_path):
+    if not (SHARED_IMAGES / "dog.jpg").is_file():
+        pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
+    odd = _odd_entries(tmp_path / "f")
+    out = run_cli("classify", *QUICK, "-f", "json", str(tmp_path / "f"), timeout=120,  # a FIFO opened would hang
+                  env=clean_env(CLASSIFIER_CACHE_DIR=tmp_path / "cache"))
+    assert out.returncode == 1, out.stderr
+    rows = {Path(r["path"]).name: r for r in json.loads(out.stdout)}
+    assert set(rows) == {*odd, "dog.jpg"}
+    assert rows["IMG_0001.jpg"]["error"] == {"code": "not_found", "message": odd["IMG_0001.jpg"]}
+    for name in ("IMG_0002.jpg", "IMG_0003.jpg"):
+        assert rows[name]["error"] == {"code": "not_a_file", "message": "not a regular file"}
+    assert rows["dog.jpg"]["error"] is None and rows["dog.jpg"]["predictions"]
+    assert "4 files: 1 classified, 3 failed" in out.stderr
+    assert out.stderr.rstrip().endswith("skipped in folders: 1 other file (--all-files tries them)"), out.stderr
 
 
 def test_paths_are_shown_as_given_never_resolved(tmp_path):
@@ -307,6 +444,24 @@ def test_classify_csv_in_process(photos, tmp_path, no_classifier_env, monkeypatc
     (broken,) = [r for r in rows if r["path"].endswith("broken.jpg")]
     assert broken["error"] and broken["label"] == "" and broken["rank"] == ""
     assert "img/s" in captured.err
+
+
+def test_quiet_leaves_per_file_errors_to_the_output_as_its_help_says(photos, tmp_path, no_classifier_env,
+                                                                     monkeypatch, capsys):
+    """-q: a broken photo is a row of stdout's output and nothing on stderr; the help says so (no "errors
+    still go to stderr")."""
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
+    code = cli.main(["classify", *QUICK, "-q", "-f", "csv", str(SHARED_IMAGES / "dog.jpg"), str(photos / "broken.jpg")])
+    out = capsys.readouterr()
+    assert code == 1 and out.err == ""
+    (broken,) = [r for r in csv.DictReader(io.StringIO(out.out)) if r["path"].endswith("broken.jpg")]
+    assert broken["error"].startswith("cannot read the image header") and broken["label"] == ""
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per option
+    with pytest.raises(SystemExit):
+        cli.main(["classify", "--help"])
+    (quiet,) = [line for line in capsys.readouterr().out.splitlines() if "--quiet" in line]
+    assert "errors still go to stderr" not in quiet and "errors that stop the run still go to stderr" in quiet
+    assert "A file that fails is a row of the output" in quiet
 
 
 # -- weights ---------------------------------------------------------------------------------------------

@@ -29,10 +29,11 @@ from webapp.settings import PREFIX
 QUICK = ("--model", "efficientnet_lite0", "--no-compile", "--precision", "fp32", "--max-batch-size", "4")
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX) and "proxy" not in k.lower()}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(PREFIX) and "proxy" not in k.lower()},
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "webapp", "classify", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -160,12 +161,41 @@ def test_server_must_be_a_url(folder):
     assert out.returncode == 2 and out.stderr.startswith("error: --server must be an http:// or https:// URL")
 
 
-# -- retries against a stub that refuses on purpose -----------------------------------------------------------
-class Stub(http.server.ThreadingHTTPServer):
-    """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200; records arrival times."""
+@pytest.mark.parametrize("url, message", [
+    ("", "error: --server must be an http:// or https:// URL, got ''"),  # --server "$URL" with URL unset
+    ("http://127.0.0.1:99999", "error: --server 'http://127.0.0.1:99999' is not a valid URL: bad port (port out of "
+                               "range 0-65535)"),
+    ("http://127.0.0.1:0", "error: --server 'http://127.0.0.1:0' is not a valid URL: bad port"),
+    ("http://[::1", "error: --server 'http://[::1' is not a valid URL: bad host (invalid IPv6 URL)"),
+    ("http://bad host", "error: --server 'http://bad host' is not a valid URL: bad host (host 'bad host' contains "
+                        "invalid character ' ')"),
+    ("http://:8000", "error: --server 'http://:8000' is not a valid URL: it names no host"),
+])
+def test_an_empty_or_malformed_server_url_is_a_usage_error(folder, url, message):
+    """Never a local run (an empty --server), nor "cannot reach the server" (exit 1) for a URL that names no
+    place a server could be: exit 2 with what is wrong, before any model starts or anything is sent."""
+    quick = {f"{PREFIX}MODEL": "efficientnet_lite0", f"{PREFIX}COMPILE": "0"}  # should it run locally after all
+    out = run_cli(str(folder / "dog.jpg"), "--server", url, "-q", timeout=120, env=quick)
+    assert (out.returncode, out.stdout) == (2, ""), out.stderr
+    assert out.stderr.startswith(message) and len(out.stderr.splitlines()) == 1, out.stderr
 
-    def __init__(self, plan: list[tuple[int, str | None]]):
-        self.plan, self.arrivals = list(plan), []
+
+def test_well_formed_server_urls_pass():
+    for url in ("http://127.0.0.1:8000", "https://[::1]:8443/", "http://classifier.internal/prefix"):
+        assert remote.url_problem(url) is None, url
+
+
+# -- retries against a stub that refuses on purpose -----------------------------------------------------------
+NOT_READY = {"code": "not_ready", "status": 503, "message": "the model is not ready (starting); try again shortly"}
+
+
+class Stub(http.server.ThreadingHTTPServer):
+    """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200; records arrival times.
+    GET /api/v1/models answers ``starting`` times as a starting server does (503 not_ready, Retry-After:
+    ``retry_after``) first; ``probes`` records those GETs' arrival times."""
+
+    def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1"):
+        self.plan, self.arrivals, self.probes, self.starting = list(plan), [], [], starting
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -173,6 +203,16 @@ class Stub(http.server.ThreadingHTTPServer):
                 pass
 
             def do_GET(self):  # /api/v1/models, enough for the CLI to start
+                stub.probes.append(time.monotonic())
+                if stub.starting:  # as the real server's master answers before a worker is ready
+                    stub.starting -= 1
+                    data = json.dumps({"error": NOT_READY}).encode()
+                    self.send_response(503)
+                    self.send_header("Retry-After", retry_after)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
                 data = json.dumps({"requested": "stub", "serving": "stub", "models": [
                     {"name": "stub", "title": "Stub", "precision": "fp32", "send_short_side": 256,
                      "send_resample": "bilinear", "serving": True}]}).encode()
@@ -216,7 +256,8 @@ def tiny_file(tmp_path) -> Path:
 def test_429_is_retried_after_retry_after_with_jitter(tmp_path):
     stub = Stub([(429, "1"), (503, "2")])
     try:
-        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None)
+        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None,
+                                     max_bytes=2**20)
     finally:
         stub.shutdown()
     assert "error" not in result
@@ -230,11 +271,98 @@ def test_retries_are_bounded_and_end_in_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(remote, "MAX_TRIES", 3)
     stub = Stub([(429, "0")] * 5)
     try:
-        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None)
+        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None,
+                                     max_bytes=2**20)
     finally:
         stub.shutdown()
     assert len(stub.arrivals) == 3 and result["retries"] == 2
     assert result["error"] == {"code": "overloaded", "message": "server busy (gave up after 3 tries, 0 s of waiting)"}
+
+
+def test_a_file_over_the_upload_limit_is_too_large_unread_as_locally(tmp_path):
+    """A 40 MB sparse file (no real bytes on disk) is refused by its size, with local classify's row, before
+    anything is read or sent; the other file is classified and the run exits 1, as locally."""
+    from webapp import errors, settings
+
+    huge = tmp_path / "huge.jpg"
+    with open(huge, "wb") as f:
+        f.truncate(40_000_000)
+    limit = settings.load({}).MAX_UPLOAD_BYTES
+    stub = Stub([])
+    try:
+        out = run_cli(str(huge), str(tiny_file(tmp_path)), "--server", stub.url, "--format", "json", timeout=60)
+    finally:
+        stub.shutdown()
+    assert out.returncode == 1, out.stderr
+    got = {Path(r["path"]).name: r for r in json.loads(out.stdout)}
+    assert got["huge.jpg"]["error"] == {"code": "too_large", "message": errors.TooLarge.file(40_000_000, limit).message}
+    assert got["huge.jpg"]["error"]["message"] == \
+        "the file is 40,000,000 bytes; the limit is 33,554,432 (CLASSIFIER_MAX_UPLOAD_BYTES)"
+    assert got["x.png"]["error"] is None and len(stub.arrivals) == 1  # only x.png was sent
+
+
+# -- the first probe (GET /api/v1/models): a server still starting, one that never answers -------------------
+def test_a_server_still_starting_is_waited_for(tmp_path):
+    """503 not_ready + Retry-After on the probe is waited out as an upload's 429/503 is (with the jitter), saying
+    so on stderr (not with -q); then the run goes on as usual."""
+    for quiet in (False, True):
+        stub = Stub([], starting=2)
+        try:
+            out = run_cli(str(tiny_file(tmp_path)), "--server", stub.url, *(["-q"] if quiet else []), timeout=60)
+        finally:
+            stub.shutdown()
+        assert out.returncode == 0, out.stderr
+        assert "kite" in out.stdout and len(stub.probes) == 3 and len(stub.arrivals) == 1
+        for a, b in zip(stub.probes, stub.probes[1:]):
+            assert 1.0 <= b - a <= 1.0 * (1 + remote.JITTER) + 0.5, b - a
+        waits = [line for line in out.stderr.splitlines() if line.startswith("waiting")]
+        if quiet:
+            assert waits == [] and out.stderr == "", out.stderr
+        else:
+            assert waits == [f"waiting for the server at {stub.url} to start (503 not_ready: {NOT_READY['message']}); "
+                             f"trying again in 1 s (try {n} of {remote.MAX_TRIES})" for n in (2, 3)], out.stderr
+
+
+def test_a_server_that_stays_starting_is_said_to_be_starting(tmp_path, monkeypatch, capsys):
+    """The probe's tries are bounded as an upload's are, and the end says the server is still starting (exit 1),
+    not that it is no photo classifier."""
+    from webapp import cli
+
+    monkeypatch.setattr(remote, "MAX_TRIES", 3)
+    stub = Stub([], starting=10, retry_after="0")
+    try:
+        status = cli.main(["classify", str(tiny_file(tmp_path)), "--server", stub.url])
+    finally:
+        stub.shutdown()
+    err = capsys.readouterr().err.splitlines()
+    assert status == 1 and len(stub.probes) == 3 and stub.arrivals == []
+    assert err[-1] == (f"error: the server at {stub.url} is still starting (503 not_ready: {NOT_READY['message']}); "
+                       f"gave up after 3 tries, 0 s of waiting"), err
+    assert len([line for line in err if line.startswith("waiting for the server")]) == 2, err
+
+
+def test_a_server_that_never_answers_the_probe_is_named_within_the_probe_timeout(tmp_path, monkeypatch, capsys):
+    """A server that takes the connection and says nothing: an error after PROBE_READ_TIMEOUT_S (30 s; 0.5 here),
+    not after the uploads' READ_TIMEOUT_S (300 s; 20 here), exit 1."""
+    import socket
+
+    from webapp import cli
+
+    assert remote.PROBE_READ_TIMEOUT_S == 30.0
+    monkeypatch.setattr(remote, "PROBE_READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 20.0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel takes the connection; nothing ever reads or answers it
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    try:
+        start = time.monotonic()
+        status = cli.main(["classify", str(tiny_file(tmp_path)), "--server", url])
+        took = time.monotonic() - start
+    finally:
+        silent.close()
+    assert status == 1 and took < 5, took
+    assert capsys.readouterr().err.splitlines() == [f"error: no answer from {url} within 0.5 s (GET /api/v1/models)"]
 
 
 # -- local scaling ----------------------------------------------------------------------------------------

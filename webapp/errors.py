@@ -87,8 +87,11 @@ class TooLarge(ServiceError):
                    f"most {max_files} files, CLASSIFIER_MAX_FILES, each with its original_* fields)")
 
     @classmethod
-    def file(cls, size: int, limit: int) -> "TooLarge":
-        """One file of ``size`` bytes over ``limit`` (the CLI's and Ray Data's files, read from disk)."""
+    def file(cls, size: int | None, limit: int) -> "TooLarge":
+        """One file of ``size`` bytes over ``limit`` (the CLI's and Ray Data's files, read from disk); ``size``
+        None: more than ``limit`` bytes came from a file whose size said less (it grew, or a pipe)."""
+        if size is None:
+            return cls(f"the file is larger than {limit:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)")
         return cls(f"the file is {size:,} bytes; the limit is {limit:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")
 
 

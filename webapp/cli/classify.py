@@ -16,10 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+from .. import caches
 from .. import settings as settings_mod
 from ..settings import PREFIX
 from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
-from .files import IMAGE_SUFFIXES, collect_files, no_image_files, report_skipped, skipped_note
+from .files import IMAGE_SUFFIXES, collect_files, no_image_files, read_limited, report_skipped, skipped_note, unreadable
 from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
 from .output import write_results
 from .remote import add_arguments as add_remote_arguments
@@ -48,8 +49,10 @@ def add_parser(sub) -> None:
     classify.add_argument("--all-files", action="store_true",
                           help="in folders, try every file, hidden ones too (default: only image file "
                                "names, no hidden files)")
-    classify.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary (warnings "
-                          "and errors still go to stderr)")
+    classify.add_argument("-q", "--quiet", action="store_true", help="no progress bar and no summary. A file that "
+                          "fails is a row of the output, with or without -q (stdout's table, CSV or JSON; with "
+                          "--cluster, the Parquet file, or a line on stderr for a path it cannot read); warnings, "
+                          "skipped HEIC/RAW photos and errors that stop the run still go to stderr")
     classify.add_argument("--cluster", action="store_true",
                           help="classify with Ray Data on a Ray cluster (pip install -r requirements-cluster.txt) and "
                                "write one Parquet file (--out): path, model, width, height, format, labels, "
@@ -122,7 +125,8 @@ def _error(code: str, message: str) -> dict:
 def cmd_classify(args: argparse.Namespace) -> int:
     """``classify``: print one result per file on stdout; the exit status is ``CLASSIFY_EXIT_STATUS``'s.
 
-    A bad setting raises ``SettingsError`` (``main`` makes it exit 2); ``--cluster`` goes to
+    A bad setting, or a ``CACHE_DIR`` that cannot be created, raises ``SettingsError`` (``main`` makes it
+    exit 2); ``--cluster`` goes to
     ``classify_cluster``. Paths (``-``: from stdin) are checked first: one that does not exist, or
     none holding an image file, is a usage error before any model starts.
     """
@@ -132,16 +136,17 @@ def cmd_classify(args: argparse.Namespace) -> int:
         err("error: no paths (stdin was empty)")
         return EXIT_USAGE
     for missing in missing_paths(args.paths):
-        err(f"error: {missing}: no such file or directory" + (" (a broken link)" if Path(missing).is_symlink() else ""))
+        err(f"error: {missing}: {unreadable(Path(missing))}")
     if missing_paths(args.paths):
         return EXIT_USAGE
-    if args.server:
+    if args.server is not None:  # --server "" ($URL unset) is a usage error there, not a local run
         return classify_remote(args)
     if args.cluster:
         return classify_cluster(args)
     if args.out or args.address:
         err("error: --out and --address go with --cluster")
         return EXIT_USAGE
+    caches.make_cache_dir(s)  # a folder that cannot be made is a setting's fault (SettingsError: exit 2)
     items, skipped = collect_files(args.paths, all_files=args.all_files)
     report_skipped(skipped)
     if not any(path for _, path, _ in items):
@@ -165,7 +170,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     from tqdm import tqdm
 
     from ..contract import Upload
-    from ..errors import ServiceError, StartupError, check_file_size
+    from ..errors import ServiceError, StartupError
     from ..service import Classifier
 
     if not args.quiet:  # which model serves is known once it is loaded (the offline one may stand in)
@@ -190,8 +195,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 
     def one(path: Path) -> dict:
         try:
-            check_file_size(path.stat().st_size, s.MAX_UPLOAD_BYTES)
-            data = path.read_bytes()
+            data = read_limited(path, s.MAX_UPLOAD_BYTES)
             answer = classifier.classify([Upload(path.name, data)], topk=topk)
         except ServiceError as exc:
             message = exc.message.removeprefix(f"{path.name}: ")

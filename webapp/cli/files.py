@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..contract import FORMAT_NAMES
 from .common import err, plural
 
 # What ``classify`` takes from a folder (files named on the command line are always tried).
@@ -16,7 +17,6 @@ UNREADABLE_PHOTOS = {".heic": "HEIC", ".heif": "HEIF", ".hif": "HEIF", ".dng": "
                      ".cr3": "RAW (Canon)", ".nef": "RAW (Nikon)", ".nrw": "RAW (Nikon)", ".arw": "RAW (Sony)",
                      ".orf": "RAW (Olympus)", ".rw2": "RAW (Panasonic)", ".raf": "RAW (Fujifilm)",
                      ".pef": "RAW (Pentax)", ".srw": "RAW (Samsung)"}
-READS = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF"
 
 Item = tuple[str, "Path | None", "str | None"]  # (path as shown, path to read or None, why it cannot be read)
 Skipped = tuple[str, "str | None"]  # (path as shown, why: set for a photo in a format not read here, else None)
@@ -32,7 +32,7 @@ def shown_path(arg: str, inside: Path | None = None) -> str:
 def why_skipped(path: Path) -> str | None:
     """Why a photo file in a folder is not read (HEIC, RAW: formats the decoder does not take), else None."""
     kind = UNREADABLE_PHOTOS.get(path.suffix.lower())
-    return f"skipped: {kind} is not a format read here ({READS}); convert it to JPEG first" if kind else None
+    return f"skipped: {kind} is not a format read here ({FORMAT_NAMES}); convert it to JPEG first" if kind else None
 
 
 def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[Item], list[Skipped]]:
@@ -40,10 +40,12 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
 
     Folders are walked recursively (symlinked folders are not followed, so no loops), sorted, and
     yield image file names only, no hidden files, unless ``all_files``. A path named on the command
-    line is always tried. What cannot be had becomes an error entry: a missing path, something that
-    is not a regular file, an unreadable folder. Each skipped file is ``(shown path, why)``: ``why`` is
-    set for photos in a format the service cannot read (HEIC, RAW), None for other names. Paths are
-    shown by ``shown_path``'s rule. Raises nothing for a bad path.
+    line is always tried. What cannot be had becomes an error entry (``unreadable``'s words): a missing
+    path, something that is not a regular file (a broken link, a FIFO, a device: never opened), an
+    unreadable folder; in a folder, too, for an entry it would take. Each skipped file is ``(shown path,
+    why)``: ``why`` is set for photos in a format the service cannot read (HEIC, RAW), None for other
+    regular files (what ``all_files`` would try; other entries are left out). Paths are shown by
+    ``shown_path``'s rule. Raises nothing for a bad path.
     """
     items: list[Item] = []
     seen: set[Path] = set()
@@ -64,21 +66,54 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
                 for name in sorted(names):
                     file = Path(folder) / name
                     shown = shown_path(arg, file.relative_to(path))
+                    why = unreadable(file)
                     if not all_files and (name.startswith(".") or file.suffix.lower() not in IMAGE_SUFFIXES):
-                        skipped.append((shown, None if name.startswith(".") else why_skipped(file)))
-                    elif not file.is_file():  # broken link, fifo, socket, device
-                        skipped.append((shown, None))
+                        photo = None if name.startswith(".") else why_skipped(file)
+                        if photo or why is None:  # a HEIC/RAW photo, or a file --all-files would try
+                            skipped.append((shown, photo))
+                    elif why:  # as if named on the command line: an error line, never opened
+                        items.append((shown, None, why))
                     else:
                         add(shown, file)
             for exc in walk_errors:
                 items.append((str(exc.filename or path), None, f"cannot read the folder: {exc.strerror or exc}"))
-        elif path.is_file():
+        elif (why := unreadable(path)) is None:
             add(arg, path)
-        elif path.exists():
-            items.append((arg, None, "not a regular file"))
         else:
-            items.append((arg, None, "no such file or directory" + (" (a broken link)" if path.is_symlink() else "")))
+            items.append((arg, None, why))
     return items, skipped
+
+
+def read_limited(path: Path, limit: int) -> bytes:
+    """The bytes of the file at ``path``, which may be at most ``limit`` bytes (``MAX_UPLOAD_BYTES``), as both
+    local and ``--server`` classify read a file. Its size (``fstat`` of the opened file) is checked first, so a
+    20 GiB file is refused unread, and never more than ``limit`` + 1 bytes are read: a file that grew since, a
+    pipe (``/dev/stdin``) or a file whose size the system misreports is refused as well.
+
+    :raises TooLarge: over ``limit`` bytes (``too_large``, the message local classify has always given).
+    :raises OSError: the file cannot be opened or read.
+    """
+    from ..errors import TooLarge, check_file_size
+
+    with open(path, "rb") as f:
+        check_file_size(os.fstat(f.fileno()).st_size, limit)
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise TooLarge.file(None, limit)
+    return data
+
+
+def unreadable(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a file (None: a regular file, or a link to one), from ``stat``
+    alone: a FIFO or device is never opened. ``no such file or directory`` (with ``(a broken link)``
+    for a dangling or looping symlink), or ``not a regular file`` (a folder, FIFO, socket, device).
+    The messages ``classify`` prints and reports as ``not_found`` / ``not_a_file``. Raises nothing
+    for these; another ``OSError`` of ``stat`` (e.g. no permission on the folder) propagates."""
+    if path.is_file():
+        return None
+    if path.exists():
+        return "not a regular file"
+    return "no such file or directory" + (" (a broken link)" if path.is_symlink() else "")
 
 
 # -- what was skipped, said the same way by local and --server classify ----------------------------------

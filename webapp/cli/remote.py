@@ -9,7 +9,7 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
   size) goes through the server's own first steps here (decoded at reduced scale with Pillow ``draft``
   exactly as the server's fast decode would, turned upright (EXIF), resized with the model's filter
   ``send_resample`` to that short side) and is sent as lossless WebP: the server's resize of it is then
-  the identity, so the very same pixels reach the model, and the same answers (``scaled``). A 3.2 MB
+  the identity, so the very same pixels reach the model, and the same answers (``scaling.scaled``). A 3.2 MB
   12 MP phone photo is sent as ~130 KB (341x256). The results still report the original's upright size
   and format, as local ``classify`` does. Any other file is sent as it is (the server says what is wrong,
   if anything).
@@ -19,9 +19,13 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
   tried again after its ``Retry-After`` seconds times 1..1+``JITTER`` (so the clients told the same
   moment do not all return at once), a dropped connection after a short growing pause; at most
   ``MAX_TRIES`` tries and ``MAX_WAIT_S`` seconds of waiting per file.
+- **Files read as locally** (``files.read_limited``): one over ``MAX_UPLOAD_BYTES`` is ``too_large``
+  unread, and no more than the limit + 1 bytes of any file are ever held.
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
-  and message, or ``connection_error`` / ``read_error``, with how many tries it took). A server
-  that cannot be reached at the start is one error line and exit 1.
+  and message, or ``connection_error`` / ``read_error``, with how many tries it took). At the start,
+  ``GET /api/v1/models`` waits out a 429/503 (a server still starting) as a file does, saying so; a
+  server that cannot be reached, stays starting, or says nothing for ``PROBE_READ_TIMEOUT_S`` is one
+  error line and exit 1.
 
 The token, where the server needs one, is read from ``CLASSIFIER_API_TOKEN`` (not an option: a
 command line shows in ``ps``).
@@ -30,9 +34,7 @@ command line shows in ``ps``).
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import math
 import os
 import random
 import sys
@@ -41,15 +43,19 @@ from pathlib import Path
 
 from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural
-from .files import collect_files, no_image_files, report_skipped, skipped_note
+from .files import collect_files, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
 from .output import write_results
+from .scaling import scaled
 
 DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full, few enough for its queue
 MAX_TRIES = 8  # per file: the first try and up to 7 more after 429/503 or a dropped connection
 MAX_WAIT_S = 120.0  # per file: the most seconds spent waiting between tries
 JITTER = 0.5  # a wait is Retry-After x uniform(1, 1 + JITTER)
-CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 300.0
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 300.0  # READ: a photo's answer may wait behind a busy server's queue
+# GET /api/v1/models is answered at once, even by a starting server (its 503): one that takes the connection and
+# says nothing for this long is stuck, and the user is told so now rather than after READ_TIMEOUT_S of silence.
+PROBE_READ_TIMEOUT_S = 30.0
 RETRY_STATUSES = (429, 503)
 # Settings the server decides; given with --server they would silently do nothing, so they are refused.
 _CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL")
@@ -68,6 +74,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "needs are scaled down locally first)")
 
 
+def url_problem(url: str) -> str | None:
+    """What makes ``url`` unfit for ``--server`` (a usage error, said before anything is sent), or None.
+
+    Not http:// or https:// (``""`` too: ``--server "$URL"`` with URL unset), a port out of range or not a
+    number, a host missing or malformed (``http://[::1``): urllib.parse's and urllib3's own URL parsing, the
+    latter being what connects. Raises nothing.
+    """
+    import urllib.parse
+
+    import urllib3
+
+    if not url.startswith(("http://", "https://")):
+        return f"--server must be an http:// or https:// URL, got {url!r}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port out of range or not a number
+    except ValueError as exc:
+        what = "bad port" if "port" in str(exc).lower() else "bad host"
+        return f"--server {url!r} is not a valid URL: {what} ({str(exc)[:1].lower()}{str(exc)[1:]})"
+    if not parts.hostname:
+        return f"--server {url!r} is not a valid URL: it names no host"
+    if port == 0:
+        return f"--server {url!r} is not a valid URL: bad port (port 0 is not one a server listens on)"
+    try:
+        urllib3.util.parse_url(url)
+    except urllib3.exceptions.LocationParseError as exc:
+        reason = str(exc).removeprefix("Failed to parse: ")
+        return f"--server {url!r} is not a valid URL: bad host ({reason[:1].lower()}{reason[1:]})"
+    return None
+
+
 class Unreachable(Exception):
     """The server cannot be asked at all (refused, no such host, not our API); the message says which."""
 
@@ -80,25 +117,55 @@ class Client:
 
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.http = urllib3.PoolManager(num_pools=1, maxsize=jobs, block=True, retries=False,
-                                        timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=READ_TIMEOUT_S))
+        self.http = urllib3.PoolManager(num_pools=1, maxsize=jobs, block=True, retries=False)
 
-    def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None):
-        """One request; returns urllib3's response. Raises urllib3's errors for a failed connection."""
+    def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None,
+                read_timeout_s: float = READ_TIMEOUT_S):
+        """One request, waiting at most ``read_timeout_s`` seconds for each read of the answer; returns urllib3's
+        response. Raises urllib3's errors for a failed connection (``ReadTimeoutError`` for no answer in time)."""
+        import urllib3
+
         return self.http.request(method, self.url + path, body=body, headers={**self.headers, **(headers or {})},
-                                 preload_content=True)
+                                 preload_content=True,
+                                 timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s))
 
-    def serving_model(self) -> dict:
+    def serving_model(self, say=None) -> dict:
         """The serving model's ``/api/v1/models`` entry (the one asked for, before the server has loaded one).
 
-        :raises Unreachable: no answer, or not this service's answer.
+        A 429 or 503 (a server still starting answers ``503 not_ready`` on every route) is tried again as an
+        upload is (``retry_wait``, ``out_of_tries``: at most ``MAX_TRIES`` tries, ``MAX_WAIT_S`` seconds of
+        waiting); ``say(line)``, where given, is told of each wait. Each answer may take at most
+        ``PROBE_READ_TIMEOUT_S`` seconds.
+
+        :raises Unreachable: no connection, no answer within ``PROBE_READ_TIMEOUT_S`` s, still 429/503 when the
+            tries run out, or not this service's answer.
         """
         import urllib3
 
-        try:
-            resp = self.request("GET", "/api/v1/models")
-        except urllib3.exceptions.HTTPError as exc:
-            raise Unreachable(f"cannot reach the server at {self.url}: {_reason(exc)}") from None
+        tries, waited = 0, 0.0
+        while True:
+            tries += 1
+            try:
+                resp = self.request("GET", "/api/v1/models", read_timeout_s=PROBE_READ_TIMEOUT_S)
+            except urllib3.exceptions.ReadTimeoutError:
+                raise Unreachable(f"no answer from {self.url} within {PROBE_READ_TIMEOUT_S:g} s "
+                                  f"(GET /api/v1/models)") from None
+            except urllib3.exceptions.HTTPError as exc:
+                raise Unreachable(f"cannot reach the server at {self.url}: {_reason(exc)}") from None
+            wait = retry_wait(resp)
+            if wait is None:
+                break
+            refusal = _refusal(resp)
+            state = "still starting" if refusal["code"] == "not_ready" else "busy"
+            said = f"{resp.status} {refusal['code']}: {refusal['message']}"
+            if out_of_tries(tries, waited, wait):
+                raise Unreachable(f"the server at {self.url} is {state} ({said}); gave up after {tries} tries, "
+                                  f"{waited:.0f} s of waiting")
+            if say:
+                say(f"waiting for the server at {self.url} to {'start' if state == 'still starting' else 'take more'}"
+                    f" ({said}); trying again in {wait:.0f} s (try {tries + 1} of {MAX_TRIES})")
+            time.sleep(wait)
+            waited += wait
         try:
             doc = json.loads(resp.data)
             serving = doc["serving"] or doc["requested"]
@@ -117,69 +184,53 @@ def _reason(exc: Exception) -> str:
     return text.split(": ", 1)[-1] if "Failed to establish a new connection" in text else text
 
 
-def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[bytes, dict | None]:
-    """The bytes worth sending for a photo, and its original's upright ``{"width", "height", "format"}``.
-
-    ``short_side`` is ``send_short_side`` (px, the model's resize size) and ``resample`` the model's
-    filter (``send_resample``, a Pillow filter name). A JPEG whose short side is over ``short_side``
-    goes through the server's own first steps (``imaging.decode`` with its fast path, then the
-    ``Resize`` of the model's preprocessing, which is Pillow's ``resize``): decoded at the smallest
-    libjpeg DCT scale keeping the short side >= 2x ``short_side`` (``draft``), turned upright, cropped to its central 2:1 where it is a longer strip
-    (``imaging.center_limit``), resized to torchvision's size for ``short_side`` and sent as
-    lossless WebP (no EXIF). The server's resize of it is then the identity: the model sees the very
-    pixels it would have from the original, and answers the same labels and probabilities (a resize
-    with another filter or a lossy re-encode moved top-1 probabilities by up to 15 points). Anything
-    else (not JPEG, CMYK, a result no smaller) is ``data`` itself. The dict is None where Pillow
-    cannot read the file (then the server's answer describes it).
-    """
-    from PIL import Image
-
-    from .. import exif  # the server's own reading of EXIF orientation: the same upright photo
-
-    try:
-        img = Image.open(io.BytesIO(data))
-        width, height = img.size
-        orientation = exif.orientation(img)
-        fmt = img.format or "unknown"
-    except Exception:  # not an image, damaged, a decompression bomb: the server says which
-        return data, None
-    turned = orientation in (5, 6, 7, 8)  # the orientations that swap width and height
-    info = {"width": height if turned else width, "height": width if turned else height, "format": fmt}
-    if fmt != "JPEG" or img.mode not in ("RGB", "L") or min(width, height) <= short_side:
-        return data, info
-    try:
-        keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft)
-        factor = keep / min(width, height)
-        img.draft(img.mode, (math.ceil(width * factor), math.ceil(height * factor)))
-        img = exif.turn(img, orientation)
-        img = img.convert("RGB")
-        w, h = img.size
-        if max(w, h) > 2 * min(w, h):  # a strip over 2:1: its central 2:1, as the server's center_limit keeps
-            keep = int(2 * min(w, h))
-            off = (max(w, h) - keep) // 2
-            img = img.crop((off, 0, off + keep, h) if w > h else (0, off, w, off + keep))
-            w, h = img.size  # torchvision's Resize(short_side): the long side is int(short * long / short_side)
-        size = (short_side, int(short_side * h / w)) if w <= h else (int(short_side * w / h), short_side)
-        out = io.BytesIO()
-        img.resize(size, Image.Resampling[resample.upper()]).save(out, format="WEBP", lossless=True)
-    except Exception:  # damaged data: the server says so for the original
-        return data, info
-    return (out.getvalue(), info) if out.tell() < len(data) else (data, info)
-
-
 def _error(code: str, message: str) -> dict:
     return {"code": code, "message": message}
 
 
-def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None,
+def _refusal(resp, doc: dict | None = None) -> dict:
+    """A non-200 answer's ``{"code", "message"}`` (``doc``: its body, parsed already), ``http_error`` where the
+    body has none."""
+    if doc is None:
+        try:
+            doc = json.loads(resp.data)
+        except ValueError:
+            doc = {}
+    e = doc.get("error") if isinstance(doc, dict) and isinstance(doc.get("error"), dict) else {}
+    return _error(e.get("code", "http_error"), str(e.get("message") or f"HTTP {resp.status}")
+                  .removeprefix("upload: "))  # the server names a raw body "upload"; the path says it
+
+
+def retry_wait(resp) -> float | None:
+    """Seconds to wait before trying ``resp``'s request again: for a 429 or 503, its ``Retry-After`` (whole
+    seconds; 1 if absent or not a number) times uniform(1, 1 + ``JITTER``), so that clients told the same moment
+    spread out; None for any other status (not tried again). Raises nothing."""
+    if resp.status not in RETRY_STATUSES:
+        return None
+    after = resp.headers.get("Retry-After", "1")
+    return (int(after) if after.isdigit() else 1) * random.uniform(1, 1 + JITTER)
+
+
+def out_of_tries(tries: int, waited_s: float, wait_s: float) -> bool:
+    """Whether to give up rather than wait ``wait_s`` more seconds after ``tries`` tries and ``waited_s`` seconds
+    of waiting: ``MAX_TRIES`` tries or ``MAX_WAIT_S`` seconds of waiting at most. Raises nothing."""
+    return tries >= MAX_TRIES or waited_s + wait_s > MAX_WAIT_S
+
+
+def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int,
                  resample: str = "bilinear") -> dict:
     """One file's result: ``{"width", "height", "format", "predictions", "batch_size", "retries"}`` or
-    ``{"error": {"code", "message"}, "retries"}``. Never raises for a file, a server's refusal or a
-    dropped connection (see the module docstring for the retries)."""
+    ``{"error": {"code", "message"}, "retries"}``. A file over ``max_bytes`` bytes (``MAX_UPLOAD_BYTES``, as
+    local classify) is ``too_large`` with local classify's message, unread (``files.read_limited``). Never
+    raises for a file, a server's refusal or a dropped connection (see the module docstring for the retries)."""
     import urllib3
 
+    from ..errors import ServiceError
+
     try:
-        data = path.read_bytes()
+        data = read_limited(path, max_bytes)
+    except ServiceError as exc:  # too_large
+        return {"error": _error(exc.code, exc.message), "retries": 0}
     except OSError as exc:
         return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}"), "retries": 0}
     body, info = scaled(data, short_side, resample) if short_side else (data, None)
@@ -202,15 +253,10 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                 r = doc["results"][0]
                 return {**{k: r[k] for k in ("width", "height", "format")}, **(info or {}),
                         "predictions": r["predictions"], "batch_size": r.get("batch_size"), "retries": tries - 1}
-            e = doc.get("error") if isinstance(doc.get("error"), dict) else {}
-            failure = _error(e.get("code", "http_error"), str(e.get("message") or f"HTTP {resp.status}")
-                             .removeprefix("upload: "))  # the server names a raw body "upload"; the path says it
-            if resp.status in RETRY_STATUSES:
-                after = resp.headers.get("Retry-After", "1")
-                wait = (int(after) if after.isdigit() else 1) * random.uniform(1, 1 + JITTER)
+            failure, wait = _refusal(resp, doc), retry_wait(resp)
         if wait is None:
             return {"error": failure, "retries": tries - 1}
-        if tries >= MAX_TRIES or waited + wait > MAX_WAIT_S:
+        if out_of_tries(tries, waited, wait):
             failure["message"] += f" (gave up after {tries} tries, {waited:.0f} s of waiting)"
             return {"error": failure, "retries": tries - 1}
         time.sleep(wait)
@@ -228,8 +274,9 @@ def classify_remote(args: argparse.Namespace) -> int:
     if misused:
         err(f"error: {', '.join(misused)} do(es) not go with --server: the server's own settings decide")
         return EXIT_USAGE
-    if not args.server.startswith(("http://", "https://")):
-        err(f"error: --server must be an http:// or https:// URL, got {args.server!r}")
+    problem = url_problem(args.server)
+    if problem:
+        err(f"error: {problem}")
         return EXIT_USAGE
     s = settings_mod.load(os.environ, given)
     items, skipped = collect_files(args.paths, all_files=args.all_files)
@@ -242,7 +289,7 @@ def classify_remote(args: argparse.Namespace) -> int:
     jobs = args.jobs or DEFAULT_JOBS
     client = Client(args.server, jobs=jobs, token=s.API_TOKEN)
     try:
-        model = client.serving_model()
+        model = client.serving_model(say=None if args.quiet else err)
     except Unreachable as exc:
         err(f"error: {exc}")
         return EXIT_FAILED
@@ -257,11 +304,11 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"classifying with {client.url}: {model.get('title', model['name'])}, {model.get('precision', '?')}; "
             f"{plural(jobs, 'connection')}, photos {scale}")
     return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, resample=resample,
-                jobs=jobs, skipped=skipped)
+                jobs=jobs, skipped=skipped, max_bytes=s.MAX_UPLOAD_BYTES)
 
 
 def _run(args, client: Client, model: str, items: list, *, topk: int, short_side: int | None, resample: str,
-         jobs: int, skipped: list = ()) -> int:
+         jobs: int, max_bytes: int, skipped: list = ()) -> int:
     from concurrent.futures import as_completed
 
     from tqdm import tqdm
@@ -281,7 +328,7 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
                desc="classify", mininterval=0.2)
     try:
         futures = {pool.submit(classify_one, client, results[i]["_path"], topk=topk, short_side=short_side,
-                               resample=resample): i
+                               max_bytes=max_bytes, resample=resample): i
                    for i in todo}
         for future in as_completed(futures):
             result = results[futures[future]]

@@ -1,0 +1,57 @@
+"""What ``classify --server`` sends for a photo: the server's own first steps done here (``scaled``), so a
+12 MP phone photo travels as ~130 KB and the model still sees the very pixels it would from the original."""
+
+from __future__ import annotations
+
+import io
+import math
+
+
+def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[bytes, dict | None]:
+    """The bytes worth sending for a photo, and its original's upright ``{"width", "height", "format"}``.
+
+    ``short_side`` is ``send_short_side`` (px, the model's resize size) and ``resample`` the model's
+    filter (``send_resample``, a Pillow filter name). A JPEG whose short side is over ``short_side``
+    goes through the server's own first steps (``imaging.decode`` with its fast path, then the
+    ``Resize`` of the model's preprocessing, which is Pillow's ``resize``): decoded at the smallest
+    libjpeg DCT scale keeping the short side >= 2x ``short_side`` (``draft``), turned upright, cropped to its central 2:1 where it is a longer strip
+    (``imaging.center_limit``), resized to torchvision's size for ``short_side`` and sent as
+    lossless WebP (no EXIF). The server's resize of it is then the identity: the model sees the very
+    pixels it would have from the original, and answers the same labels and probabilities (a resize
+    with another filter or a lossy re-encode moved top-1 probabilities by up to 15 points). Anything
+    else (not JPEG, CMYK, a result no smaller) is ``data`` itself. The dict is None where Pillow
+    cannot read the file (then the server's answer describes it).
+    """
+    from PIL import Image
+
+    from .. import exif  # the server's own reading of EXIF orientation: the same upright photo
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        width, height = img.size
+        orientation = exif.orientation(img)
+        fmt = img.format or "unknown"
+    except Exception:  # not an image, damaged, a decompression bomb: the server says which
+        return data, None
+    turned = orientation in (5, 6, 7, 8)  # the orientations that swap width and height
+    info = {"width": height if turned else width, "height": width if turned else height, "format": fmt}
+    if fmt != "JPEG" or img.mode not in ("RGB", "L") or min(width, height) <= short_side:
+        return data, info
+    try:
+        keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft)
+        factor = keep / min(width, height)
+        img.draft(img.mode, (math.ceil(width * factor), math.ceil(height * factor)))
+        img = exif.turn(img, orientation)
+        img = img.convert("RGB")
+        w, h = img.size
+        if max(w, h) > 2 * min(w, h):  # a strip over 2:1: its central 2:1, as the server's center_limit keeps
+            keep = int(2 * min(w, h))
+            off = (max(w, h) - keep) // 2
+            img = img.crop((off, 0, off + keep, h) if w > h else (0, off, w, off + keep))
+            w, h = img.size  # torchvision's Resize(short_side): the long side is int(short * long / short_side)
+        size = (short_side, int(short_side * h / w)) if w <= h else (int(short_side * w / h), short_side)
+        out = io.BytesIO()
+        img.resize(size, Image.Resampling[resample.upper()]).save(out, format="WEBP", lossless=True)
+    except Exception:  # damaged data: the server says so for the original
+        return data, info
+    return (out.getvalue(), info) if out.tell() < len(data) else (data, info)
