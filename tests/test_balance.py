@@ -208,8 +208,9 @@ def test_new_connections_go_to_the_idle_worker(two_workers):
     served = []
     while t.is_alive() and len(served) < 6:  # each on a new connection, one after the other
         conn = http.client.HTTPConnection("127.0.0.1", two_workers.port, timeout=60)
-        resp = _post(conn, small, sctype)
-        served.append((_pid(conn), resp.getheader("Connection")))
+        pid = _pid(conn)  # asked first: an answer with "Connection: close" would make http.client reconnect,
+        resp = _post(conn, small, sctype)  # maybe to the other worker, and a pid asked after could be that one's
+        served.append((pid, resp.getheader("Connection")))
         conn.close()
     t.join(300)
     assert len(served) >= 3, f"the 8-photo upload ended after {len(served)} small ones"
