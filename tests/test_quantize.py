@@ -99,8 +99,15 @@ def test_bias_correction_brings_lite0_int8_nearer_fp32_on_photos_it_never_saw():
                     + [imaging.preprocess(img.transpose(0), transform) for img in photos])  # 0: FLIP_LEFT_RIGHT
     with torch.no_grad():
         ref = model(x)
-        err = {}
+        err, agree, moved = {}, {}, {}
         for on in (False, True):
             got = quantize_int8(model, calibration, input_size=224, bias_correction=on).module()(x)
-            err[on] = float((got - ref).abs().max() / ref.abs().max())
-    assert err[True] < 0.85 * err[False], err  # measured 2026-12-03: 12.3% vs 16.5% on the 228-photo bench set
+            err[on] = float((got - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt())  # relative RMS logit error
+            agree[on] = int((got.argmax(1) == ref.argmax(1)).sum())
+            moved[on] = float((got.softmax(1) - ref.softmax(1)).abs().max())
+    # Measured 2026-12-04 on these 18 inputs: RMS 14.0% -> 11.3% (AVX2 and AVX-512 kernels alike), top-1 kept
+    # 16 -> 16 (AVX2) and 15 -> 17 (AVX-512) of 18, largest probability change 22 -> 12 points. The RMS, not the
+    # largest single logit error: that one moved 13.6% -> 10.8% with AVX2 kernels but 12.0% -> 11.1% with
+    # AVX-512 ones, one logit of 18 x 1000 deciding a CI run on the CPU it happened to get.
+    assert err[True] < 0.9 * err[False], err
+    assert agree[True] >= agree[False] and moved[True] < moved[False], (agree, moved)
