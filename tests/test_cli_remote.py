@@ -27,6 +27,8 @@ from webapp.cli import remote
 from webapp.settings import PREFIX
 
 QUICK = ("--model", "efficientnet_lite0", "--no-compile", "--precision", "fp32", "--max-batch-size", "4")
+# The pixel limit of the server, local classify and the --server client in the folder runs: over.jpg is over it.
+PIXELS = {"CLASSIFIER_MAX_PIXELS": "13000000"}  # the 12 MP phone photos fit
 
 
 def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -40,8 +42,10 @@ def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subpro
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    """The shared photos, six more copies of dog.jpg (more files than connections), a truncated JPEG and
-    a text file named .jpg."""
+    """The shared photos, six more copies of dog.jpg (more files than connections), a truncated JPEG, a text
+    file named .jpg, and two the server refuses that a scaled copy would hide (classify --server used to
+    send a good copy of them): dog.jpg cut at half and closed by EOI (libjpeg fills the rest with grey), and
+    a JPEG over the pixel limit (``PIXELS``)."""
     if not SHARED_IMAGES.is_dir():
         pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
     out = tmp_path_factory.mktemp("remote")
@@ -51,6 +55,10 @@ def folder(tmp_path_factory) -> Path:
         (out / f"copy-{i}.jpg").write_bytes((SHARED_IMAGES / "dog.jpg").read_bytes())
     (out / "broken.jpg").write_bytes((SHARED_IMAGES / "dog.jpg").read_bytes()[:3000])
     (out / "notes.jpg").write_text("not a photo")
+    dog = (SHARED_IMAGES / "dog.jpg").read_bytes()
+    (out / "cut.jpg").write_bytes(dog[:len(dog) // 2] + b"\xff\xd9")
+    big = Image.open(SHARED_IMAGES / "dog.jpg").resize((4200, 3150))  # 13.2 MP
+    (out / "over.jpg").write_bytes(encode(big, "JPEG", quality=30))
     return out
 
 
@@ -58,7 +66,8 @@ def folder(tmp_path_factory) -> Path:
 def busy(tmp_path_factory):
     """A real server whose queue holds 2 images: 8 connections at once overflow it."""
     srv = Server(tmp_path_factory.mktemp("busy") / "server.log", args=("--no-control-socket",),
-                 MODEL="efficientnet_lite0", COMPILE=0, PRECISION="fp32", WORKERS=1, MAX_BATCH_SIZE=2, QUEUE_SIZE=2)
+                 MODEL="efficientnet_lite0", COMPILE=0, PRECISION="fp32", WORKERS=1, MAX_BATCH_SIZE=2, QUEUE_SIZE=2,
+                 MAX_PIXELS=PIXELS["CLASSIFIER_MAX_PIXELS"])
     try:
         srv.wait_ready(workers=1)
     except BaseException:
@@ -71,13 +80,13 @@ def busy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local(folder) -> dict[str, dict]:
     """Local classify's JSON results, by path."""
-    out = run_cli(str(folder), "--format", "json", "-q", *QUICK)
-    assert out.returncode == 1, out.stderr  # the two bad files
+    out = run_cli(str(folder), "--format", "json", "-q", *QUICK, env=PIXELS)
+    assert out.returncode == 1, out.stderr  # the four bad files
     return {r["path"]: r for r in json.loads(out.stdout)}
 
 
 def remote_run(srv, folder, *extra: str) -> tuple[subprocess.CompletedProcess, dict[str, dict]]:
-    out = run_cli(str(folder), "--server", srv.url, "--format", "json", "--jobs", "8", *extra)
+    out = run_cli(str(folder), "--server", srv.url, "--format", "json", "--jobs", "8", *extra, env=PIXELS)
     return out, {r["path"]: r for r in json.loads(out.stdout)}
 
 
@@ -100,15 +109,17 @@ def assert_same_answers(local: dict, got: dict, *, probability_tol: float) -> No
 @pytest.mark.server
 def test_every_file_answered_through_429s_like_local_classify(busy, folder, local):
     out, got = remote_run(busy, folder)
-    assert out.returncode == 1, out.stderr  # the two bad files, as locally
-    assert len(got) == len(local) == 17
+    assert out.returncode == 1, out.stderr  # the four bad files, as locally
+    assert len(got) == len(local) == 19
     # Big photos go scaled as the server's own decode would: the same labels and probabilities
     # (up to the batch each image ran in, in another process).
     assert_same_answers(local, got, probability_tol=1e-4)
     assert got[str(folder / "broken.jpg")]["error"]["code"] == "undecodable_image"
     assert got[str(folder / "notes.jpg")]["error"]["code"] == "unsupported_media_type"
+    assert got[str(folder / "cut.jpg")]["error"]["code"] == "undecodable_image"  # as sent: not a copy of grey fill
+    assert got[str(folder / "over.jpg")]["error"]["code"] == "too_large"  # the server's 413
     summary = out.stderr.strip().splitlines()[-1]
-    assert summary.startswith("17 files: 15 classified, 2 failed; ")
+    assert summary.startswith("19 files: 15 classified, 4 failed; ")
     repeated = int(summary.split("; ")[-1].split(" tries repeated")[0])
     assert repeated > 0, f"the small queue never said 429: {out.stderr[-2000:]}"
     log = busy.output()
@@ -413,6 +424,30 @@ def test_small_or_unreadable_files_are_sent_as_they_are():
     png = encode(noisy, "PNG")  # not a JPEG: the server's decode has no reduced scale to mirror
     assert remote.scaled(png, 256) == (png, {"width": 600, "height": 400, "format": "PNG"})
     assert remote.scaled(b"not a photo", 256) == (b"not a photo", None)
+
+
+def test_what_the_server_would_refuse_is_sent_as_it_is_and_pillow_stays_quiet():
+    """A copy of a JPEG the server refuses would be a good photo: one cut short and closed by EOI at any point
+    the server's check catches, and one over the pixel limit, go unscaled; Pillow's warnings about a damaged
+    EXIF block (a tag pointing past the end of the file) never reach the terminal."""
+    import warnings
+
+    dog = shared_image("dog.jpg").read_bytes()  # 768x576: scaled to 341x256 when whole
+    whole, _ = remote.scaled(dog, 256)
+    assert whole != dog
+    for kept in (0.2, 0.5, 0.8):
+        cut = dog[:int(len(dog) * kept)] + b"\xff\xd9"
+        assert remote.scaled(cut, 256) == (cut, {"width": 768, "height": 576, "format": "JPEG"}), kept
+    assert remote.scaled(dog, 256, max_pixels=768 * 576) == (whole, remote.scaled(dog, 256)[1])  # at the limit
+    assert remote.scaled(dog, 256, max_pixels=768 * 576 - 1)[0] == dog
+    exif = b"Exif\0\0II*\0\x08\0\0\0\x02\0" + b"\x0f\x01\x02\0\xff\xff\0\0\0\0\x10\0" \
+        + b"\x12\x01\x03\0\x01\0\0\0\x06\0\0\0" + b"\0" * 4  # Make: 65535 bytes past the end; Orientation 6
+    damaged = dog[:2] + b"\xff\xe1" + (len(exif) + 2).to_bytes(2, "big") + exif + dog[2:]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        body, info = remote.scaled(damaged, 256)
+    assert [str(w.message) for w in seen] == []
+    assert info == {"width": 576, "height": 768, "format": "JPEG"} and body != damaged  # upright, scaled
 
 
 def test_skipped_photos_are_named_and_no_image_file_is_a_usage_error_as_locally(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import warnings
 
 from PIL import AvifImagePlugin, Image
 
@@ -38,6 +39,17 @@ _TRANSPOSE = {
     7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
+
+
+def silence_pillow_warnings() -> None:
+    """Pillow warns about uploads (corrupt EXIF, decompression bombs, palette transparency) where
+    decode either raises a ServiceError or carries on correctly: such warnings would only leak into
+    logs, or onto ``classify --server``'s terminal. Process-wide filters, set once on import of
+    ``imaging`` (and by ``cli/scaling.py``), not with catch_warnings per call, which is not thread-safe
+    (decodes run on several threads, batcher.Offloader; the client scales on its ``--jobs`` threads).
+    Also called by bench/fuzz.py, which judges decode with exactly the service's filters."""
+    warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def orientation_from_block(raw: bytes) -> int | None:

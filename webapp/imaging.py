@@ -16,7 +16,6 @@ import io
 import math
 import re
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
 from . import exif, incomplete
+from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -33,17 +33,7 @@ from .models import Preprocessing
 # Both live in contract.py, torch-free, so the CLI names the same list without importing this module.
 
 
-def silence_pillow_warnings() -> None:
-    """Pillow warns about uploads (corrupt EXIF, decompression bombs, palette transparency) where
-    decode either raises a ServiceError or carries on correctly: such warnings would only leak into
-    logs. Process-wide filters, set once on import, not with catch_warnings per call, which is not
-    thread-safe (decodes run on several threads, batcher.Offloader). Also called by bench/fuzz.py,
-    which judges decode with exactly the service's filters."""
-    warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
-    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
-
-
-silence_pillow_warnings()
+silence_pillow_warnings()  # exif.py's (torch-free, for the CLI's client too): process-wide, once
 
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (

@@ -218,10 +218,11 @@ def out_of_tries(tries: int, waited_s: float, wait_s: float) -> bool:
 
 
 def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int,
-                 resample: str = "bilinear") -> dict:
+                 resample: str = "bilinear", max_pixels: int | None = None) -> dict:
     """One file's result: ``{"width", "height", "format", "predictions", "batch_size", "retries"}`` or
     ``{"error": {"code", "message"}, "retries"}``. A file over ``max_bytes`` bytes (``MAX_UPLOAD_BYTES``, as
-    local classify) is ``too_large`` with local classify's message, unread (``files.read_limited``). Never
+    local classify) is ``too_large`` with local classify's message, unread (``files.read_limited``); one over
+    ``max_pixels``, or a JPEG cut short, is sent unscaled for the server to judge (``scaling.scaled``). Never
     raises for a file, a server's refusal or a dropped connection (see the module docstring for the retries)."""
     import urllib3
 
@@ -233,7 +234,7 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
         return {"error": _error(exc.code, exc.message), "retries": 0}
     except OSError as exc:
         return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}"), "retries": 0}
-    body, info = scaled(data, short_side, resample) if short_side else (data, None)
+    body, info = scaled(data, short_side, resample, max_pixels) if short_side else (data, None)
     waited, tries = 0.0, 0
     while True:
         tries += 1
@@ -304,11 +305,11 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"classifying with {client.url}: {model.get('title', model['name'])}, {model.get('precision', '?')}; "
             f"{plural(jobs, 'connection')}, photos {scale}")
     return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, resample=resample,
-                jobs=jobs, skipped=skipped, max_bytes=s.MAX_UPLOAD_BYTES)
+                jobs=jobs, skipped=skipped, max_bytes=s.MAX_UPLOAD_BYTES, max_pixels=s.MAX_PIXELS)
 
 
 def _run(args, client: Client, model: str, items: list, *, topk: int, short_side: int | None, resample: str,
-         jobs: int, max_bytes: int, skipped: list = ()) -> int:
+         jobs: int, max_bytes: int, skipped: list = (), max_pixels: int | None = None) -> int:
     from concurrent.futures import as_completed
 
     from tqdm import tqdm
@@ -328,7 +329,7 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
                desc="classify", mininterval=0.2)
     try:
         futures = {pool.submit(classify_one, client, results[i]["_path"], topk=topk, short_side=short_side,
-                               max_bytes=max_bytes, resample=resample): i
+                               max_bytes=max_bytes, resample=resample, max_pixels=max_pixels): i
                    for i in todo}
         for future in as_completed(futures):
             result = results[futures[future]]

@@ -7,7 +7,8 @@ import io
 import math
 
 
-def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[bytes, dict | None]:
+def scaled(data: bytes, short_side: int, resample: str = "bilinear",
+           max_pixels: int | None = None) -> tuple[bytes, dict | None]:
     """The bytes worth sending for a photo, and its original's upright ``{"width", "height", "format"}``.
 
     ``short_side`` is ``send_short_side`` (px, the model's resize size) and ``resample`` the model's
@@ -21,10 +22,18 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[by
     with another filter or a lossy re-encode moved top-1 probabilities by up to 15 points). Anything
     else (not JPEG, CMYK, a result no smaller) is ``data`` itself. The dict is None where Pillow
     cannot read the file (then the server's answer describes it).
+
+    What the server would refuse is sent as it is, so that the server refuses it: a copy made here
+    would be a good photo. A JPEG over ``max_pixels`` (``CLASSIFIER_MAX_PIXELS`` where the client runs:
+    the server's own limit is not published; both default to 80 MP), and a JPEG cut short and closed by
+    an EOI marker, which libjpeg decodes with grey fill (``incomplete.jpeg_rows_decoded``, the server's
+    own check, at the same scale). Pillow's warnings about the file are silenced as in the server.
     """
     from PIL import Image
 
-    from .. import exif  # the server's own reading of EXIF orientation: the same upright photo
+    from .. import exif, incomplete  # the server's own reading of EXIF orientation and of a cut: the same photo
+
+    exif.silence_pillow_warnings()
 
     try:
         img = Image.open(io.BytesIO(data))
@@ -37,10 +46,19 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear") -> tuple[by
     info = {"width": height if turned else width, "height": width if turned else height, "format": fmt}
     if fmt != "JPEG" or img.mode not in ("RGB", "L") or min(width, height) <= short_side:
         return data, info
+    if max_pixels is not None and width * height > max_pixels:
+        return data, info  # the server's 413, not a classified copy
     try:
         keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft)
         factor = keep / min(width, height)
-        img.draft(img.mode, (math.ceil(width * factor), math.ceil(height * factor)))
+
+        def draft(im: Image.Image) -> None:
+            im.draft(im.mode, (math.ceil(width * factor), math.ceil(height * factor)))
+
+        draft(img)
+        img.load()
+        if incomplete.jpeg_rows_decoded(img, data, height, draft) is not None:
+            return data, info  # cut short and closed early: the server's 400, not a copy of the grey fill
         img = exif.turn(img, orientation)
         img = img.convert("RGB")
         w, h = img.size
