@@ -819,3 +819,30 @@ def test_container_sizes_that_make_no_sense_are_not_called_a_cut():
     assert container_cut(ftyp + struct.pack(">I", 0) + b"mdat" + b"x" * 10) is None  # size 0: to the end
     assert container_cut(ftyp + struct.pack(">I", 1) + b"mdat" + struct.pack(">Q", 10**9)) == (16 + 10**9, 32)
     assert container_cut(b"\x89PNG\r\n\x1a\n" + b"\0" * 20) is None
+
+
+def _bmp32(img: Image.Image, alpha: bytes) -> bytes:
+    """A 32-bit BMP (BITMAPV5HEADER, BI_BITFIELDS with an alpha mask, bottom-up) of ``img``'s pixels, every
+    pixel's 4th byte ``alpha`` (one byte, or one per pixel in stored order)."""
+    w, h = img.size
+    rgb = img.convert("RGB").transpose(Image.Transpose.FLIP_TOP_BOTTOM).tobytes()
+    alphas = alpha * (w * h) if len(alpha) == 1 else alpha
+    pixels = b"".join(bytes((rgb[i + 2], rgb[i + 1], rgb[i], alphas[i // 3])) for i in range(0, len(rgb), 3))
+    header = struct.pack("<IiiHHIIiiII", 124, w, h, 1, 32, 3, len(pixels), 2835, 2835, 0, 0)
+    header += struct.pack("<IIII", 0x00FF0000, 0x0000FF00, 0x000000FF, 0xFF000000) + b"sRGB" + b"\0" * 36 \
+        + b"\0" * 12 + struct.pack("<III", 4, 0, 0) + b"\0" * 4
+    assert len(header) == 124
+    return b"BM" + struct.pack("<IHHI", 14 + 124 + len(pixels), 0, 0, 14 + 124) + header + pixels
+
+
+def test_a_32_bit_bmp_whose_alpha_is_all_zero_is_opaque_as_browsers_show_it():
+    """Found by a fresh-user tryout: dog.jpg's pixels as such a BMP came out a white square ("nematode 1.0%")."""
+    photo = _photo_like(64, 48)
+    want = photo.convert("RGB").tobytes()
+    assert decode(_bmp32(photo, b"\xff"), max_pixels=BIG).image.tobytes() == want
+    zero = decode(_bmp32(photo, b"\x00"), max_pixels=BIG)
+    assert (zero.format, zero.size, zero.image.tobytes()) == ("BMP", (64, 48), want)
+    # A real alpha channel (one pixel opaque, the rest clear) is still composited on white.
+    some = decode(_bmp32(photo, b"\xff" + b"\x00" * (64 * 48 - 1)), max_pixels=BIG).image
+    assert some.getpixel((0, 47)) == photo.convert("RGB").getpixel((0, 47))  # the first stored pixel: bottom-left
+    assert some.getpixel((10, 10)) == (255, 255, 255)

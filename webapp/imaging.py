@@ -233,6 +233,12 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and a marker closes it early, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
+        if fmt == "BMP" and img.mode == "RGBA" and img.getchannel("A").getextrema() == (0, 0):
+            # A 32-bit BMP whose alpha bytes are all 0: writers that leave the 4th byte unset (or mark it
+            # as alpha without filling it). Browsers show it opaque (Chromium's BMPImageReader and
+            # Firefox's nsBMPDecoder both drop an all-zero alpha channel), and so does the page's own
+            # scaled copy; composited on white it would be a blank square classified as whatever.
+            img = img.convert("RGB")
         if fmt == "JPEG" and img.mode == "CMYK" and "adobe" not in img.info:
             # Pillow reads every CMYK JPEG as Adobe-inverted; without the Adobe marker the
             # samples are plain CMYK (libvips' convention), so undo that inversion.
