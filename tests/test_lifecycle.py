@@ -264,7 +264,8 @@ def test_failed_compile_is_one_line_and_exit_3(tmp_path):
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000"),
                                              ("RATE_LIMIT", "lots"), ("RATE_LIMIT_STORAGE", "bogus://x"),
-                                             ("RATE_LIMIT_STORAGE", "memcached://127.0.0.1:11211")])
+                                             ("RATE_LIMIT_STORAGE", "memcached://127.0.0.1:11211"),
+                                             ("CALIBRATION_DIR", "/nonexistent")])
 def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value):
     argv = GUNICORN if launcher == "gunicorn" else SERVE
     settings = {} if variable == "BIND" else {variable: value}

@@ -181,3 +181,24 @@ def test_a_rate_limit_needs_a_storage():
 def test_the_readme_row_of_the_storage_says_redis_needs_installing():
     row = next(line for line in settings.markdown_table().splitlines() if "`CLASSIFIER_RATE_LIMIT_STORAGE`" in line)
     assert "redis://host:6379" in row and "pip install redis" in row
+
+
+# -- the calibration folder: checked where settings load, with the reason -------------------------------------
+def test_calibration_dir_must_be_a_folder_of_photos(tmp_path):
+    """Found by a fresh-user tryout: /nonexistent was each worker's "loading model failed: FileNotFoundError"
+    (exit 3, the variable unnamed) and a 40-line traceback from classify."""
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "a.JPG").write_bytes(b"")  # named as a photo: calibration reads it (and says if not)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("no photo")
+    (tmp_path / "file.jpg").write_bytes(b"")
+    rule = settings.BY_NAME["CALIBRATION_DIR"].rule()
+    assert settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": str(tmp_path / "photos")}).CALIBRATION_DIR \
+        == str(tmp_path / "photos")
+    assert settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": " "}).CALIBRATION_DIR == ""
+    for given, why in [("/nonexistent", "no such folder"), (str(tmp_path / "file.jpg"), "it exists and is not a folder"),
+                       (str(tmp_path / "empty"), "no JPG/JPEG/PNG/WEBP photo in it"),
+                       ("/tmp/" + "a" * 300, "it cannot be read: File name too long")]:
+        with pytest.raises(SettingsError) as err:
+            settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": given})
+        assert str(err.value) == f"CLASSIFIER_CALIBRATION_DIR={given!r} is not valid: {why}; allowed: {rule}"

@@ -51,7 +51,28 @@ def make_calibration(shared: Path, dest: Path = CALIBRATION) -> list[Path]:
     return written
 
 
+CALIBRATION_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
 def calibration_files(directory: str | Path | None = None) -> list[Path]:
-    """The calibration photos: every image file in ``directory`` (or the shipped set), sorted."""
-    folder = Path(directory) if directory else CALIBRATION
-    return sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
+    """The calibration photos: every image file in ``directory`` (or the shipped set), sorted.
+
+    :raises OSError: ``directory`` cannot be listed (``calibration_problem`` says why in words).
+    """
+    folder = Path(directory).expanduser() if directory else CALIBRATION
+    return sorted(p for p in folder.iterdir() if p.suffix.lower() in CALIBRATION_SUFFIXES)
+
+
+def calibration_problem(directory: str) -> str | None:
+    """Why ``directory`` (``CLASSIFIER_CALIBRATION_DIR``) cannot serve as calibration photos, in words, or None:
+    it does not exist, is not a folder, cannot be listed (the OS's reason: permission denied, name too
+    long...), or holds no file named as a JPEG, PNG or WebP photo. Never raises."""
+    folder = Path(directory).expanduser()
+    try:
+        if not folder.is_dir():
+            return "it exists and is not a folder" if folder.exists() else "no such folder"
+        if not calibration_files(folder):
+            return f"no {'/'.join(s[1:].upper() for s in CALIBRATION_SUFFIXES)} photo in it"
+    except OSError as exc:
+        return f"it cannot be read: {exc.strerror or exc}"
+    return None

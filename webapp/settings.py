@@ -58,6 +58,25 @@ def _str(text: str) -> str:
     return str(text).strip()
 
 
+class _Reason(ValueError):
+    """A parser's refusal whose words help the operator (said before the rule), unlike Python's own."""
+
+
+def _photo_folder(text: str) -> str:
+    """``CALIBRATION_DIR``: empty (the shipped photos), or a folder that holds photos (``assets.calibration_problem``).
+
+    Checked where settings load, so a folder that is missing is one line and exit 2 before anything starts,
+    not every worker's "loading model failed: FileNotFoundError" (bf16's check reads it at every start).
+    """
+    value = str(text).strip()
+    if value:
+        from .assets import calibration_problem  # Pillow: imported only when a folder is set
+
+        if problem := calibration_problem(value):
+            raise _Reason(problem)
+    return value
+
+
 BIND_RULE = ("a port (8000: 127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), [IPv6]:PORT ([::1]:8000) or unix:PATH "
              "(port 1 to 65535)")
 
@@ -171,7 +190,7 @@ class Setting:
         except ValueError as exc:
             # The parser's own words ("invalid literal for int() with base 10") are Python's, not the
             # operator's: the rule says what is allowed, once; a package to install is said too.
-            why = f": {exc}" if isinstance(exc, rate_limits.MissingPackage) else ""
+            why = f": {exc}" if isinstance(exc, (rate_limits.MissingPackage, _Reason)) else ""
             raise SettingsError(f"{source}={raw!r} is not valid{why}; allowed: {self.rule()}") from None
         if self.choices and value not in self.choices:
             raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}")
@@ -207,8 +226,9 @@ SETTINGS: tuple[Setting, ...] = (
             "has no VNNI (pre-2019 CPUs, AVX2-only), where 8-bit products can saturate.", choices=("auto", "on", "off")),
     Setting("CACHE_DIR", _str, "", "Directory for compiled kernels and the int8 program; survives restarts so "
             "workers start fast. Empty: ~/.cache/photo-classifier."),
-    Setting("CALIBRATION_DIR", _str, "", "Photos to calibrate int8 on (JPEG/PNG/WebP). Empty: the 28 shipped ones "
-            "(webapp/calibration). Your own photos suit a narrow domain better."),
+    Setting("CALIBRATION_DIR", _photo_folder, "", "Photos to calibrate int8 on (JPEG/PNG/WebP), and bf16's start-up "
+            "check. Empty: the 28 shipped ones (webapp/calibration). Your own photos suit a narrow domain better.",
+            allowed="empty, or a folder holding JPEG, PNG or WebP photos"),
     Setting("FAST_DECODE", _bool, True, "Decode large JPEGs at a reduced DCT scale (Pillow draft), never below twice "
             "the resize size (answers stay within 2 points of a full decode): a 12 MP phone photo's decode and "
             "preprocess take ~3x less CPU (bench/preprocess_bench.py). Other formats are always decoded at full size."),
