@@ -261,6 +261,19 @@ def test_failed_compile_is_one_line_and_exit_3(tmp_path):
 
 
 @pytest.mark.server
+def test_a_compile_past_the_startup_timeout_fails_the_start_naming_the_setting(tmp_path):
+    """Found by a fresh-user tryout: with CLASSIFIER_STARTUP_TIMEOUT_S=10 and a cold cache, the child's compile
+    was stopped at 10 s, then the worker compiled in its own process for another minute (keeping the
+    compiler's ~230 MB) and served, never replaced, as the setting's help said it would be."""
+    t0 = time.monotonic()
+    code, lines, temp = run_to_end(tmp_path, "slow", GUNICORN, timeout=120, COMPILE=1, STARTUP_TIMEOUT_S=10,
+                                   PRECISION="fp32", MAX_BATCH_SIZE=1)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_STARTUP,
+                        names="took longer than CLASSIFIER_STARTUP_TIMEOUT_S=10 s", most=WORKER_FAILURE_LINES)
+    assert "CLASSIFIER_COMPILE=0" in lines[-1] and time.monotonic() - t0 < 60, (lines[-1], time.monotonic() - t0)
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000"),
                                              ("RATE_LIMIT", "lots"), ("RATE_LIMIT_STORAGE", "bogus://x"),

@@ -36,6 +36,7 @@ from torch import nn
 
 from .aoti import cpu_tag, load_or_build_aoti, package_path
 from .bf16 import BF16_KEEP_FP32, bf16_policy
+from .errors import StartupError
 from .quantize import INT8_KEEP_FP32, load_or_quantize
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,8 @@ class Engine:
                     self._fn = load_or_build_aoti(make, input_size=input_size, path=path,
                                                   build_elsewhere=build_elsewhere)
                     self.backend = "aoti"
+                except StartupError:  # the build ran past STARTUP_TIMEOUT_S: a JIT compile here would too
+                    raise
                 except Exception as exc:  # export or AOT compile failed for this model: JIT still works
                     log.warning("%s AOTInductor package failed (%s); using torch.compile", precision, exc)
         if self._fn is None:

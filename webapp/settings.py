@@ -328,8 +328,10 @@ SETTINGS: tuple[Setting, ...] = (
             commands=SERVERS),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
             low=0, high=1024, commands=SERVERS),
-    Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model "
-            "before gunicorn treats it as hung and replaces it.", low=10, high=86_400, commands=SERVERS),
+    Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model. "
+            "A compile (in a child process) still running then is stopped and the server's start fails saying so "
+            "(exit 3); a worker otherwise still starting stops reporting and gunicorn replaces it 60 s later "
+            "(its timeout).", low=10, high=86_400, commands=SERVERS),
     Setting("PRELOAD_LIBRARIES", _bool, True, "Import torch, torchvision, timm and the service's code in gunicorn's "
             "master before it forks the workers (never the model or a thread pool), so every worker shares those "
             "pages instead of holding its own ~400 MB copy. Off: each worker imports them itself (the old way, for "

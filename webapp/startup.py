@@ -260,7 +260,10 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
     exits; the worker then loads the packages as a warm start does. One process builds at a time (a file
     lock in the cache folder), so the other workers of a server starting cold wait, find the packages built
     and only load them: one compile per host instead of one per worker. If the child fails, its last lines
-    are logged and the caller builds in its own process, as before.
+    are logged and the caller builds in its own process, as before; if it runs past ``STARTUP_TIMEOUT_S``,
+    the start fails (building here would take as long again, with the compiler's memory kept in the worker).
+
+    :raises StartupError: (from the returned function) the child ran past ``STARTUP_TIMEOUT_S``.
     """
     from .settings import PREFIX
 
@@ -280,7 +283,13 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
                 try:
                     done = subprocess.run([sys.executable, "-m", "webapp", "warm", "--keep-affinity"], env=env,
                                           capture_output=True, text=True, timeout=settings.STARTUP_TIMEOUT_S)
-                except (OSError, subprocess.SubprocessError) as exc:  # could not start, or ran past the timeout
+                except subprocess.TimeoutExpired:  # the child is killed; the setting's promise is kept
+                    raise StartupError(
+                        f"compiling the {precision} model took longer than {PREFIX}STARTUP_TIMEOUT_S="
+                        f"{settings.STARTUP_TIMEOUT_S} s (a first start compiles for about a minute per precision "
+                        f"on 2 cores, once: later starts load it from {PREFIX}CACHE_DIR); raise it, or "
+                        f"{PREFIX}COMPILE=0 serves the model uncompiled") from None
+                except (OSError, subprocess.SubprocessError) as exc:  # could not start
                     done = subprocess.CompletedProcess([], -1, "", str(exc))
             if done.returncode != 0 or not all(p.is_file() for p in paths):
                 tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
