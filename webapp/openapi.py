@@ -64,10 +64,14 @@ def _json(schema_ref: str, description: str) -> dict:
             "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema_ref}"}}}}
 
 
+# While no worker is ready, gunicorn's master answers every request itself: 503 not_ready (webapp/responder.py).
+_STARTING = {"503": {"$ref": "#/components/responses/E503"}}
+
+
 def _get(op: str, summary: str, tag: str, responses: dict) -> dict:
-    """A GET operation that takes only the ``X-Request-ID`` header."""
+    """A GET operation that takes only the ``X-Request-ID`` header; its 503 is the master's unless given."""
     return {"get": {"operationId": op, "parameters": [{"$ref": "#/components/parameters/RequestId"}],
-                    "summary": summary, "tags": [tag], "responses": responses}}
+                    "summary": summary, "tags": [tag], "responses": {**_STARTING, **responses}}}
 
 
 _NUM = {"type": "number", "minimum": 0}
@@ -275,7 +279,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     metrics = settings.METRICS if metrics is None else metrics
     token = bool(settings.API_TOKEN)
     metrics_token = bool(settings.METRICS_TOKEN or settings.API_TOKEN)
-    errors = (400, 401, 408, 413, 415, 429, 500, 503, 504) if token else (400, 408, 413, 415, 429, 500, 503, 504)
+    errors = (400, 401, 405, 408, 413, 415, 429, 500, 503, 504) if token else (400, 405, 408, 413, 415, 429, 500, 503, 504)
     image_body = {"type": "string", "format": "binary"}
     predict = {
         "operationId": "predict",
@@ -326,8 +330,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
         "security": [{"bearerAuth": []}] if token else [{}, {"bearerAuth": []}],
     }
     paths: dict[str, Any] = {
-        # A wrong method (GET...) is 405 with Allow (components E405), not an operation: client generators
-        # would make a method of it.
+        # A wrong method (GET...) is the POST's 405 with Allow (E405), not an operation of its own: client
+        # generators would make a method of it.
         "/api/v1/predict": {"post": predict},
         "/api/v1/models": _get("listModels", "The models this server knows, and the one it serves", "classify", {
             "200": _json("ModelList", "Every model `CLASSIFIER_MODEL` can name; the serving one has `serving: true` "
@@ -337,8 +341,11 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                                    "depth (of the worker that answered).")}),
         "/readyz": _get("readyz", "Readiness: warmed up and self-tested", "operations", {
             "200": _json("Readiness", "Ready to classify."),
-            "503": _json("Readiness", "Not ready: warming up, self-test failed or shutting down (`state` says "
-                                      "which).")}),
+            "503": {**_json("Readiness", "Not ready: warming up, self-test failed or shutting down (`Readiness`, "
+                                         "`state` says which); or no worker started yet: the master's `not_ready` "
+                                         "(`Error`, with Retry-After)."),
+                    "content": {"application/json": {"schema": {"anyOf": [
+                        {"$ref": "#/components/schemas/Readiness"}, {"$ref": "#/components/schemas/Error"}]}}}}}),
         "/openapi.json": _get("openapi", "This document", "operations", {"200": {
             "description": "OpenAPI 3 document.",
             "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},
@@ -354,7 +361,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                            "`CLASSIFIER_API_TOKEN` is set.",
             "tags": ["operations"],
             **({"security": [{"bearerAuth": []}]} if metrics_token else {}),
-            "responses": {**({"401": {"$ref": "#/components/responses/E401"}} if metrics_token else {}), "200": {
+            "responses": {**({"401": {"$ref": "#/components/responses/E401"}} if metrics_token else {}), **_STARTING,
+                          "200": {
                 "description": "Request counts and latency by endpoint and status, queue wait, batch size and "
                                "inference time histograms, queue depth, ready workers, model info.",
                 "headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}},

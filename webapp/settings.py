@@ -59,15 +59,12 @@ def _str(text: str) -> str:
 
 
 class _Reason(ValueError):
-    """A parser's refusal whose words help the operator (said before the rule), unlike Python's own."""
+    """A parser's refusal in words that help (said before the rule), unlike Python's own."""
 
 
 def _photo_folder(text: str) -> str:
-    """``CALIBRATION_DIR``: empty (the shipped photos), or a folder that holds photos (``assets.calibration_problem``).
-
-    Checked where settings load, so a folder that is missing is one line and exit 2 before anything starts,
-    not every worker's "loading model failed: FileNotFoundError" (bf16's check reads it at every start).
-    """
+    """``CALIBRATION_DIR``: empty, or a folder of photos, checked as settings load (one line, exit 2), not in every
+    worker's "loading model failed" (bf16's start-up check reads it too): ``assets.calibration_problem``."""
     value = str(text).strip()
     if value:
         from .assets import calibration_problem  # Pillow: imported only when a folder is set
@@ -287,9 +284,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Bearer <token>' (compared in constant time); else 401. The page and /healthz, /readyz, /v2 health and "
             "metadata stay open.", commands=SERVERS, secret=True),
     Setting("RATE_LIMIT", rate_limits.rate_limit, "", "Per-client-address limit on classify requests: one budget "
-            "for the page, the API and /v2 together, in Flask-Limiter's notation, e.g. '120/minute' or '10/second;500/hour'; over it: "
-            "429. Empty: off.",
-            commands=SERVERS, allowed=rate_limits.RATE_LIMIT_RULE),
+            "for the page, the API and /v2 together, in Flask-Limiter's notation, e.g. '120/minute' or "
+            "'10/second;500/hour'; over it: 429. Empty: off.", commands=SERVERS, allowed=rate_limits.RATE_LIMIT_RULE),
     Setting("RATE_LIMIT_STORAGE", rate_limits.storage, "memory://", "Where rate-limit counters live (Flask-Limiter "
             "storage URI with a moving window). memory:// counts per worker; redis://host:6379 shares counts between "
             "workers and hosts and needs the redis client, which requirements.txt leaves out: pip install redis.",
@@ -328,10 +324,9 @@ SETTINGS: tuple[Setting, ...] = (
             commands=SERVERS),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
             low=0, high=1024, commands=SERVERS),
-    Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model. "
-            "A compile (in a child process) still running then is stopped and the server's start fails saying so "
-            "(exit 3); a worker otherwise still starting stops reporting and gunicorn replaces it 60 s later "
-            "(its timeout).", low=10, high=86_400, commands=SERVERS),
+    Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model. A "
+            "compile (in a child process) still running then is stopped and the start fails saying so (exit 3); a worker "
+            "otherwise still starting stops reporting and gunicorn replaces it 60 s later.", low=10, high=86_400, commands=SERVERS),
     Setting("PRELOAD_LIBRARIES", _bool, True, "Import torch, torchvision, timm and the service's code in gunicorn's "
             "master before it forks the workers (never the model or a thread pool), so every worker shares those "
             "pages instead of holding its own ~400 MB copy. Off: each worker imports them itself (the old way, for "
@@ -371,9 +366,8 @@ class Settings(Mapping[str, Any]):
 def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
     """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys).
 
-    :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not
-        be silently ignored), a value outside what the table allows, or ``RATE_LIMIT`` set with an
-        empty ``RATE_LIMIT_STORAGE``.
+    :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not be silently
+        ignored), a value outside what the table allows, or ``RATE_LIMIT`` with an empty ``RATE_LIMIT_STORAGE``.
     """
     environ = os.environ if environ is None else environ
     overrides = overrides or {}
