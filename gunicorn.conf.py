@@ -24,6 +24,28 @@ try:
 except settings.SettingsError as exc:
     lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {exc}")
 
+
+def _check_flags() -> None:
+    """A gunicorn flag with a value gunicorn refuses (``--timeout -5``) is a bad setting: one line and exit 2,
+    as the exit table says. gunicorn applies command-line values after reading this file and exits 1 on one
+    it refuses; so they are tried here first, on a Config of their own, with gunicorn's own parser and checks
+    (a flag it cannot parse at all, ``-w abc``, never gets here: argparse exits 2 before this file is read)."""
+    if not os.path.basename(sys.argv[0]).startswith("gunicorn") and not sys.argv[0].endswith("gunicorn/__main__.py"):
+        return  # not gunicorn's command line (a tool reading this file)
+    from gunicorn.config import Config
+
+    trial = Config()
+    for name, value in vars(trial.parser().parse_args(sys.argv[1:])).items():
+        if value is not None and name != "args":
+            try:
+                trial.set(name.lower(), value)
+            except Exception as exc:  # gunicorn's validators raise ValueError/TypeError with its own words
+                flag = next((f for f in trial.settings[name].cli or () if f.startswith("--")), name)
+                lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: gunicorn {flag} {value}: {exc}")
+
+
+_check_flags()
+
 # Tells create_app to leave the model to post_worker_init (also right with --preload, where
 # the app is imported in the master: the master must never start torch's thread pools).
 os.environ[GUNICORN_ENV] = "1"

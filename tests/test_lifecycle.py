@@ -290,6 +290,20 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value)
 
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+@pytest.mark.parametrize("flag, value, why", [("--timeout", "-5", "Value must be positive: -5"),
+                                              ("--graceful-timeout", "-1", "Value must be positive: -1"),
+                                              ("--keep-alive", "-3", "Value must be positive: -3")])
+def test_a_gunicorn_flag_value_gunicorn_refuses_is_one_line_and_exit_2(tmp_path, launcher, flag, value, why):
+    """Found by a fresh-user tryout: gunicorn itself prints "Error: Value must be positive: -5" and exits 1; the
+    exit table says a bad gunicorn flag is 2 (as ``-w abc``, which argparse refuses, always was)."""
+    argv = GUNICORN + [flag, value] if launcher == "gunicorn" else SERVE + ["--", flag, value]
+    code, lines, temp = run_to_end(tmp_path, "flag", argv, timeout=60)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"gunicorn {flag} {value}: ", most=1)
+    assert lines[-1] == f"configuration error: gunicorn {flag} {value}: {why}"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("settings", [{"RATE_LIMIT": "5/minute", "RATE_LIMIT_STORAGE": ""},
                                       {"RATE_LIMIT": "5/minute", "RATE_LIMIT_STORAGE": "redis://127.0.0.1:1"}])
 def test_rate_limit_without_a_usable_storage_is_one_line_and_exit_2(tmp_path, launcher, settings):
