@@ -161,6 +161,8 @@ def test_dead_server_is_one_error_line_and_exit_1(folder):
 @pytest.mark.parametrize("extra, message", [
     (("--model", "resnet18"), "error: --model do(es) not go with --server"),
     (("--cluster", "--out", "x.parquet"), "error: --cluster, --out do(es) not go with --server"),
+    (("--no-compile", "--precision", "fp32"), "error: --no-compile, --precision do(es) not go with --server"),
+    (("--compile",), "error: --compile do(es) not go with --server"),
 ])
 def test_server_settings_are_refused(folder, extra, message):
     out = run_cli(str(folder / "dog.jpg"), "--server", "http://127.0.0.1:9", *extra, timeout=60)
@@ -181,6 +183,9 @@ def test_server_must_be_a_url(folder):
     ("http://bad host", "error: --server 'http://bad host' is not a valid URL: bad host (host 'bad host' contains "
                         "invalid character ' ')"),
     ("http://:8000", "error: --server 'http://:8000' is not a valid URL: it names no host"),
+    ("http://127.0.0.1:8123?x=1", "error: --server 'http://127.0.0.1:8123?x=1' is not a server's URL: it has a "
+                                  "query (?...) or fragment (#...)"),
+    ("http://127.0.0.1:8123/#top", "error: --server 'http://127.0.0.1:8123/#top' is not a server's URL"),
 ])
 def test_an_empty_or_malformed_server_url_is_a_usage_error(folder, url, message):
     """Never a local run (an empty --server), nor "cannot reach the server" (exit 1) for a URL that names no

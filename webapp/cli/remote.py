@@ -79,7 +79,8 @@ def url_problem(url: str) -> str | None:
 
     Not http:// or https:// (``""`` too: ``--server "$URL"`` with URL unset), a port out of range or not a
     number, a host missing or malformed (``http://[::1``): urllib.parse's and urllib3's own URL parsing, the
-    latter being what connects. Raises nothing.
+    latter being what connects; a query or fragment (``http://host:8000?x=1``: the API's paths are appended
+    to the URL, so they would end up inside it). Raises nothing.
     """
     import urllib.parse
 
@@ -95,6 +96,9 @@ def url_problem(url: str) -> str | None:
         return f"--server {url!r} is not a valid URL: {what} ({str(exc)[:1].lower()}{str(exc)[1:]})"
     if not parts.hostname:
         return f"--server {url!r} is not a valid URL: it names no host"
+    if "?" in url or "#" in url:  # the API paths are appended to the URL: a query or fragment would swallow them
+        return (f"--server {url!r} is not a server's URL: it has a query (?...) or fragment (#...); give "
+                f"http://host:port, with a path prefix where a proxy puts one")
     if port == 0:
         return f"--server {url!r} is not a valid URL: bad port (port 0 is not one a server listens on)"
     try:
@@ -269,7 +273,9 @@ def classify_remote(args: argparse.Namespace) -> int:
     some failed (or the server cannot be reached), EXIT_USAGE misused options or no image files (as local
     ``classify``; photos skipped in folders, e.g. HEIC, are named with why, as there)."""
     given = given_settings(args)
-    misused = [f"--{k.lower().replace('_', '-')}" for k in given if k not in _CLIENT_SETTINGS]
+    # Named as typed: a switch given as --no-compile is named so, not as --compile.
+    misused = [("--no-" if value is False else "--") + k.lower().replace("_", "-")
+               for k, value in given.items() if k not in _CLIENT_SETTINGS]
     misused += [flag for flag, on in (("--cluster", args.cluster), ("--out", args.out), ("--address", args.address))
                 if on]
     if misused:
