@@ -29,7 +29,9 @@ def test_empty_means_the_default_under_home(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("where, why", [("/proc/nope", "No such file or directory"),
                                         ("a-file", "it exists and is not a folder"),
-                                        ("a-file/sub", "Not a directory")])
+                                        ("a-file/sub", "Not a directory"),
+                                        ("a" * 300, "File name too long"),  # pathlib's exists() raises for it
+                                        (f"{'b' * 300}/sub", "File name too long")])
 def test_a_folder_that_cannot_be_made_names_the_setting_and_the_reason(tmp_path, where, why):
     (tmp_path / "a-file").write_text("x")
     folder = where if where.startswith("/") else str(tmp_path / where)

@@ -323,7 +323,8 @@ def test_rate_limit_without_a_usable_storage_is_one_line_and_exit_2(tmp_path, la
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("where, why", [("/proc/nope", "cannot be created: No such file or directory"),
-                                        ("a-file", "cannot be created: it exists and is not a folder")])
+                                        ("a-file", "cannot be created: it exists and is not a folder"),
+                                        ("a" * 300, "cannot be created: File name too long")])
 def test_cache_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, launcher, where, why):
     """Made in the master before it listens, as each worker would: each worker failed "loading model" (exit 3)."""
     (tmp_path / "a-file").write_text("not a folder")

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from .paths import look, reason
 from .settings import PREFIX, SettingsError
 
 
@@ -26,15 +27,16 @@ def make_cache_dir(values: Mapping[str, Any]) -> Path:
     """Create the cache folder (``cache_dir``) with its parents if it is missing, as every start-up does; return it.
 
     :raises SettingsError: naming ``CLASSIFIER_CACHE_DIR`` and the folder: it cannot be created (the OS's
-        reason: no such file or directory, permission denied, read-only file system...), it exists and is
-        not a folder, or this process cannot write in it.
+        reason: no such file or directory, permission denied, read-only file system, file name too long...),
+        it exists and is not a folder, or this process cannot write in it.
     """
     path = cache_dir(values)
     what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        why = "it exists and is not a folder" if path.exists() else exc.strerror or str(exc)
+        # Asked with paths.look, not path.exists(): that raises again for a name part over 255 bytes.
+        why = "it exists and is not a folder" if look(path)[0] not in (None, "folder") else reason(exc)
         raise SettingsError(f"{what} cannot be created: {why}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise SettingsError(f"{what} cannot be written: {os.strerror(errno.EACCES)}")

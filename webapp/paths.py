@@ -1,0 +1,66 @@
+"""Looking at a path a user gave (a command line's files and folders, ``--out``, ``--dest``, the path settings
+``WEIGHTS``, ``CACHE_DIR``, ``CALIBRATION_DIR``) without a traceback.
+
+pathlib's ``exists()``, ``is_file()`` and ``is_dir()`` answer False for a path that is not there (ENOENT,
+ENOTDIR, ELOOP) but raise ``OSError`` for one that cannot even be looked at: a name part over 255 bytes
+(ENAMETOOLONG), a parent folder this process may not search (EACCES). ``kind`` answers the first and raises
+``Unusable`` for the second, whose text names the path and the OS's reason in words ("PATH: File name too
+long"), so each caller says it in one line with its own exit status. Standard library only: gunicorn's master
+uses it (``caches``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+# pathlib's "is not there": a missing path or folder on the way, a broken or looping link.
+NOT_THERE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF})
+
+
+class Unusable(OSError):
+    """A path that cannot be looked at (``errno``, ``strerror`` and ``filename`` as ``OSError``'s); ``str()`` is
+    ``"PATH: reason"``, the reason as ``os.strerror`` words it."""
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
+
+def reason(exc: OSError) -> str:
+    """The OS's words for ``exc`` (``os.strerror`` of its errno: "File name too long"), else its own text."""
+    return os.strerror(exc.errno) if exc.errno else str(exc)
+
+
+def kind(path: str | os.PathLike) -> str | None:
+    """What is at ``path``, links followed: ``"file"`` (a regular file), ``"folder"``, ``"other"`` (a FIFO,
+    socket or device), or None when nothing is (missing, a folder on the way missing, a broken or looping link,
+    a name with a NUL byte).
+
+    :raises Unusable: ``path`` cannot be looked at: a name too long, no permission to search a folder on the
+        way, an I/O error...
+    """
+    try:
+        mode = os.stat(path).st_mode
+    except ValueError:  # an embedded NUL byte: no such path can exist (pathlib's exists() says False too)
+        return None
+    except OSError as exc:
+        if exc.errno in NOT_THERE:
+            return None
+        raise Unusable(exc.errno, reason(exc), os.fspath(path)) from None
+    return "file" if stat.S_ISREG(mode) else "folder" if stat.S_ISDIR(mode) else "other"
+
+
+def look(path: str | os.PathLike) -> tuple[str | None, str | None]:
+    """``(kind(path), None)``, or ``(None, the OS's reason)`` where ``path`` cannot be looked at: for a report
+    (``info``) that shows either. Raises nothing."""
+    try:
+        return kind(path), None
+    except Unusable as exc:
+        return None, exc.strerror
+
+
+def said(exc: OSError) -> str:
+    """``exc`` in one line: ``"PATH: reason"`` (``os.strerror``'s words) when it names a path, else its own text
+    (``mkdir``'s ``[Errno 36] File name too long: '...'`` becomes ``.../aaa: File name too long``)."""
+    return f"{exc.filename}: {reason(exc)}" if exc.filename is not None and exc.errno else str(exc)
