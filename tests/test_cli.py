@@ -200,7 +200,8 @@ def test_classify_refuses_a_bad_rate_limit_setting_in_one_line(environ):
 
 @pytest.mark.parametrize("where, why", [("/proc/nope", "cannot be created: No such file or directory"),
                                         ("a-file", "cannot be created: it exists and is not a folder"),
-                                        ("a-file/sub", "cannot be created: Not a directory")])
+                                        ("a-file/sub", "cannot be created: Not a directory"),
+                                        ("a" * 300, "cannot be created: File name too long")])
 @pytest.mark.parametrize("how", ["option", "variable"])
 def test_classify_with_a_cache_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, where, why, how):
     """Even --no-compile makes the cache folder (the precision record): pathlib's traceback and exit 1 before."""
@@ -231,6 +232,41 @@ def test_a_path_that_does_not_exist_is_a_usage_error_in_both_modes(no_classifier
     extra = ["--cluster", "--out", str(tmp_path / "out.parquet")] if cluster else []
     assert cli.main(["classify", *extra, str(tmp_path / "a.png"), str(tmp_path / "missing.jpg")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'missing.jpg'}: no such file or directory\n"
+
+
+LONG = "a" * 300  # a name part over 255 bytes: pathlib's exists()/is_file()/is_dir() raise ENAMETOOLONG for it
+
+
+@pytest.mark.parametrize("mode", [[], ["--server", "http://127.0.0.1:9"], ["--cluster", "--out", "x.parquet"]])
+def test_a_path_that_cannot_be_looked_at_is_a_usage_error_naming_the_os_reason(no_classifier_env, tmp_path, capsys,
+                                                                              mode):
+    """Said like a missing path, in one line (never pathlib's traceback), before any model or server is asked."""
+    long = str(tmp_path / f"{LONG}.jpg")
+    assert cli.main(["classify", *mode, long]) == 2
+    assert capsys.readouterr().err == f"error: {long}: File name too long\n"
+
+
+def test_a_path_that_cannot_be_looked_at_in_the_real_cli_is_one_line(tmp_path):
+    out = run_cli("classify", f"{LONG}.jpg")
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {LONG}.jpg: File name too long\n")
+
+
+def test_a_folders_entry_that_cannot_be_looked_at_is_an_error_row(tmp_path, monkeypatch):
+    """EACCES on stat (a folder that may be listed but not searched; root searches any, so it is simulated)."""
+    (tmp_path / "a.jpg").write_bytes(b"x")
+    (tmp_path / "b.jpg").write_bytes(b"x")
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        if str(path).endswith("b.jpg"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    items, _ = files.collect_files([str(tmp_path)])
+    assert items == [(str(tmp_path / "a.jpg"), tmp_path / "a.jpg", None),
+                     (str(tmp_path / "b.jpg"), None, "Permission denied")]
+    assert files.error_code("Permission denied") == "read_error"
 
 
 def test_raw_and_heic_photos_in_folders_are_named_with_why(tmp_path):

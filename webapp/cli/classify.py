@@ -20,7 +20,9 @@ from .. import caches
 from .. import settings as settings_mod
 from ..settings import PREFIX
 from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
-from .files import IMAGE_SUFFIXES, collect_files, no_image_files, read_limited, report_skipped, skipped_note, unreadable
+from ..paths import kind, said
+from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, read_limited, report_skipped,
+                    skipped_note, unreadable)
 from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
 from .output import write_results
 from .remote import add_arguments as add_remote_arguments
@@ -112,9 +114,16 @@ def read_paths(paths: list[str], stdin) -> list[str]:
     return out
 
 
-def missing_paths(paths: list[str]) -> list[str]:
-    """The local paths (not URIs) that do not exist: a usage error, said before anything starts."""
-    return [p for p in paths if "://" not in p and not Path(p).exists()]
+def path_problems(paths: list[str]) -> list[str]:
+    """An error line for each path that can hold nothing to classify: a usage error, said before anything
+    starts: a local one (not a URI) that does not exist or cannot be looked at (a name part over 255 bytes, a
+    folder on the way that may not be searched: ``files.unreadable``'s words). A FIFO or device is left to the
+    run (an error row)."""
+    out = []
+    for p in paths:
+        if "://" not in p and (why := unreadable(Path(p))) and error_code(why) != "not_a_file":
+            out.append(f"error: {p}: {why}")
+    return out
 
 
 # -- local ---------------------------------------------------------------------------------------------------
@@ -127,17 +136,19 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
     A bad setting, or a ``CACHE_DIR`` that cannot be created, raises ``SettingsError`` (``main`` makes it
     exit 2); ``--cluster`` goes to
-    ``classify_cluster``. Paths (``-``: from stdin) are checked first: one that does not exist, or
-    none holding an image file, is a usage error before any model starts.
+    ``classify_cluster``. Paths (``-``: from stdin) are checked first: one that does not exist
+    or cannot be looked at (``path_problems``), or none holding an image file, is a usage error before any
+    model starts.
     """
     s = settings_mod.load(os.environ, given_settings(args))
     args.paths = read_paths(args.paths, sys.stdin)
     if not args.paths:
         err("error: no paths (stdin was empty)")
         return EXIT_USAGE
-    for missing in missing_paths(args.paths):
-        err(f"error: {missing}: {unreadable(Path(missing))}")
-    if missing_paths(args.paths):
+    problems = path_problems(args.paths)
+    for line in problems:
+        err(line)
+    if problems:
         return EXIT_USAGE
     if args.server is not None:  # --server "" ($URL unset) is a usage error there, not a local run
         return classify_remote(args)
@@ -211,7 +222,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 
     results: list[dict] = []
     for shown, path, why in items:
-        error = _error("not_found" if why.startswith("no such") else "not_a_file", why) if why else None
+        error = _error(error_code(why), why) if why else None
         results.append({"path": shown, "model": model["name"], "width": None, "height": None, "format": None,
                         "predictions": [], "batch_size": None, "error": error, "_path": path})
     todo = [i for i, r in enumerate(results) if r["error"] is None]
@@ -275,13 +286,13 @@ def classify_cluster(args: argparse.Namespace) -> int:
     if "://" not in args.out:  # a bad destination is a usage error, found before Ray starts
         out = Path(args.out).expanduser()
         try:
-            if out.is_dir():
+            if kind(out) == "folder":  # raises Unusable: "PATH: File name too long"
                 raise IsADirectoryError(f"{args.out} is a folder; give a file name, e.g. {out / 'labels.parquet'}")
             out.parent.mkdir(parents=True, exist_ok=True)
             if not os.access(out.parent, os.W_OK):
                 raise PermissionError(f"cannot write in {out.parent}")
         except OSError as exc:
-            err(f"error: --out: {exc}")
+            err(f"error: --out: {said(exc)}")
             return EXIT_USAGE
     # Local files and folders are listed here, by classify's own rules (image names, no hidden files,
     # unless --all-files), as absolute paths (symlinks kept: a row names the file as it was given): Ray's

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from ..contract import FORMAT_NAMES
+from ..paths import Unusable, kind
 from .common import err, plural
 
 # What ``classify`` takes from a folder (files named on the command line are always tried).
@@ -45,7 +46,7 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
     unreadable folder; in a folder, too, for an entry it would take. Each skipped file is ``(shown path,
     why)``: ``why`` is set for photos in a format the service cannot read (HEIC, RAW), None for other
     regular files (what ``all_files`` would try; other entries are left out). Paths are shown by
-    ``shown_path``'s rule. Raises nothing for a bad path.
+    ``shown_path``'s rule. Raises nothing for a bad path (one that cannot be looked at either).
     """
     items: list[Item] = []
     seen: set[Path] = set()
@@ -59,7 +60,11 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
 
     for arg in paths:
         path = Path(arg)
-        if path.is_dir():
+        try:
+            folder = kind(path) == "folder"
+        except Unusable:  # unreadable says why, below
+            folder = False
+        if folder:
             walk_errors: list[OSError] = []
             for folder, dirs, names in os.walk(path, onerror=walk_errors.append):
                 dirs[:] = sorted(d for d in dirs if all_files or not d.startswith("."))
@@ -106,14 +111,25 @@ def read_limited(path: Path, limit: int) -> bytes:
 def unreadable(path: Path) -> str | None:
     """Why ``path`` cannot be read as a file (None: a regular file, or a link to one), from ``stat``
     alone: a FIFO or device is never opened. ``no such file or directory`` (with ``(a broken link)``
-    for a dangling or looping symlink), or ``not a regular file`` (a folder, FIFO, socket, device).
-    The messages ``classify`` prints and reports as ``not_found`` / ``not_a_file``. Raises nothing
-    for these; another ``OSError`` of ``stat`` (e.g. no permission on the folder) propagates."""
-    if path.is_file():
+    for a dangling or looping symlink), ``not a regular file`` (a folder, FIFO, socket, device), or the
+    OS's reason it cannot be looked at (``File name too long``, ``Permission denied`` on a folder on the
+    way: ``paths.Unusable``). The messages ``classify`` prints and reports as ``error_code`` says. Raises
+    nothing."""
+    try:
+        what = kind(path)
+    except Unusable as exc:
+        return exc.strerror
+    if what == "file":
         return None
-    if path.exists():
+    if what is not None:
         return "not a regular file"
     return "no such file or directory" + (" (a broken link)" if path.is_symlink() else "")
+
+
+def error_code(why: str) -> str:
+    """The error code of a path ``unreadable`` gave ``why`` for: ``not_found``, ``not_a_file``, else ``read_error``
+    (it cannot be looked at), as local and ``--server`` classify report it."""
+    return "not_found" if why.startswith("no such") else "not_a_file" if why == "not a regular file" else "read_error"
 
 
 # -- what was skipped, said the same way by local and --server classify ----------------------------------

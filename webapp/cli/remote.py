@@ -43,7 +43,7 @@ from pathlib import Path
 
 from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural
-from .files import collect_files, no_image_files, read_limited, report_skipped, skipped_note
+from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
 from .output import write_results
 from .scaling import scaled
@@ -324,7 +324,7 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
 
     results = []
     for shown, path, why in items:
-        error = _error("not_found" if why.startswith("no such") else "not_a_file", why) if why else None
+        error = _error(error_code(why), why) if why else None
         results.append({"path": shown, "model": model, "width": None, "height": None, "format": None,
                         "predictions": [], "batch_size": None, "error": error, "_path": path})
     todo = [i for i, r in enumerate(results) if r["error"] is None]
