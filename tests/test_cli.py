@@ -525,6 +525,11 @@ def test_weights_verify(tmp_path, capsys):
     assert "f37072fd" in out and "no sha256 prefix" in out
     assert cli.main(["weights", "verify", str(good), "--sha256", hashlib.sha256(good.read_bytes()).hexdigest()]) == 0
     assert cli.main(["weights", "verify", str(tmp_path / "absent.pth")]) == 1
+    capsys.readouterr()
+    assert cli.main(["weights", "verify", str(tmp_path / f"{LONG}.pth")]) == 1  # one line, no traceback
+    assert capsys.readouterr().err == f"error: {tmp_path / LONG}.pth: File name too long\n"
+    assert cli.main(["weights", "fetch", "--dest", str(tmp_path / LONG), "--url", "http://127.0.0.1:9/x.pth"]) == 1
+    assert capsys.readouterr().err == f"error: --dest: {tmp_path / LONG}/x.pth: File name too long\n"
 
 
 def test_weights_fetch_without_network_fails_fast(tmp_path, no_classifier_env, capsys):
@@ -588,6 +593,25 @@ def test_info(no_classifier_env, capsys):
     assert cli.main(["info"]) == 0
     text = capsys.readouterr().out
     assert "precision" in text and "plan" in text and "hub cache" in text
+
+
+def test_info_names_path_settings_that_cannot_be_looked_at(no_classifier_env, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(tmp_path / f"{LONG}.pth"))
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / LONG))
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert f"{tmp_path / LONG}.pth (cannot be looked at: File name too long)" in text
+    assert "nothing: CLASSIFIER_WEIGHTS cannot be looked at (File name too long), start-up fails" in text
+    assert f"{tmp_path / LONG} (cannot be looked at: File name too long)" in text
+
+
+def test_a_weights_setting_that_cannot_be_looked_at_stops_the_start_in_one_line(tmp_path):
+    from webapp.errors import StartupError
+    from webapp.models import resolve_resnet18_weights
+
+    with pytest.raises(StartupError, match=f"^CLASSIFIER_WEIGHTS={tmp_path / LONG}.pth cannot be looked at: File "
+                                           "name too long$"):
+        resolve_resnet18_weights(settings.load({"CLASSIFIER_WEIGHTS": f"{tmp_path / LONG}.pth"}))
 
 
 def test_info_says_what_the_offline_fallback_runs_at(no_classifier_env, monkeypatch, capsys):

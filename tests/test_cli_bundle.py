@@ -140,6 +140,15 @@ def test_bundle_refuses_a_folder_that_is_not_empty(small_kit, tmp_path):
     assert proc.returncode == 2 and "not an empty folder" in proc.stderr
 
 
+@pytest.mark.parametrize("name", ["a" * 300, "a-file/kit"])
+def test_bundle_refuses_an_out_that_cannot_be_looked_at_or_made_in_one_line(tmp_path, name):
+    """A name part over 255 bytes (pathlib's exists() raises for it), a file on the way: the OS's reason."""
+    (tmp_path / "a-file").write_text("x")
+    proc = _bundle(tmp_path / name, tmp_path / "unused.txt")
+    why = "File name too long" if name.startswith("a" * 9) else "Not a directory"
+    assert (proc.returncode, proc.stderr) == (2, f"error: --out: {tmp_path / name}: {why}\n"), proc.stderr
+
+
 def test_size_summary_names_the_biggest_wheels_and_the_cuda_share(tmp_path):
     (tmp_path / "wheels").mkdir()
     w = [kit.parse_wheel(_fake_wheel(tmp_path / "wheels", n, size)) for n, size in (

@@ -36,6 +36,7 @@ from torchvision.transforms import InterpolationMode
 
 from . import catalog
 from .errors import StartupError
+from .paths import look
 
 log = logging.getLogger(__name__)
 
@@ -199,22 +200,27 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     the log and the error message, what was looked at and why it failed.
 
     :raises StartupError: when a file exists but is unreadable or fails its hash check (a damaged
-        or tampered file is refused, never silently replaced), or ``WEIGHTS`` names a missing file.
+        or tampered file is refused, never silently replaced), or ``WEIGHTS`` names a missing file or one
+        that cannot be looked at (a name too long...: the OS's reason).
     """
     url = url or RESNET18_URL
     tried: list[str] = []
     if settings.WEIGHTS:
         path = Path(settings.WEIGHTS).expanduser()
-        if not path.is_file():
+        what, problem = look(path)
+        if problem:  # a name too long, a folder on the way not searchable: the OS's reason, in one line
+            raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} cannot be looked at: {problem}")
+        if what != "file":
             raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} does not exist or is not a file. "
                                f"Put a copy of {url} there, or unset CLASSIFIER_WEIGHTS.")
         check_weights_file(path, url)
         return path, tried
     cached = hub_checkpoint_path(url)
-    if cached.is_file():
+    what, problem = look(cached)  # TORCH_HOME is the user's too
+    if what == "file":
         check_weights_file(cached, url)
         return cached, tried
-    tried.append(f"no file at {cached}")
+    tried.append(f"{cached}: {problem}" if problem else f"no file at {cached}")
     if settings.DOWNLOAD:
         why = download_weights(url, cached, timeout=settings.DOWNLOAD_TIMEOUT_S)
         if why is None:
@@ -314,15 +320,18 @@ def explain_resolution(settings) -> dict:
     """What start-up would serve here, without building anything: for ``python -m webapp info``.
 
     Returns ``{"setting", "hub", "offline_model", "would_serve"}``: the ``WEIGHTS`` file and the hub
-    cache file as ``{"path", "exists", "hash_ok"}`` (``setting`` None when unset), the offline
+    cache file as ``{"path", "exists", "hash_ok", "problem"}`` (``setting`` None when unset; ``problem``: why
+    the path cannot be looked at, e.g. "File name too long", else None), the offline
     model's weights file (None when its package is missing), and one sentence that follows
     ``build_resnet18``'s order (setting, hub cache, download, fallback).
     """
     prefix = expected_hash_prefix(RESNET18_URL)
 
     def weights_file(path: Path) -> dict:
-        exists = path.is_file()
-        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None}
+        what, problem = look(path)  # a path that cannot be looked at is shown with the OS's reason
+        exists = what == "file"
+        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None,
+                "problem": problem}
 
     configured = weights_file(Path(settings.WEIGHTS).expanduser()) if settings.WEIGHTS else None
     hub = weights_file(hub_checkpoint_path(RESNET18_URL))
@@ -336,6 +345,8 @@ def explain_resolution(settings) -> dict:
         serves = f"{settings.MODEL} (CLASSIFIER_MODEL)"
     elif configured:
         serves = ("resnet18 from CLASSIFIER_WEIGHTS" if configured["hash_ok"] else
+                  f"nothing: CLASSIFIER_WEIGHTS cannot be looked at ({configured['problem']}), start-up fails"
+                  if configured["problem"] else
                   "nothing: CLASSIFIER_WEIGHTS names a missing or damaged file, start-up fails")
     elif hub["exists"]:
         serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file is damaged"

