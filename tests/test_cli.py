@@ -269,6 +269,17 @@ def test_a_folders_entry_that_cannot_be_looked_at_is_an_error_row(tmp_path, monk
     assert files.error_code("Permission denied") == "read_error"
 
 
+@pytest.mark.parametrize("mode", [[], ["--server", "http://127.0.0.1:9"]])
+def test_an_empty_path_is_a_usage_error_never_the_current_folder(no_classifier_env, monkeypatch, capsys, mode):
+    """``classify "$DIR"`` with DIR unset: Path("") is ".", which would be walked recursively."""
+    assert cli.main(["classify", *mode, ""]) == 2
+    assert capsys.readouterr().err == ("error: an empty path (a shell variable that is not set?); give . for the "
+                                       "current folder\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))  # from stdin (-): blank lines are skipped, as ever
+    assert cli.main(["classify", *mode, "-"]) == 2
+    assert capsys.readouterr().err == "error: no paths (stdin was empty)\n"
+
+
 def test_raw_and_heic_photos_in_folders_are_named_with_why(tmp_path):
     for name in ("a.jpg", "b.HEIC", "c.heif", "d.CR2", "e.dng", "notes.txt", ".hidden.heic"):
         (tmp_path / name).write_bytes(b"x")

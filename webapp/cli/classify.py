@@ -116,12 +116,14 @@ def read_paths(paths: list[str], stdin) -> list[str]:
 
 def path_problems(paths: list[str]) -> list[str]:
     """An error line for each path that can hold nothing to classify: a usage error, said before anything
-    starts: a local one (not a URI) that does not exist or cannot be looked at (a name part over 255 bytes, a
-    folder on the way that may not be searched: ``files.unreadable``'s words). A FIFO or device is left to the
-    run (an error row)."""
+    starts. An empty one (``classify "$DIR"`` with DIR unset: never the current folder), and a local one
+    (not a URI) that does not exist or cannot be looked at (a name part over 255 bytes, a folder on the way
+    that may not be searched: ``files.unreadable``'s words). A FIFO or device is left to the run (an error row)."""
     out = []
     for p in paths:
-        if "://" not in p and (why := unreadable(Path(p))) and error_code(why) != "not_a_file":
+        if not p:
+            out.append("error: an empty path (a shell variable that is not set?); give . for the current folder")
+        elif "://" not in p and (why := unreadable(Path(p))) and error_code(why) != "not_a_file":
             out.append(f"error: {p}: {why}")
     return out
 
@@ -136,7 +138,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
 
     A bad setting, or a ``CACHE_DIR`` that cannot be created, raises ``SettingsError`` (``main`` makes it
     exit 2); ``--cluster`` goes to
-    ``classify_cluster``. Paths (``-``: from stdin) are checked first: one that does not exist
+    ``classify_cluster``. Paths (``-``: from stdin) are checked first: an empty one, one that does not exist
     or cannot be looked at (``path_problems``), or none holding an image file, is a usage error before any
     model starts.
     """

@@ -19,7 +19,7 @@ CLASSIFY_EXIT_STATUS = {
     EXIT_FAILED: "the run went, and some files failed: each has its error line (or Parquet row); with --cluster "
                  "also a job that stopped part way",
     EXIT_USAGE: "usage or configuration error, found before any file is classified: a bad option or setting, "
-                "a path that does not exist or cannot be looked at (a name part over 255 bytes...), "
+                "an empty path, a path that does not exist or cannot be looked at (a name part over 255 bytes...), "
                 "no image file in the paths, a model that cannot start (e.g. --weights missing or damaged), Ray "
                 "missing or no cluster at --address",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
