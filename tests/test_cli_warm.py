@@ -39,3 +39,14 @@ def test_warm_fails_like_a_worker_start_naming_the_problem(tmp_path):
     assert proc.returncode == 1 and f"CLASSIFIER_WEIGHTS={tmp_path / 'missing.pth'} does not exist" in proc.stderr
     proc = _warm(tmp_path, "--max-batch-size", "0")
     assert proc.returncode == 2 and "--max-batch-size" in proc.stderr
+
+
+def test_warm_says_in_one_line_that_a_path_cannot_be_looked_at(tmp_path):
+    """A name part over 255 bytes: pathlib's probes raise for it (a traceback before)."""
+    long = tmp_path / ("a" * 300)
+    proc = _warm(tmp_path, "--cache-dir", str(long), "--no-compile")
+    assert (proc.returncode, proc.stderr) == (2, f"configuration error: CLASSIFIER_CACHE_DIR={long} cannot be "
+                                                 f"created: File name too long\n")
+    proc = _warm(tmp_path, "--weights", f"{long}.pth", "--no-compile")
+    assert proc.returncode == 1 and proc.stderr.endswith(f"error: CLASSIFIER_WEIGHTS={long}.pth cannot be looked "
+                                                         f"at: File name too long\n"), proc.stderr

@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+from .. import caches
 from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_OK, err
 from .options import HelpFormatter, add_setting_options, as_environ, given_settings, settings_epilog
@@ -57,8 +58,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
     Prints where the cache is, what was built (files and MB added) or that it was already there,
     the precision and why, and the seconds taken. Returns EXIT_OK, or EXIT_FAILED when start-up
-    fails (its one-line reason on stderr, as a worker would log it). A bad setting raises
-    ``SettingsError`` (``main`` makes it exit 2).
+    fails (its one-line reason on stderr, as a worker would log it). A bad setting, or a ``CACHE_DIR`` that
+    cannot be made, raises ``SettingsError`` (``main`` makes it exit 2).
     """
     os.environ.update(as_environ(given_settings(args)))
     s = settings_mod.load()
@@ -72,9 +73,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
     logging.getLogger("webapp").setLevel(logging.WARNING if s.LOG_LEVEL == "info" else s.LOG_LEVEL.upper())
 
     from ..errors import StartupError
-    from ..startup import cache_dir, inductor_cache_dir, load_engine, self_test
+    from ..startup import inductor_cache_dir, load_engine, self_test
 
-    cache = cache_dir(s)
+    # Made first, as start-up would: one that cannot be made is a setting's fault (SettingsError, exit 2), said
+    # before snapshot's pathlib probes would raise for it (a name part over 255 bytes).
+    cache = caches.make_cache_dir(s)
     before = snapshot(cache)
     err(f"warming up as gunicorn's worker 0 would start ({cpu.describe(plan, cores)}); "
         f"cache {cache} ...")
