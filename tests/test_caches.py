@@ -55,3 +55,10 @@ def test_start_up_makes_it_the_same_way(tmp_path):
     with pytest.raises(SettingsError, match="cannot be created"):
         startup.use_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(tmp_path / "a-file")}))
     assert startup.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~/x"})) == Path.home() / "x"
+
+
+def test_a_tilde_of_no_known_user_is_left_as_the_shell_leaves_it():
+    """pathlib's expanduser() raises RuntimeError for it (a traceback wherever a path setting was read)."""
+    assert caches.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~no-such-user-here/c"})) == Path(
+        "~no-such-user-here/c")
+    assert caches.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~/c"})) == Path.home() / "c"

@@ -14,13 +14,13 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from .paths import look, reason
+from .paths import expand, look, reason
 from .settings import PREFIX, SettingsError
 
 
 def cache_dir(values: Mapping[str, Any]) -> Path:
     """The cache folder of ``values`` (``settings.load``'s): ``CACHE_DIR``, else ``~/.cache/photo-classifier``."""
-    return Path(values["CACHE_DIR"] or Path.home() / ".cache" / "photo-classifier").expanduser()
+    return expand(values["CACHE_DIR"] or Path.home() / ".cache" / "photo-classifier")
 
 
 def make_cache_dir(values: Mapping[str, Any]) -> Path:

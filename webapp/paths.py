@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from pathlib import Path
 
 # pathlib's "is not there": a missing path or folder on the way, a broken or looping link.
 NOT_THERE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF})
@@ -64,3 +65,10 @@ def said(exc: OSError) -> str:
     """``exc`` in one line: ``"PATH: reason"`` (``os.strerror``'s words) when it names a path, else its own text
     (``mkdir``'s ``[Errno 36] File name too long: '...'`` becomes ``.../aaa: File name too long``)."""
     return f"{exc.filename}: {reason(exc)}" if exc.filename is not None and exc.errno else str(exc)
+
+
+def expand(path: str | os.PathLike) -> Path:
+    """``path`` with ``~`` and ``~user`` expanded as the shell does; ``~name`` of no known user is left as it is
+    (pathlib's ``expanduser()`` raises ``RuntimeError`` for it, a traceback), so looking at it then says there is
+    no such path."""
+    return Path(os.path.expanduser(path))

@@ -28,7 +28,7 @@ import sysconfig
 from pathlib import Path
 
 from .. import settings as settings_mod
-from ..paths import Unusable, kind, reason
+from ..paths import Unusable, expand, kind, reason
 from . import kit
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err
 
@@ -138,7 +138,7 @@ def find_weights() -> tuple[Path | None, str]:
     from ..models import RESNET18_URL, check_weights_file, hub_checkpoint_path
 
     s = settings_mod.load()
-    candidates = ([Path(s.WEIGHTS).expanduser()] if s.WEIGHTS else []) + [hub_checkpoint_path(RESNET18_URL)]
+    candidates = ([expand(s.WEIGHTS)] if s.WEIGHTS else []) + [hub_checkpoint_path(RESNET18_URL)]
     for path in candidates:
         try:
             present = kind(path) == "file"
@@ -168,7 +168,7 @@ def cmd_bundle(args: argparse.Namespace) -> int:
 
     from ..errors import StartupError
 
-    out: Path = args.out.expanduser().resolve()
+    out: Path = expand(args.out).resolve()
     try:
         what = kind(out)  # raises Unusable: a name too long, a folder on the way not searchable
         if what is not None and (what != "folder" or any(out.iterdir())):

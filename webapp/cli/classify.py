@@ -20,7 +20,7 @@ from .. import caches
 from .. import settings as settings_mod
 from ..settings import PREFIX
 from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
-from ..paths import kind, said
+from ..paths import expand, kind, said
 from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, read_limited, report_skipped,
                     skipped_note, unreadable)
 from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
@@ -286,7 +286,7 @@ def classify_cluster(args: argparse.Namespace) -> int:
         err("error: --format and --jobs are for classify without --cluster (with it, rows go to --out)")
         return EXIT_USAGE
     if "://" not in args.out:  # a bad destination is a usage error, found before Ray starts
-        out = Path(args.out).expanduser()
+        out = expand(args.out)
         try:
             if kind(out) == "folder":  # raises Unusable: "PATH: File name too long"
                 raise IsADirectoryError(f"{args.out} is a folder; give a file name, e.g. {out / 'labels.parquet'}")

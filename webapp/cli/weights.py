@@ -9,7 +9,7 @@ import urllib.parse
 from pathlib import Path
 
 from .. import settings as settings_mod
-from ..paths import Unusable, kind
+from ..paths import Unusable, expand, kind
 from .common import EXIT_FAILED, EXIT_OK, err
 from .options import HelpFormatter, hex_prefix, positive_float
 
@@ -55,7 +55,7 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
     url = args.url or RESNET18_URL
     timeout = args.timeout or s.DOWNLOAD_TIMEOUT_S
     name = os.path.basename(urllib.parse.urlparse(url).path)
-    dest = args.dest.expanduser()
+    dest = expand(args.dest)
     target = dest / name
     try:
         present = kind(target) == "file"

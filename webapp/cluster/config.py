@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from .. import settings as settings_mod
 from ..errors import StartupError
+from ..paths import expand
 
 # Settings that name files: made absolute where the command runs, since replicas run elsewhere.
 PATH_SETTINGS = ("WEIGHTS", "CACHE_DIR", "CALIBRATION_DIR")
@@ -30,7 +30,7 @@ def replica_settings(args: dict | None = None, environ=None) -> dict:
     values["THREADS"] = s.THREADS or 1
     for name in PATH_SETTINGS:
         if values[name]:
-            values[name] = str(Path(values[name]).expanduser().resolve())
+            values[name] = str(expand(values[name]).resolve())
     return values
 
 
