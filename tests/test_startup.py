@@ -203,10 +203,11 @@ def test_a_cold_start_compiles_once_in_a_child_and_no_worker_keeps_the_compiler(
 
 @pytest.mark.parametrize("name, why", [("missing", "No such file or directory"), ("a" * 300, "File name too long")])
 def test_a_calibration_dir_that_cannot_be_read_stops_the_start_in_one_line(tmp_path, name, why):
+    """Where settings load such a folder is refused (test_settings); one gone or unreadable since is said here."""
     from webapp import settings
     from webapp.errors import StartupError
 
-    s = settings.load({"CLASSIFIER_CALIBRATION_DIR": str(tmp_path / name)})
+    s = settings.Settings({**settings.load({}), "CALIBRATION_DIR": str(tmp_path / name)})
     for photos in (startup.given_photos, startup.judged_files):  # int8's calibration, auto's judged photos
         with pytest.raises(StartupError, match=f"^CLASSIFIER_CALIBRATION_DIR={tmp_path / name} cannot be read: "
                                                f"{why}$"):

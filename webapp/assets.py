@@ -15,6 +15,8 @@ from pathlib import Path
 
 from PIL import Image, ImageOps
 
+from . import paths
+
 HERE = Path(__file__).parent
 GOLDEN = HERE / "golden" / "dog.jpg"
 CALIBRATION = HERE / "calibration"
@@ -59,7 +61,7 @@ def calibration_files(directory: str | Path | None = None) -> list[Path]:
 
     :raises OSError: ``directory`` cannot be listed (``calibration_problem`` says why in words).
     """
-    folder = Path(directory).expanduser() if directory else CALIBRATION
+    folder = paths.expand(directory) if directory else CALIBRATION
     return sorted(p for p in folder.iterdir() if p.suffix.lower() in CALIBRATION_SUFFIXES)
 
 
@@ -67,7 +69,7 @@ def calibration_problem(directory: str) -> str | None:
     """Why ``directory`` (``CLASSIFIER_CALIBRATION_DIR``) cannot serve as calibration photos, in words, or None:
     it does not exist, is not a folder, cannot be listed (the OS's reason: permission denied, name too
     long...), or holds no file named as a JPEG, PNG or WebP photo. Never raises."""
-    folder = Path(directory).expanduser()
+    folder = paths.expand(directory)
     try:
         if not folder.is_dir():
             return "it exists and is not a folder" if folder.exists() else "no such folder"
