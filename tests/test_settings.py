@@ -144,6 +144,16 @@ def test_rate_limit_outside_the_notation_is_refused_by_the_table(given):
     assert str(err.value) == f"CLASSIFIER_RATE_LIMIT={given!r} is not valid; allowed: {rate_limits.RATE_LIMIT_RULE}"
 
 
+@pytest.mark.parametrize("given", ["0/second", "0 per minute", "10/second;0/hour", "2/0 seconds", "5 per 0 minutes"])
+def test_rate_limit_of_nothing_is_refused_by_the_table(given):
+    """The notation takes an amount of 0 (then every classify request is 429, forever) and a window of 0 (read
+    as 1): both are refused at start like any bad value, the rule saying each must be at least 1."""
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={"CLASSIFIER_RATE_LIMIT": given})
+    assert str(err.value) == f"CLASSIFIER_RATE_LIMIT={given!r} is not valid; allowed: {rate_limits.RATE_LIMIT_RULE}"
+    assert "at least 1" in rate_limits.RATE_LIMIT_RULE
+
+
 @pytest.mark.parametrize("given", ["bogus://x", "memory", "async+memory://", "memcached://cache:11211",
                                    "redis://cache:port", "redis://cache:70000"])
 def test_rate_limit_storage_that_flask_limiter_cannot_use_is_refused_by_the_table(given):

@@ -1,6 +1,7 @@
 """The rate limit's two settings, checked the way Flask-Limiter will read them: at start-up, connecting nowhere.
 
-``CLASSIFIER_RATE_LIMIT`` must be in the ``limits`` library's notation (``limits.parse_many``);
+``CLASSIFIER_RATE_LIMIT`` must be in the ``limits`` library's notation (``limits.parse_many``), every
+amount and window at least 1;
 ``CLASSIFIER_RATE_LIMIT_STORAGE`` a storage URI whose scheme that library registers, whose storage
 keeps a moving window (the strategy ``webapp/access.py`` uses) and whose client package is
 installed. These are the settings table's parsers (``webapp/settings.py``), so ``python -m webapp
@@ -14,9 +15,11 @@ starts threads (gunicorn's master must start none before it forks), a Redis one 
 from __future__ import annotations
 
 import importlib.util
+import re
 import urllib.parse
 
-RATE_LIMIT_RULE = "empty (off), or Flask-Limiter notation such as '120/minute' or '10/second;500/hour'"
+RATE_LIMIT_RULE = ("empty (off), or Flask-Limiter notation such as '120/minute' or '10/second;500/hour', "
+                   "each amount and window at least 1")
 STORAGE_RULE = ("a storage URI of the limits library with a moving window: memory://; redis://HOST:PORT, rediss://, "
                 "redis+sentinel://, redis+cluster:// (pip install redis); valkey:// (pip install valkey); "
                 "mongodb://HOST:PORT (pip install pymongo); empty only with no CLASSIFIER_RATE_LIMIT")
@@ -29,13 +32,20 @@ class MissingPackage(ValueError):
 def rate_limit(text: str) -> str:
     """``CLASSIFIER_RATE_LIMIT``'s parser: the text, trimmed; empty means no limit.
 
-    :raises ValueError: not in the notation ``limits.parse_many`` reads (``lots``, ``5/fortnight``).
+    :raises ValueError: not in the notation ``limits.parse_many`` reads (``lots``, ``5/fortnight``); an amount
+        of 0 (``0/second``: the notation takes it, and then every classify request is refused, forever); a
+        window of 0 (``2/0 seconds``: the library reads it as 1 s, so the limit would not be what was written).
     """
     value = str(text).strip()
     if value:
         from limits import parse_many
 
-        parse_many(value)
+        limits = parse_many(value)
+        if any(limit.amount < 1 for limit in limits):
+            raise ValueError("an amount of 0 refuses every request")
+        # The windows' multiples as written (parse_many has checked the notation): "2/0 seconds" parses as 2/second.
+        if any(int(n) < 1 for n in re.findall(r"(?:/|per)\s*([0-9]+)\s*[a-z]", value, re.IGNORECASE)):
+            raise ValueError("a window of 0")
     return value
 
 
