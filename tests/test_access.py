@@ -5,7 +5,8 @@ from PIL import Image
 
 from conftest import png_bytes
 from webapp import GUNICORN_ENV
-from webapp.access import check_token
+from webapp.access import LIMITER_RETRY_AFTER, check_token
+from webapp.errors import NotReady, Overloaded
 from webapp.settings import SettingsError
 
 PNG = png_bytes(Image.new("RGB", (32, 32), (10, 120, 200)))
@@ -78,8 +79,37 @@ def test_rate_limit_answers_429_with_retry_after(guarded):
 def test_retry_after_is_never_zero(make_app):
     """Flask-Limiter can round the wait to the window's reset down to 0; clients must be told >= 1 s."""
     app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="4/minute")
-    app.add_url_rule("/_zero", "zero", lambda: ("", 429, {"Retry-After": "0"}))
-    assert app.test_client().get("/_zero").headers["Retry-After"] == "1"
+    app.add_url_rule("/_zero", "zero", lambda: ("", 429, {LIMITER_RETRY_AFTER: "0"}))  # as the limiter writes it
+    resp = app.test_client().get("/_zero")
+    assert resp.headers["Retry-After"] == "1" and LIMITER_RETRY_AFTER not in resp.headers
+
+
+def test_retry_after_is_on_refusals_only(make_app):
+    """With a rate limit, Flask-Limiter put Retry-After on every answer of a classify route, a 200 too; only
+    its 429 takes it now. The X-RateLimit-* headers (in the OpenAPI document's 200) stay on every answer."""
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="3/minute").test_client()
+    answers = [post(client), client.post("/api/v1/predict"), post(client)]
+    assert [resp.status_code for resp in answers] == [200, 400, 200]
+    for left, resp in zip((2, 1, 0), answers):
+        assert "Retry-After" not in resp.headers and LIMITER_RETRY_AFTER not in resp.headers
+        assert resp.headers["X-RateLimit-Limit"] == "3" and resp.headers["X-RateLimit-Remaining"] == str(left)
+    refused = post(client)
+    assert refused.status_code == 429 and refused.get_json()["error"]["code"] == "rate_limited"
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60 and LIMITER_RETRY_AFTER not in refused.headers
+
+
+@pytest.mark.parametrize("error", [Overloaded("busy", headers={"Retry-After": "2"}),
+                                   NotReady("starting", headers={"Retry-After": "5"})])
+def test_a_refusal_keeps_its_own_retry_after_under_a_rate_limit(make_app, monkeypatch, error):
+    """Flask-Limiter raised a 429 overloaded's or a 503's Retry-After to its window's reset (~60 s here)."""
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="3/minute")
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(app.extensions["classifier"], "admit", refuse)
+    resp = post(app.test_client())
+    assert resp.status_code == error.status and resp.headers["Retry-After"] == error.headers["Retry-After"]
 
 
 def test_bad_rate_limit_is_a_settings_error(make_app):

@@ -4,8 +4,10 @@ Both are off by default (a localhost service needs neither) and switched on by s
 The rate limit uses Flask-Limiter: one budget per client address, shared by every way of
 classifying (the page, the JSON API, /v2); its counters live where ``RATE_LIMIT_STORAGE`` says
 (``memory://`` is per worker process, so N workers admit up to N times the limit; point it
-at Redis to share one count; Memcached keeps no moving window). A refused token says whether
-it was missing or wrong.
+at Redis to share one count; Memcached keeps no moving window). Every answer of a classify route
+carries ``X-RateLimit-Limit``, ``-Remaining`` and ``-Reset``; ``Retry-After`` only the refusals: the rate
+limit's 429, and the 429 ``overloaded`` and 503 with their own. A refused token says whether it was missing
+or wrong; every 401 carries ``WWW-Authenticate: Bearer realm="classifier"`` (RFC 9110 15.5.2).
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from .errors import Unauthorized
 # JSON API's and the Open Inference Protocol's (webapp/v2.py), not to the page's.
 CLASSIFY_ENDPOINTS = ("api.predict", "ui.classify", "v2.infer")
 TOKEN_ENDPOINTS = ("api.predict", "v2.infer")
+# Where Flask-Limiter writes its Retry-After (its header_name_mapping), for init_access's hook to move onto its
+# own 429 only: never sent.
+LIMITER_RETRY_AFTER = "X-Classifier-Limiter-Retry-After"
 
 
 def check_token(header: str | None, token: str) -> bool:
@@ -67,19 +72,22 @@ def init_access(app: Flask, settings) -> None:
 
     if not settings.RATE_LIMIT:
         return
-    from flask_limiter import Limiter
+    from flask_limiter import HeaderNames, Limiter
     from flask_limiter.util import get_remote_address
 
     @app.after_request  # registered before the limiter's own hook, so it runs after it
-    def retry_after_at_least_one_second(resp):
-        # Flask-Limiter rounds the time to the window's reset, which can give "Retry-After: 0":
-        # a client told that retries at once and is refused again.
-        if resp.status_code == 429 and resp.headers.get("Retry-After") == "0":
-            resp.headers["Retry-After"] = "1"
+    def retry_after_on_refusals_only(resp):
+        # Flask-Limiter puts Retry-After (the window's reset) on every answer of a limited route, a 200
+        # included, and raises a 429 overloaded's or a 503's own Retry-After to it. It writes its value
+        # under LIMITER_RETRY_AFTER instead; only its own refusal (a 429 with no Retry-After of its own)
+        # takes it, at least 1 s: rounded to the reset it can be 0, and a client told 0 is refused again.
+        wait = resp.headers.pop(LIMITER_RETRY_AFTER, None)
+        if resp.status_code == 429 and wait is not None and "Retry-After" not in resp.headers:
+            resp.headers["Retry-After"] = str(max(1, int(wait)))
         return resp
 
     limiter = Limiter(get_remote_address, app=app, storage_uri=settings.RATE_LIMIT_STORAGE, headers_enabled=True,
-                      strategy="moving-window")
+                      header_name_mapping={HeaderNames.RETRY_AFTER: LIMITER_RETRY_AFTER}, strategy="moving-window")
     # One budget per client address for every way of classifying (page, API, /v2): a shared limit, so
     # switching from the API to the page does not double what a client may send.
     budget = limiter.shared_limit(settings.RATE_LIMIT, scope="classify")
