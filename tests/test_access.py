@@ -6,7 +6,7 @@ from PIL import Image
 from conftest import png_bytes
 from webapp import GUNICORN_ENV
 from webapp.access import LIMITER_RETRY_AFTER, check_token
-from webapp.errors import NotReady, Overloaded
+from webapp.errors import NotReady, Overloaded, Unauthorized
 from webapp.settings import SettingsError
 
 PNG = png_bytes(Image.new("RGB", (32, 32), (10, 120, 200)))
@@ -49,6 +49,27 @@ def test_a_missing_token_and_a_wrong_one_are_told_apart(guarded):
         "this API needs a token, and the bearer token sent is not this server's: send 'Authorization: Bearer <token>' "
         "with the right one")
     assert resp.headers["WWW-Authenticate"] == 'Bearer realm="classifier", error="invalid_token"'
+
+
+def test_every_401_says_how_to_authenticate(make_app):
+    """RFC 9110 15.5.2: a 401 carries WWW-Authenticate; a tryout found one without it. Every route a token guards
+    (the API, /v2 infer, /metrics with its own token), missing or wrong, and any Unauthorized raised anywhere."""
+    assert Unauthorized("no").headers["WWW-Authenticate"] == 'Bearer realm="classifier"'
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, API_TOKEN="api-token",
+                      METRICS_TOKEN="prom-token").test_client()
+    infer = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "data": ["x"]}]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic eDp5"}, {"Authorization": ""}):
+        for resp in (post(client, **headers), client.post("/v2/models/classifier/infer", json=infer, headers=headers),
+                     client.get("/metrics", headers=headers)):
+            assert resp.status_code == 401
+            assert resp.headers["WWW-Authenticate"].startswith('Bearer realm="classifier"'), resp.request.path
+    doc = client.get("/openapi.json").get_json()
+    challenges = [response["headers"]["WWW-Authenticate"] for name, response in doc["components"]["responses"].items()
+                  if name.endswith("E401")]
+    assert len(challenges) == 2 and all(c["required"] and "realm" in c["description"] for c in challenges)
+    refs = [op["responses"]["401"]["$ref"] for path in doc["paths"].values() for op in path.values()
+            if isinstance(op, dict) and "401" in op.get("responses", {})]
+    assert len(refs) >= 3 and all(ref.endswith("E401") for ref in refs)  # predict, /v2 infer, /metrics
 
 
 def test_the_page_and_the_api_share_one_budget_per_client(make_app):

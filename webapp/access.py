@@ -40,11 +40,10 @@ def token_refusal(header: str | None, token: str, what: str) -> Unauthorized | N
         return None
     scheme, _, given = (header or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        return Unauthorized(f"{what} needs a token: send 'Authorization: Bearer <token>'",
-                            headers={"WWW-Authenticate": 'Bearer realm="classifier"'})
+        return Unauthorized(f"{what} needs a token: send 'Authorization: Bearer <token>'")  # the plain challenge
     return Unauthorized(f"{what} needs a token, and the bearer token sent is not this server's: send "
                         f"'Authorization: Bearer <token>' with the right one",
-                        headers={"WWW-Authenticate": 'Bearer realm="classifier", error="invalid_token"'})
+                        headers={"WWW-Authenticate": f'{Unauthorized.CHALLENGE}, error="invalid_token"'})
 
 
 def init_access(app: Flask, settings) -> None:

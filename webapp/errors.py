@@ -60,10 +60,18 @@ class BadRequest(ServiceError):
 
 
 class Unauthorized(ServiceError):
+    """Every one carries ``WWW-Authenticate`` (RFC 9110 15.5.2: a 401 must say how to authenticate): ``CHALLENGE``,
+    unless ``headers`` give a more precise one (RFC 6750's ``error="invalid_token"`` for a wrong token)."""
+
     status, code = 401, "unauthorized"
-    when = ("`CLASSIFIER_API_TOKEN` is set and the request lacks `Authorization: Bearer <token>`, or its token "
-            "is wrong (the message says which)")
-    settings = ("API_TOKEN",)
+    when = ("`CLASSIFIER_API_TOKEN` (on /metrics: `CLASSIFIER_METRICS_TOKEN`, else the API token) is set and the "
+            "request lacks `Authorization: Bearer <token>`, or its token is wrong (the message says which); every "
+            "401 carries `WWW-Authenticate: Bearer realm=\"classifier\"`")
+    settings = ("API_TOKEN", "METRICS_TOKEN")
+    CHALLENGE = 'Bearer realm="classifier"'
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None):
+        super().__init__(message, headers={"WWW-Authenticate": self.CHALLENGE, **(headers or {})})
 
 
 class TooLarge(ServiceError):

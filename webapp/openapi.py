@@ -46,7 +46,7 @@ def _error_response(status: int) -> dict:
     if status in (429, 503):
         headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
     if status == 401:
-        headers["WWW-Authenticate"] = {"description": "`Bearer realm=\"classifier\"`", "schema": {"type": "string"}}
+        headers["WWW-Authenticate"] = v2_openapi.WWW_AUTHENTICATE
     if status == 405:
         headers["Allow"] = {"description": "The methods this path takes, e.g. `OPTIONS, POST`.", "schema": _STR}
     return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import v2_codec as codec
+from .errors import Unauthorized
 
 TAG = "open inference protocol"
 _ID = {"$ref": "#/components/parameters/RequestId"}
@@ -61,6 +62,12 @@ SCHEMAS: dict[str, Any] = {
 }
 
 
+# On every 401, /v2's and the JSON API's (webapp/openapi.py) alike: errors.Unauthorized always sends it.
+WWW_AUTHENTICATE = {"description": f"`{Unauthorized.CHALLENGE}`, with `error=\"invalid_token\"` added for a token "
+                                   "that is not this server's (RFC 6750).",
+                    "required": True, "schema": {"type": "string", "pattern": "^Bearer realm=\"classifier\""}}
+
+
 def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]]) -> dict[str, Any]:
     """``V2E<status>``: each error status of the table in the protocol's shape, with its headers."""
     out = {}
@@ -69,7 +76,7 @@ def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]]) -> dict[
         if status in (429, 503):
             headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
         if status == 401:
-            headers["WWW-Authenticate"] = {"description": "`Bearer realm=\"classifier\"`", "schema": {"type": "string"}}
+            headers["WWW-Authenticate"] = WWW_AUTHENTICATE
         out[f"V2E{status}"] = {"description": when[0].upper() + when[1:] + ".", "headers": headers,
                                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}}}
     return out
