@@ -137,7 +137,7 @@ def test_too_large_is_413(small_limits_app):
 def test_queue_full_is_429_with_retry_after(app, client, monkeypatch):
     batcher = app.extensions["classifier"].batcher
 
-    def full(tensors, gone=None, coming=None):
+    def full(tensors, gone=None, coming=None, timeout=None):
         raise Overloaded("server busy", headers={"Retry-After": "3"})
 
     monkeypatch.setattr(batcher, "submit", full)

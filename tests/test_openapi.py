@@ -128,7 +128,7 @@ def test_provoked_errors_fit_the_document(app, client, monkeypatch):
     conforms(schema, "/api/v1/predict", "POST", post(data=small_png(), content_type="text/plain"), 415,
              "unsupported_media_type")
 
-    def full(tensors, gone=None, coming=None):
+    def full(tensors, gone=None, coming=None, timeout=None):
         raise Overloaded("server busy", headers={"Retry-After": "3"})
 
     with monkeypatch.context() as m:

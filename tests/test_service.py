@@ -6,8 +6,8 @@ import pytest
 import torch
 from PIL import Image, ImageChops, ImageStat
 
-from conftest import shared_image
-from webapp import assets, settings, startup
+from conftest import shared_image, small_png
+from webapp import assets, engine, settings, startup
 from webapp.errors import StartupError
 from webapp.models import encode
 from webapp.service import Classifier
@@ -36,6 +36,25 @@ def test_failed_self_test_never_reports_ready(tmp_path, monkeypatch):
     with pytest.raises(StartupError, match="self-test failed"):
         clf.start()
     assert not clf.ready and clf.status == "self-test failed"
+
+
+def test_a_tiny_request_timeout_bounds_requests_not_the_self_test(make_app, monkeypatch):
+    """CLASSIFIER_REQUEST_TIMEOUT_S=0.01 (its documented minimum) failed every start: the self-test ran through the
+    batcher under a client's deadline ("InferenceTimeout ... the server is overloaded", exit 3). Start-up has its
+    own bound now; requests keep theirs (504)."""
+    predict = engine.Engine.predict
+
+    def slow(self, batch):
+        time.sleep(0.05)  # past the request timeout on any machine
+        return predict(self, batch)
+
+    monkeypatch.setattr(engine.Engine, "predict", slow)
+    app = make_app(MODEL="efficientnet_lite0", COMPILE=False, MAX_BATCH_SIZE=1, PRECISION="fp32",
+                   REQUEST_TIMEOUT_S=0.01)
+    clf = app.extensions["classifier"]
+    assert clf.ready and clf.self_test["passed"] is True and clf.batcher.batches >= 1
+    resp = app.test_client().post("/api/v1/predict", data=small_png(), content_type="image/png")
+    assert resp.status_code == 504 and resp.get_json()["error"]["code"] == "timeout"
 
 
 def test_self_test_is_skipped_for_untrained_weights(app):

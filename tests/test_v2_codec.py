@@ -238,7 +238,7 @@ def test_busy_not_ready_and_failing_answer_in_the_protocols_shape(app, client, m
     ok = client.post(INFER, data=json_request([PNG]))
     assert ok.status_code == 200 and ok.headers["X-Request-ID"] == ok.get_json()["id"]
 
-    def full(tensors, gone=None, coming=None):
+    def full(tensors, gone=None, coming=None, timeout=None):
         raise Overloaded("server busy", headers={"Retry-After": "3"})
 
     with monkeypatch.context() as m:

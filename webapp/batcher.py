@@ -61,6 +61,7 @@ class _Request:
     enqueued: float = field(default_factory=time.monotonic)
     abandoned: bool = False  # the waiter gave up (timeout): skip it, never run it
     gone: Callable[[], bool] | None = None  # True once its client hung up: skip it, never run it
+    timeout: float = 0.0  # s from submission to deadline: the request timeout, or start-up's own bound
 
 
 @dataclass(eq=False)
@@ -100,10 +101,8 @@ class InferenceBatcher:
         if wait not in WAITS:
             raise ValueError(f"wait must be one of {WAITS}, not {wait!r}")
         self.wait_for = wait
-        self.predict = predict
-        self.thread_init = thread_init
-        self.max_batch_size = max_batch_size
-        self.batch_timeout = batch_timeout
+        self.predict, self.thread_init = predict, thread_init
+        self.max_batch_size, self.batch_timeout = max_batch_size, batch_timeout
         self.queue_size, self.request_timeout = queue_size, request_timeout
         self.on_death = on_death
         self.on_idle, self.idle_s = on_idle, idle_s
@@ -113,8 +112,7 @@ class InferenceBatcher:
         self._waiting = 0  # images in the queue, guarded by _lock
         self._coming = 0  # images being decoded for the queue (``coming``), guarded by _lock
         self._in_batch = 0  # images in the forward pass running now (written by the inference thread only)
-        self._accepting = False
-        self._running = False
+        self._accepting = self._running = False
         self.died: BaseException | None = None
         # Held while the inference thread runs; stop() waits on it. A real lock, not a gevent
         # future: at gunicorn's worker_exit the hub has nothing left to run, and a greenlet
@@ -212,8 +210,9 @@ class InferenceBatcher:
             self._queue.put(_WAKE)
 
     def submit(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None,
-               coming: Coming | None = None) -> list[_Request]:
-        """Queue images ``(3, H, W) float32`` all together or not at all.
+               coming: Coming | None = None, timeout: float | None = None) -> list[_Request]:
+        """Queue images ``(3, H, W) float32`` all together or not at all, each due within ``timeout`` s
+        (None: ``request_timeout``; start-up's self-test gives its own, not a client's deadline).
 
         ``gone`` (asked on the inference thread just before a batch runs) says whether the client hung
         up; such an image is not run and its waiter gets ``ClientGone``. ``coming``: the handle that
@@ -223,8 +222,9 @@ class InferenceBatcher:
         :raises Overloaded: the queue has no room for all of them (429, with ``Retry-After``).
         :raises NotReady: the batcher is stopping, stopped or dead (503).
         """
-        deadline = time.monotonic() + self.request_timeout
-        reqs = [_Request(t, deadline, self._p.make_future(), gone=gone) for t in tensors]
+        timeout = self.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        reqs = [_Request(t, deadline, self._p.make_future(), gone=gone, timeout=timeout) for t in tensors]
         with self._lock:
             self.check_capacity(len(reqs))
             self._waiting += len(reqs)
@@ -244,20 +244,20 @@ class InferenceBatcher:
             return req.future.wait(req.deadline - time.monotonic())
         except TimeoutError:
             req.abandoned = True
-            raise InferenceTimeout.after(self.request_timeout) from None
+            raise InferenceTimeout.after(req.timeout) from None
 
     def infer(self, tensors: list[torch.Tensor], gone: Callable[[], bool] | None = None,
-              coming: Coming | None = None) -> list[Result]:
+              coming: Coming | None = None, timeout: float | None = None) -> list[Result]:
         """Run images ``(3, H, W) float32`` through the model; return their ``Result``s in the same order.
 
-        Submits all of them at once (they may share a batch) and waits for every one; ``gone`` and
-        ``coming`` as ``submit``.
+        Submits all of them at once (they may share a batch) and waits for every one; ``gone``,
+        ``coming`` and ``timeout`` as ``submit``.
 
         :raises Overloaded: no room in the queue (429). :raises NotReady: not serving (503).
-        :raises InferenceTimeout: past ``request_timeout`` (504). :raises InferenceFailed: the batch failed (500).
+        :raises InferenceTimeout: past ``timeout`` (504). :raises InferenceFailed: the batch failed (500).
         :raises ClientGone: the client hung up before its batch ran (499; nothing was run for it).
         """
-        reqs = self.submit(tensors, gone, coming)
+        reqs = self.submit(tensors, gone, coming, timeout)
         try:
             return [self.wait(r) for r in reqs]
         finally:

@@ -152,14 +152,16 @@ class Classifier:
         self.admission.decode.observe(len(data), ms)
         if not self.batcher.batches:
             try:
-                self.batcher.infer([prepared.tensor])
-            except ServiceError as exc:  # e.g. past a tiny REQUEST_TIMEOUT_S: a measurement, never a failed start
+                self.batcher.infer([prepared.tensor], timeout=self.settings.STARTUP_TIMEOUT_S)
+            except ServiceError as exc:  # a measurement, never a failed start
                 log.debug("no forward pass measured at start-up (%s); admission counts from the first batch",
                           exc.message)
 
     def _predict_on_batcher(self, batch: torch.Tensor) -> torch.Tensor:
-        """``(N, 3, S, S) float32`` -> ``(N, C)`` logits through the batcher's thread (the serving path)."""
-        return torch.stack([r.logits for r in self.batcher.infer(list(batch))])
+        """``(N, 3, S, S) float32`` -> ``(N, C)`` logits through the batcher's thread (the serving path), due within
+        ``STARTUP_TIMEOUT_S``: ``REQUEST_TIMEOUT_S`` is a client's deadline, and bounding the self-test by it
+        (0.01 s, the documented minimum) failed every start with "the server is overloaded" (exit 3)."""
+        return torch.stack([r.logits for r in self.batcher.infer(list(batch), timeout=self.settings.STARTUP_TIMEOUT_S)])
 
     def mark_ready(self, startup_s: float) -> None:
         """Record the start-up time (s) and report ready (the fallback note was logged by ``startup.load_engine``)."""

@@ -267,7 +267,7 @@ SETTINGS: tuple[Setting, ...] = (
             "its body is read, with Retry-After from that prediction. QUEUE_SIZE still applies.",
             low=10, high=86_400_000, commands=(SERVE,)),
     Setting("REQUEST_TIMEOUT_S", _float, 30.0, "Seconds an image may wait for its result before the request gets "
-            "504.", low=0.01, high=3600),
+            "504. Bounds requests only: start-up's self-test has STARTUP_TIMEOUT_S.", low=0.01, high=3600),
     # -- requests --
     Setting("TOP_K", _int, 3, "Labels returned per image when the request does not say (topk=1..10).",
             low=1, high=10),
