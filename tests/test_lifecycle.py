@@ -276,7 +276,8 @@ def test_a_compile_past_the_startup_timeout_fails_the_start_naming_the_setting(t
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000"),
-                                             ("RATE_LIMIT", "lots"), ("RATE_LIMIT_STORAGE", "bogus://x"),
+                                             ("RATE_LIMIT", "lots"), ("RATE_LIMIT", "0/second"),
+                                             ("RATE_LIMIT_STORAGE", "bogus://x"),
                                              ("RATE_LIMIT_STORAGE", "memcached://127.0.0.1:11211"),
                                              ("CALIBRATION_DIR", "/nonexistent")])
 def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value):
