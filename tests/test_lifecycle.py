@@ -261,6 +261,7 @@ def test_failed_compile_is_one_line_and_exit_3(tmp_path):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a rare start (~20 s on 2 cores, a cold compile stopped at 10 s): with `-m extended`
 def test_a_compile_past_the_startup_timeout_fails_the_start_naming_the_setting(tmp_path):
     """Found by a fresh-user tryout: with CLASSIFIER_STARTUP_TIMEOUT_S=10 and a cold cache, the child's compile
     was stopped at 10 s, then the worker compiled in its own process for another minute (keeping the
