@@ -71,10 +71,11 @@ def calibration_problem(directory: str) -> str | None:
     long...), or holds no file named as a JPEG, PNG or WebP photo. Never raises."""
     folder = paths.expand(directory)
     try:
-        if not folder.is_dir():
-            return "it exists and is not a folder" if folder.exists() else "no such folder"
+        what = paths.kind(folder)
+        if what != "folder":
+            return "no such folder" if what is None else "it exists and is not a folder"
         if not calibration_files(folder):
             return f"no {'/'.join(s[1:].upper() for s in CALIBRATION_SUFFIXES)} photo in it"
-    except OSError as exc:
-        return f"it cannot be read: {exc.strerror or exc}"
+    except OSError as exc:  # paths.Unusable, or the listing itself
+        return f"it cannot be read: {paths.reason(exc)}"
     return None

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import math
 
+_quiet: list[bool] = []  # set once Pillow's warnings are silenced here (exif.silence_pillow_warnings)
+
 
 def scaled(data: bytes, short_side: int, resample: str = "bilinear",
            max_pixels: int | None = None) -> tuple[bytes, dict | None]:
@@ -33,7 +35,9 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
 
     from .. import exif, incomplete  # the server's own reading of EXIF orientation and of a cut: the same photo
 
-    exif.silence_pillow_warnings()
+    if not _quiet:  # once per process: the filters are process-wide, and re-adding them from every --jobs
+        exif.silence_pillow_warnings()  # thread at every file mutated the shared list for nothing
+        _quiet.append(True)
 
     try:
         img = Image.open(io.BytesIO(data))
