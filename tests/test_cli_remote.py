@@ -441,6 +441,12 @@ def test_what_the_server_would_refuse_is_sent_as_it_is_and_pillow_stays_quiet():
     for kept in (0.2, 0.5, 0.8):
         cut = dog[:int(len(dog) * kept)] + b"\xff\xd9"
         assert remote.scaled(cut, 256) == (cut, {"width": 768, "height": 576, "format": "JPEG"}), kept
+    with Image.open(io.BytesIO(dog)) as im:  # progressive and cut before its last scan: blurred, not grey
+        progressive = encode(im, "JPEG", quality=90, progressive=True)
+    assert remote.scaled(progressive, 256)[0] != progressive
+    for kept in (0.1, 0.4):
+        cut = progressive[:int(len(progressive) * kept)] + b"\xff\xd9"
+        assert remote.scaled(cut, 256) == (cut, {"width": 768, "height": 576, "format": "JPEG"}), kept
     assert remote.scaled(dog, 256, max_pixels=768 * 576) == (whole, remote.scaled(dog, 256)[1])  # at the limit
     assert remote.scaled(dog, 256, max_pixels=768 * 576 - 1)[0] == dog
     exif = b"Exif\0\0II*\0\x08\0\0\0\x02\0" + b"\x0f\x01\x02\0\xff\xff\0\0\0\0\x10\0" \

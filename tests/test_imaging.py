@@ -399,6 +399,75 @@ def test_the_shared_phone_photo_cut_and_closed_is_400():
         decode(raw[: len(raw) // 2] + b"\xff\xd9", max_pixels=10**8, min_side=224)
 
 
+def _scan_starts(data: bytes) -> list[int]:
+    """Where each SOS marker of a JPEG Pillow wrote starts (its entropy-coded data never holds FF DA)."""
+    return [m.start() for m in re.finditer(b"\xff\xda", data)]
+
+
+@pytest.mark.parametrize("mode, subsampling", [("RGB", 2), ("RGB", 0), ("L", -1), ("CMYK", -1)])
+@pytest.mark.parametrize("min_side", [None, 224])
+def test_a_progressive_jpeg_cut_before_its_last_scan_and_closed_by_eoi_is_400_not_blurred(mode, subsampling, min_side):
+    """A progressive JPEG cut and closed by EOI decodes in libjpeg without an error: the coefficients that never
+    came stay zero, a blurred (early on colourless) image the model would classify. Cut anywhere before its last
+    scan (inside a scan, or right at a scan's start) it is refused like a baseline one, naming the scans it has;
+    the whole file decodes."""
+    img = _photo_like(768, 576)
+    img = img.convert(mode) if mode != "RGB" else img
+    whole = encode(img, "JPEG", quality=90, progressive=True, **({"subsampling": subsampling} if subsampling >= 0 else {}))
+    starts = _scan_starts(whole)
+    assert len(starts) >= 6  # libjpeg's default script: 6 scans for one component, 10 for three
+    assert decode(whole, max_pixels=BIG, min_side=min_side).size == (768, 576)
+    cuts = [starts[0] + 40, *((a + b) // 2 for a, b in zip(starts[:-1], starts[1:])), *starts[1:-1],
+            starts[-1]]  # inside each scan but the last, at each scan's start, and right before the last one
+    judged = 0
+    for cut in cuts:
+        scans = sum(start < cut for start in starts)
+        closed = whole[:cut] + b"\xff\xd9"
+        try:  # some cuts Pillow refuses by itself ("image file is truncated"): any 400 saying so is right there
+            reopen(closed).load()
+        except OSError:
+            with pytest.raises(UndecodableImage, match="incomplete"):
+                decode(closed, max_pixels=BIG, min_side=min_side)
+            continue
+        with pytest.raises(UndecodableImage, match=rf"the JPEG data is incomplete: it is progressive and a marker "
+                                                   rf"closes it after {scans} scans?, before every part"):
+            decode(closed, max_pixels=BIG, min_side=min_side)
+        judged += 1
+    assert judged >= len(starts) - 1  # at least every cut inside a scan decodes blurred without the check
+
+
+@pytest.mark.parametrize("name", ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg",
+                                  "scream.jpg", "phone-12mp-exif-rotated.jpg"])
+@pytest.mark.parametrize("options", [{"quality": 95, "progressive": True},
+                                     {"quality": 75, "progressive": True, "optimize": True, "subsampling": 0},
+                                     {"quality": 90, "progressive": True, "exif": b"Exif\0\0MM\0*\0\0\0\x08\0\0\0\0\0\0"}])
+def test_every_whole_progressive_photo_decodes(name, options):
+    """The other side: whole progressive JPEGs of every shared photo (qualities, optimized tables, 4:4:4, an EXIF
+    block) are never called cut; nor are the shared photos as they are (baseline)."""
+    raw = shared_image(name).read_bytes()
+    decode(raw, max_pixels=10**8, min_side=224)
+    with Image.open(io.BytesIO(raw)) as im:
+        im.draft("RGB", (im.width // 4, im.height // 4))  # a quick re-encode at a quarter of a 12 MP photo
+        progressive = encode(im.convert("RGB"), "JPEG", **options)
+    decode(progressive, max_pixels=10**8, min_side=224)
+    decode(progressive, max_pixels=10**8)
+
+
+def test_a_progressive_jpeg_with_markers_inside_its_exif_thumbnail_and_restart_markers_is_whole():
+    """Markers are walked by their lengths, so an EXIF block holding a whole JPEG thumbnail (its own SOI, SOS,
+    EOI) is skipped, and restart markers (DRI) inside scans are not taken for the end of a scan."""
+    img = _photo_like(400, 300)
+    thumb = encode(img.resize((80, 60)), "JPEG", quality=80)
+    app1 = b"Exif\0\0" + thumb  # not a valid TIFF inside, but a segment whose bytes hold markers
+    whole = encode(img, "JPEG", quality=90, progressive=True, restart_marker_blocks=4)
+    assert re.search(b"\xff[\xd0-\xd7]", whole)
+    data = whole[:2] + b"\xff\xe1" + (len(app1) + 2).to_bytes(2, "big") + app1 + whole[2:]
+    assert decode(data, max_pixels=BIG).size == (400, 300)
+    starts = _scan_starts(data)
+    with pytest.raises(UndecodableImage, match="it is progressive and a marker closes it"):
+        decode(data[:(starts[-2] + starts[-1]) // 2] + b"\xff\xd9", max_pixels=BIG)
+
+
 @pytest.mark.parametrize("data,named", [
     (b"hello, this is a text file and not a photo\n" * 20, None),
     (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + b"\x00" * 200, "a PDF file"),

@@ -233,6 +233,12 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and a marker closes it early, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
+        if fmt == "JPEG" and ("progressive" in img.info or "progression" in img.info) and (
+                scans := incomplete.jpeg_scans_cut(data)) is not None:
+            raise UndecodableImage(f"{name}: the JPEG data is incomplete: it is progressive and a marker closes it "
+                                   f"after {scans} scan{'s' if scans != 1 else ''}, before every part of the "
+                                   f"image has arrived, so it would decode blurred (a file cut short); send the "
+                                   f"whole file")
         if fmt == "BMP" and img.mode == "RGBA" and img.getchannel("A").getextrema() == (0, 0):
             # A 32-bit BMP whose alpha bytes are all 0: writers that leave the 4th byte unset (or mark it
             # as alpha without filling it). Browsers show it opaque (Chromium's BMPImageReader and

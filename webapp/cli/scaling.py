@@ -28,8 +28,8 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
     What the server would refuse is sent as it is, so that the server refuses it: a copy made here
     would be a good photo. A JPEG over ``max_pixels`` (``CLASSIFIER_MAX_PIXELS`` where the client runs:
     the server's own limit is not published; both default to 80 MP), and a JPEG cut short and closed by
-    an EOI marker, which libjpeg decodes with grey fill (``incomplete.jpeg_rows_decoded``, the server's
-    own check, at the same scale). Pillow's warnings about the file are silenced as in the server.
+    an EOI marker, which libjpeg decodes with grey fill, or blurred where it is progressive
+    (``incomplete.jpeg_rows_decoded`` and ``jpeg_scans_cut``, the server's own checks, at the same scale). Pillow's warnings about the file are silenced as in the server.
     """
     from PIL import Image
 
@@ -63,6 +63,8 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
         img.load()
         if incomplete.jpeg_rows_decoded(img, data, height, draft) is not None:
             return data, info  # cut short and closed early: the server's 400, not a copy of the grey fill
+        if ("progressive" in img.info or "progression" in img.info) and incomplete.jpeg_scans_cut(data) is not None:
+            return data, info  # a progressive one cut and closed: the server's 400, not a copy of the blur
         img = exif.turn(img, orientation)
         img = img.convert("RGB")
         w, h = img.size
