@@ -61,6 +61,74 @@ export async function sniff(file) {
   return null;
 }
 
+// JPEG markers (ITU-T T.81 table B.1), as webapp/incomplete.py reads them: progressive frames (SOF2,
+// SOF10), the other frames, a scan's start (SOS), the end (EOI).
+const PROGRESSIVE = new Set([0xc2, 0xca]);
+const OTHER_FRAMES = new Set([0xc0, 0xc1, 0xc3, 0xc5, 0xc6, 0xc7, 0xc9, 0xcb, 0xcd, 0xce, 0xcf]);
+
+// The next marker at or after `from` in a scan's entropy-coded data (0xFF then not 00, a restart
+// marker D0-D7 or fill FF), or -1.
+function nextMarker(b, from) {
+  for (let i = b.indexOf(0xff, from); i >= 0 && i + 1 < b.length; i = b.indexOf(0xff, i + 1)) {
+    const n = b[i + 1];
+    if (n !== 0x00 && n !== 0xff && !(n >= 0xd0 && n <= 0xd7)) return i;
+  }
+  return -1;
+}
+
+/**
+ * True for a progressive JPEG (bytes `b`, a Uint8Array) closed by EOI before its scans brought every
+ * coefficient of every component to full precision: cut short, which browsers (like libjpeg) decode
+ * without an error as a blurred image. The server's own check (webapp/incomplete.py jpeg_scans_cut, whose
+ * docstring says why), so the page sends such a file as it is and shows the server's 400.
+ */
+export function jpegScansCut(b) {
+  const u16 = (i) => (b[i] << 8) | b[i + 1];
+  const precision = new Map();
+  let pos = 2, frame = null, scans = 0;
+  while (pos + 2 <= b.length) {
+    if (b[pos] !== 0xff) return false;   // not a marker where one must be: damage, not judged here
+    const marker = b[pos + 1];
+    if (marker === 0xff) { pos += 1; continue; }   // fill before a marker
+    if (marker === 0xd9) {   // EOI
+      return frame !== null && scans > 0 && frame.some((c) => precision.get(c).some((al) => al !== 0));
+    }
+    if ((marker >= 0xd0 && marker <= 0xd7) || marker === 0x01) { pos += 2; continue; }   // RSTn, TEM
+    if (pos + 4 > b.length || OTHER_FRAMES.has(marker)) return false;
+    const seg = pos + 4;
+    let end = pos + 2 + u16(pos + 2);
+    if (PROGRESSIVE.has(marker)) {
+      frame = Array.from({ length: b[seg + 5] }, (_, i) => b[seg + 6 + 3 * i]);
+      precision.clear();
+      for (const c of frame) precision.set(c, new Array(64).fill(null));
+    }
+    if (marker === 0xda) {   // SOS: components, Ss, Se, Ah/Al; then its entropy-coded data
+      if (frame === null) return false;
+      const n = b[seg], ss = b[seg + 1 + 2 * n], se = b[seg + 2 + 2 * n], al = b[seg + 3 + 2 * n] & 15;
+      for (let i = 0; i < n; i++) {
+        const c = precision.get(b[seg + 1 + 2 * i]);
+        if (c === undefined || !(ss <= se && se <= 63)) return false;
+        c.fill(al, ss, se + 1);
+      }
+      scans += 1;
+      end = nextMarker(b, end);
+      if (end < 0) return false;   // no EOI: browsers refuse it themselves
+    }
+    pos = end;
+  }
+  return false;
+}
+
+// True where a whole edge of the decoded photo is exact mid-grey (128, 128, 128): what libjpeg (in the
+// browser too) writes past the cut of a baseline JPEG closed by EOI, at the bottom as stored, so on any
+// edge once EXIF turned it. Such a file goes as it is: the server tells a cut from a real grey band
+// (webapp/incomplete.py jpeg_rows_decoded) and a real band costs only the bytes.
+function greyEdge(src, w, h) {
+  const grey = (d) => d.every((v, i) => i % 4 === 3 || v === 128);
+  return [[w, 1, 0, h - 1], [w, 1, 0, 0], [1, h, 0, 0], [1, h, w - 1, 0]].some(
+    ([ew, eh, x, y]) => grey(pixels(src, ew, eh, x, y)));
+}
+
 function canvas(w, h) {
   if (typeof OffscreenCanvas !== "undefined") return new OffscreenCanvas(w, h);
   return Object.assign(document.createElement("canvas"), { width: w, height: h });
@@ -148,7 +216,8 @@ async function thumbnail(src) {
  * scaled lossless copy); `original` {width, height, format, bytes} of the photo when `blob` is a
  * scaled copy (the page sends it as the original_* fields), else null; `thumb` a data: URL or null
  * (not decodable here); `why` a word for tests and the console: scaled | off | unknown | undecodable |
- * small | larger (the copy would be no smaller) | failed. Never rejects.
+ * small | incomplete (a JPEG perhaps cut short: the server judges it) | larger (the copy would be no
+ * smaller) | failed. Never rejects.
  */
 export async function prepare(file, send) {
   const plain = (why, thumb = null) => ({ blob: file, original: null, thumb, why });
@@ -166,6 +235,9 @@ export async function prepare(file, send) {
     if (!format || !send) return plain("unknown", await thumbFrom(bmp));
     const { width, height } = bmp;
     if (Math.min(width, height) <= send.short) return plain("small", await thumbFrom(bmp));
+    if (format === "JPEG" && (greyEdge(bmp, width, height) || jpegScansCut(new Uint8Array(await file.arrayBuffer())))) {
+      return plain("incomplete", await thumbFrom(bmp));   // perhaps cut short: the server judges the file itself
+    }
     const [x, y, vw, vh] = serverView(width, height);
     const [w, h] = resizedSize(vw, vh, send.short);
     const rgba = resize(pixels(bmp, vw, vh, x, y), vw, vh, w, h, send.resample);

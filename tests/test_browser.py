@@ -597,6 +597,59 @@ def test_what_the_browser_cannot_decode_goes_up_as_it_is(server, browser, name, 
         tab.close()
 
 
+def _cut_and_closed(progressive: bool, kept: float) -> bytes:
+    data = shared_image("dog.jpg").read_bytes()
+    if progressive:
+        data = encode(Image.open(io.BytesIO(data)), "JPEG", quality=90, progressive=True)
+    return data[:int(len(data) * kept)] + b"\xff\xd9"
+
+
+@pytest.mark.parametrize("progressive, kept", [(False, 0.5), (True, 0.1), (True, 0.4)],
+                         ids=["baseline-half", "progressive-10pct", "progressive-40pct"])
+def test_a_jpeg_cut_short_and_closed_goes_up_as_it_is_and_shows_the_servers_400(server, browser, progressive, kept):
+    """Chromium decodes a JPEG cut and closed by EOI without an error (grey fill, or a blur where it is
+    progressive), so a scaled copy would be a good photo of that, classified: the page sends the file as it
+    is and shows the server's undecodable_image, as curl gets it."""
+    data = _cut_and_closed(progressive, kept)
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    rec = Recorder(page)
+    try:
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=[{"name": "cut.jpg", "mimeType": "image/jpeg", "buffer": data}])
+        card = page.locator(".result.failed")
+        sync_api.expect(card.locator(".problem")).to_contain_text("The photo is damaged")
+        assert card.get_attribute("data-sent") == "incomplete"
+        fields, sent, _ = rec.sent()["cut.jpg"]
+        assert sent == data and fields == {}
+    finally:
+        tab.close()
+
+
+def test_a_whole_jpeg_with_a_real_grey_band_still_goes_up_scaled(server, browser):
+    """The other side: a whole JPEG with an exact mid-grey edge goes as it is too (only the server can tell a
+    band from a cut), and the server answers it with labels; a whole progressive JPEG goes scaled."""
+    dog = Image.open(io.BytesIO(shared_image("dog.jpg").read_bytes())).convert("RGB")
+    banded = dog.copy()
+    banded.paste((128, 128, 128), (0, 576 - 64, 768, 576))
+    files = {"band.jpg": encode(banded, "JPEG", quality=95), "progressive.jpg": encode(dog, "JPEG", quality=90,
+                                                                                         progressive=True)}
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    rec = Recorder(page)
+    try:
+        page.goto(server.url + "/")
+        for name, data in files.items():
+            page.set_input_files("#file", files=[{"name": name, "mimeType": "image/jpeg", "buffer": data}])
+            card = page.locator(f".result[data-sent]:has-text('{name}')").first
+            wait_for_labels(page, card, DOG_EN)
+        assert page.locator(".result:has-text('band.jpg')").get_attribute("data-sent") == "incomplete"
+        assert page.locator(".result:has-text('progressive.jpg')").get_attribute("data-sent") == "scaled"
+        assert rec.sent()["band.jpg"][1] == files["band.jpg"]
+    finally:
+        tab.close()
+
+
 # Encoders other browsers have: one without WebP (Safari: toBlob/convertToBlob then write PNG), one whose
 # WebP at quality 1 is lossy (caught by decoding it back: PNG goes instead), and one that fails (the
 # original goes). Set up before the page's script runs.
