@@ -1,5 +1,7 @@
 """Optional API token, optional rate limit, and no debugger under gunicorn."""
 
+import re
+
 import pytest
 from PIL import Image
 
@@ -95,6 +97,23 @@ def test_rate_limit_answers_429_with_retry_after(guarded):
     assert body["code"] == "rate_limited" and body["status"] == 429 and "4 per 1 minute" in body["message"]
     assert int(resp.headers["Retry-After"]) >= 1
     assert client.get("/healthz").status_code == 200  # probes are never limited
+
+
+def test_a_rate_limited_refusal_says_when_in_its_words_header_and_page(make_app):
+    """The limiter writes its Retry-After after the answer is made; the JSON message and the page (drawn
+    before that) said "try again later" / "in a minute". Now all three give the same seconds."""
+    import io
+
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="2/minute").test_client()
+    assert [post(client).status_code for _ in range(2)] == [200, 200]
+    refused = post(client)
+    wait = int(refused.headers["Retry-After"])
+    assert 1 <= wait <= 60
+    assert re.search(rf"try again in {wait} s$", refused.get_json()["error"]["message"]), refused.get_json()
+    page = client.post("/", data={"file": (io.BytesIO(PNG), "a.png")}, headers={"Accept": "text/html"})
+    assert page.status_code == 429 and 1 <= int(page.headers["Retry-After"]) <= 60
+    text = page.get_data(as_text=True)
+    assert f"try again in {page.headers['Retry-After']} s" in text and "try again in a minute" not in text
 
 
 def test_retry_after_is_never_zero(make_app):

@@ -18,6 +18,8 @@ Imports neither torch nor Flask at module level: the core (imaging, batcher, eng
 
 from __future__ import annotations
 
+import time
+
 
 class ServiceError(Exception):
     """Base class: ``status`` (HTTP), ``code`` (stable machine-readable), ``message`` (for people).
@@ -259,6 +261,22 @@ def markdown_table() -> str:
 API_PATHS = ("/healthz", "/readyz", "/openapi.json", "/metrics")
 
 
+def rate_limit_wait(app) -> int | None:
+    """Seconds until the rate limit that refused this request lets the client in again (>= 1: a client told 0
+    is refused again), from Flask-Limiter's window for it; None where no limiter or window is known.
+
+    Its own hook writes that Retry-After only after the response is made, too late for the page and the
+    message, which are drawn here (``webapp/access.py`` keeps a Retry-After already set)."""
+    for limiter in app.extensions.get("limiter", ()):
+        try:
+            limit = limiter.current_limit
+            if limit is not None:
+                return max(1, int(limit.reset_at - time.time()))
+        except Exception:  # storage unreachable: the words say "later", as before
+            return None
+    return None
+
+
 def init_errors(app, settings) -> None:
     """Register the one error handler on ``app``: JSON for the API, the page for the UI, and
     ``{"error": "<code>: <message>"}`` under ``/v2`` (the Open Inference Protocol's shape).
@@ -298,8 +316,11 @@ def init_errors(app, settings) -> None:
         code = row.code if row else OTHER_HTTP_CODE
         message = exc.description or exc.name
         headers = None
-        if row is RateLimited:
-            message = f"too many requests from this address (limit {exc.description}); try again later"
+        if row is RateLimited:  # Flask-Limiter's refusal: its Retry-After, known now, in the words and the page too
+            wait = rate_limit_wait(app)
+            message = (f"too many requests from this address (limit {exc.description}); "
+                       + (f"try again in {wait} s" if wait else "try again later"))
+            headers = {"Retry-After": str(wait)} if wait else None
         if row is MethodNotAllowed and getattr(exc, "valid_methods", None):  # RFC 9110 15.5.6: say which, in Allow
             allowed = sorted(set(exc.valid_methods) - {"HEAD", "OPTIONS"}) or sorted(exc.valid_methods)
             message = f"{request.method} is not allowed on {request.path}; it takes {', '.join(allowed)}"
