@@ -149,6 +149,27 @@ def test_bundle_refuses_an_out_that_cannot_be_looked_at_or_made_in_one_line(tmp_
     assert (proc.returncode, proc.stderr) == (2, f"error: --out: {tmp_path / name}: {why}\n"), proc.stderr
 
 
+@pytest.mark.parametrize("weights, words", [
+    ("missing.pth", "does not exist or is not a file. Put a copy of https://download.pytorch.org/models/"
+                    "resnet18-f37072fd.pth there, or unset CLASSIFIER_WEIGHTS to bundle without it."),
+    ("resnet18-f37072fd.pth", "sha256"),  # there, but not the file its name promises
+])
+def test_bundle_judges_the_weights_before_downloading_anything(tmp_path, weights, words):
+    """A CLASSIFIER_WEIGHTS that names no file (the service would refuse to start on it) or a damaged one fails
+    the bundle at once, in one line, with no folder made: not after minutes of downloading wheels, and not as
+    a kit without the ResNet-18 that was asked for."""
+    (tmp_path / "resnet18-f37072fd.pth").write_bytes(b"not the weights")
+    req = tmp_path / "req.txt"
+    req.write_text("no-such-project-will-ever-be-fetched==1\n")  # a download would fail differently
+    proc = subprocess.run([sys.executable, "-m", "webapp", "bundle", "--out", str(tmp_path / "kit"), "--requirements",
+                           str(req)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TORCH_HOME": str(tmp_path / "no-torch-home"),
+                               "CLASSIFIER_WEIGHTS": str(tmp_path / weights)})
+    assert proc.returncode == 1 and words in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith("error: "), proc.stderr
+    assert not (tmp_path / "kit").exists()
+
+
 def test_size_summary_names_the_biggest_wheels_and_the_cuda_share(tmp_path):
     (tmp_path / "wheels").mkdir()
     w = [kit.parse_wheel(_fake_wheel(tmp_path / "wheels", n, size)) for n, size in (

