@@ -42,8 +42,11 @@ def _check_flags() -> None:
             except Exception as exc:  # gunicorn's validators raise ValueError/TypeError with its own words
                 flag = next((f for f in trial.settings[name].cli or () if f.startswith("--")), name)
                 lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: gunicorn {flag} {value}: {exc}")
+            if name == "workers":
+                _flags["workers"] = trial.workers
 
 
+_flags: dict = {}  # gunicorn flags given on its command line that this file must know of (-w)
 _check_flags()
 
 # Tells create_app to leave the model to post_worker_init (also right with --preload, where
@@ -51,6 +54,10 @@ _check_flags()
 os.environ[GUNICORN_ENV] = "1"
 
 _plan = cpu.plan(cpu.usable_cores(), workers=_s.WORKERS, threads=_s.THREADS)
+# As many workers as were asked for (gunicorn's -w wins over the plan) must fit in memory: too many would
+# have the host swap until nothing answers, so that is a bad setting, said before anything starts.
+if _problem := cpu.memory_problem(_flags.get("workers", _plan.workers), cpu.available_mb()):
+    lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {_problem}")
 
 # -- server socket -------------------------------------------------------------------------------
 bind = [_s.BIND]

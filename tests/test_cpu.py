@@ -97,3 +97,27 @@ def test_the_server_log_says_the_plan_in_plain_words(tmp_path):
     assert "plan: 1 worker, 4 threads on 2 cores: oversubscribed" in out, out[-3000:]
     assert f"pinned to cores {cpu.core_ranges(two)}" in out, out[-3000:]
     assert "1 workers" not in out and "workers share" not in out and "[0, 1, 0, 1]" not in out
+
+
+def test_available_memory_is_the_smaller_of_the_host_and_its_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:         1000000 kB\nMemAvailable:   20971520 kB\n")
+    group = tmp_path / "cgroup"
+    group.mkdir()
+    assert cpu.available_mb(str(meminfo), str(group)) == 20480  # no cgroup files: the host's MemAvailable
+    (group / "memory.max").write_text("max\n")
+    (group / "memory.current").write_text(f"{2**30}\n")
+    assert cpu.available_mb(str(meminfo), str(group)) == 20480  # a cgroup without a limit
+    (group / "memory.max").write_text(f"{4 * 2**30}\n")  # a unit's MemoryMax=4G, 1 GiB of it used
+    assert cpu.available_mb(str(meminfo), str(group)) == 3072
+    assert cpu.available_mb(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_workers_that_cannot_fit_are_refused_naming_how_many_can():
+    assert cpu.memory_problem(2, 23_000) is None and cpu.memory_problem(5000, None) is None
+    assert cpu.memory_problem(153, 153 * cpu.WORKER_MB) is None  # exactly fits
+    why = cpu.memory_problem(1000, 23_654)
+    assert why == (f"1000 workers need at least {1000 * cpu.WORKER_MB / 1024:,.1f} GB ({cpu.WORKER_MB} MB each) "
+                   f"and this host has 23.1 GB available: give at most {23_654 // cpu.WORKER_MB} (CLASSIFIER_WORKERS "
+                   f"or gunicorn -w; 0 picks one per core set)")
+    assert "give at most 1 " in cpu.memory_problem(2, 100)

@@ -28,7 +28,8 @@ import pytest
 from bench.servers import classifier_env, free_port, http_json
 from conftest import ROOT
 from serving import Server
-from webapp import lifecycle
+from webapp import cpu, lifecycle
+from webapp.settings import BY_NAME
 
 # Eager and small: these tests are about starting and stopping, not about the model.
 BASE = {"MODEL": "efficientnet_lite0", "COMPILE": 0, "PRECISION": "fp32", "WORKERS": 2, "THREADS": 1,
@@ -302,6 +303,32 @@ def test_a_gunicorn_flag_value_gunicorn_refuses_is_one_line_and_exit_2(tmp_path,
     code, lines, temp = run_to_end(tmp_path, "flag", argv, timeout=60)
     assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"gunicorn {flag} {value}: ", most=1)
     assert lines[-1] == f"configuration error: gunicorn {flag} {value}: {why}"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+@pytest.mark.parametrize("how", ["setting", "flag"])
+def test_more_workers_than_memory_holds_is_one_line_and_exit_2(tmp_path, launcher, how):
+    """Found by a fresh-user tryout: CLASSIFIER_WORKERS=1000 on a 2-core, 24 GB box was accepted, and 400
+    workers later the host was swapping with a load average of 370. Workers that cannot fit even at
+    cpu.WORKER_MB each are a bad setting, said before anything starts (-w too, which overrides the plan)."""
+    available = cpu.available_mb()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    workers = available // cpu.WORKER_MB + 1
+    if how == "setting" and workers > BY_NAME["WORKERS"].high:
+        pytest.skip(f"{available} MB available: CLASSIFIER_WORKERS cannot ask for more than fits")
+    if how == "setting":
+        argv, settings = (GUNICORN if launcher == "gunicorn" else SERVE), {"WORKERS": str(workers)}
+    else:
+        argv, settings = (GUNICORN + ["-w", "100000"] if launcher == "gunicorn" else SERVE + ["--", "-w", "100000"]), {}
+        workers = 100000
+    t0 = time.monotonic()
+    code, lines, temp = run_to_end(tmp_path, "workers", argv, timeout=60, **settings)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"{workers} workers need at least",
+                        most=1)
+    assert "give at most" in lines[-1] and "CLASSIFIER_WORKERS or gunicorn -w" in lines[-1]
+    assert time.monotonic() - t0 < 30
 
 
 @pytest.mark.server

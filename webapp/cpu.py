@@ -154,3 +154,43 @@ def cpu_info(path: str = "/proc/cpuinfo") -> dict:
     except OSError:
         pass
     return {"model": model, "logical_cpus": os.cpu_count(), "flags": {f: f in flags for f in CPU_FLAGS}}
+
+
+# Memory one worker holds of its own (private, not shared with the master): 143-150 MB measured for a loaded
+# EfficientNet-Lite0 worker with one malloc arena, 84 MB at ready (README, "Precision and speed"; #14 item 7).
+# A floor: a plan is refused only where even this much per worker does not fit.
+WORKER_MB = 150
+
+
+def available_mb(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Memory this process may still use, in MB (2**20 bytes): ``MemAvailable`` of ``/proc/meminfo``, or less
+    where a cgroup v2 ``memory.max`` (a container's or a systemd unit's ``MemoryMax``) leaves less; None where
+    neither can be read (not Linux)."""
+    found = []
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            found += [int(line.split()[1]) // 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open(os.path.join(cgroup, "memory.max"), encoding="ascii") as f:
+            limit = f.read().strip()
+        with open(os.path.join(cgroup, "memory.current"), encoding="ascii") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            found.append(max(0, int(limit) - used) // 2**20)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def memory_problem(workers: int, available: int | None) -> str | None:
+    """Why ``workers`` workers cannot fit in ``available`` MB (``available_mb``), in one line naming the settings,
+    or None where they can (or memory is unknown). Each needs at least ``WORKER_MB`` of its own: a plan over
+    that would have the host swap until it stops answering (1000 workers on a 24 GB box: it did)."""
+    if available is None or workers * WORKER_MB <= available:
+        return None
+    most = max(1, available // WORKER_MB)
+    return (f"{workers} workers need at least {workers * WORKER_MB / 1024:,.1f} GB ({WORKER_MB} MB each) and this "
+            f"host has {available / 1024:,.1f} GB available: give at most {most} (CLASSIFIER_WORKERS or gunicorn "
+            f"-w; 0 picks one per core set)")

@@ -322,8 +322,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("BIND", _bind, "127.0.0.1:8000", "Address gunicorn listens on: HOST:PORT, [IPv6]:PORT, unix:PATH, or a "
             "bare PORT (on 127.0.0.1); or Ray Serve's HTTP proxy with serve --cluster. Localhost unless you open it.",
             commands=SERVERS),
-    Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker.",
-            low=0, high=1024, commands=SERVERS),
+    Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker. More than the "
+            "available memory holds at 150 MB each (cpu.WORKER_MB) is refused at start (exit 2), -w too.", low=0, high=1024, commands=SERVERS),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model. A "
             "compile (in a child process) still running then is stopped and the start fails saying so (exit 3); a worker "
             "otherwise still starting stops reporting and gunicorn replaces it 60 s later.", low=10, high=86_400, commands=SERVERS),
