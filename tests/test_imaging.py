@@ -509,6 +509,20 @@ def test_a_known_format_whose_header_is_garbage_is_400_not_415(data, claimed):
     assert claimed in exc.message or "header" in exc.message
 
 
+@pytest.mark.parametrize("data", [b"\xff\xd8", b"\xff\xd8\xff", b"\x89P", b"\x89PNG\r\n", b"GIF", b"GIF8",
+                                  b"GIF89", b"II*", b"MM\x00"])
+def test_a_file_cut_inside_its_signature_is_400_not_415(data):
+    """Found by a fresh-user tryout: a JPEG cut after its first 2 bytes (FF D8) was "not an image format" (415)
+    while FF D8 FF D9 was undecodable_image (400). A file that is the start of a signature we decode is that
+    format cut short; "GI" or "P" alone (as likely text) stays 415."""
+    _raises(data, UndecodableImage, 400)
+
+
+@pytest.mark.parametrize("data", [b"GI", b"P", b"II", b"\xff", b"BX", b"\xff\xd9"])
+def test_two_bytes_that_are_not_the_start_of_a_signature_are_415(data):
+    _raises(data, NotAnImage, 415)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("keep", [12, 40, 0.5])
 def test_a_cut_off_file_of_every_decodable_format_is_400_never_415(fmt, keep):

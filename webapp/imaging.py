@@ -73,13 +73,18 @@ class Decoded:
 
 
 def claimed_format(data: bytes) -> str | None:
-    """The decodable format ``data`` starts like (one of ``FORMATS``, by its magic bytes), or None."""
+    """The decodable format ``data`` starts like (one of ``FORMATS``, by its magic bytes, or by the start of them
+    where the file is shorter), or None."""
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WebP"
     if data[4:8] == b"ftyp" and {b"avif", b"avis"} & set(_ftyp_brands(data)):
         return "AVIF"
     for magic, name in _DECODABLE:
         if data.startswith(magic):
+            return name
+    for magic, name in _DECODABLE:  # cut inside its signature (a 2-byte FF D8): the format it began as, where
+        # the bytes say so (2 of them not ASCII, or 3 or more; "GI" or "P" alone is as likely a text file)
+        if 2 <= len(data) < len(magic) and magic.startswith(data) and (len(data) >= 3 or not data.isascii()):
             return name
     return None
 
