@@ -169,6 +169,31 @@ def test_what_gunicorn_refuses_under_v2_is_in_the_protocols_error_shape(srv, mak
     assert isinstance(error, str) and error.split(":")[0] in ("http_error", "bad_request"), error
 
 
+@pytest.mark.parametrize("request_text, status, echoed", [
+    ("POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: tryout-42\r\nContent-Length: 12x\r\n\r\n", 400, True),
+    ("POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nExpect: foo\r\nContent-Length: 2000000\r\n\r\n", 417, False),
+    (f"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\n{'X-H: v' * 2000}\r\nContent-Length: 2000000\r\n\r\n", 431, False),
+], ids=["bad-content-length", "expect-foo", "header-too-long"])
+def test_what_gunicorn_refuses_has_a_request_id_and_never_resets_a_body_still_coming(srv, request_text, status, echoed):
+    """Found by a fresh-user tryout: gunicorn's own refusals had no X-Request-ID (the README: every response
+    has one), and closing with the client's body unread reset the connection under a client still uploading
+    (a stack that drops received data on a reset loses the answer). Now the id is there (the client's own
+    where gunicorn parsed it) and the rest of the upload is read and dropped, bounded, before the close."""
+    with connect(srv) as sock:
+        sock.sendall(request_text.encode())
+        sock.sendall(b"x" * 1_000_000)  # raised ConnectionResetError / BrokenPipeError before
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(5.0)
+        raw = b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    assert head_part.startswith(f"HTTP/1.1 {status} ".encode()), raw[:300]
+    request_id = dict(line.split(": ", 1) for line in head_part.decode().split("\r\n")[1:])["X-Request-ID"]
+    assert request_id == "tryout-42" if echoed else len(request_id) == 32, request_id
+    assert json.loads(body)["error"]["status"] == status
+
+
 _PNG_CHUNK = b"%x\r\n" % len(small_png()) + small_png()
 
 

@@ -154,6 +154,30 @@ class GuardedInput:
         return self.ended
 
 
+def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_SECONDS) -> bool:
+    """Read and drop what a client still sends on ``sock`` after its refusal was written, until it closes, at
+    most ``max_bytes`` bytes and ``max_seconds`` s; True where it closed. For gunicorn's own refusals
+    (``worker.write_json_error``): closing a socket with unread bytes resets the connection, and a client
+    still uploading may lose the answer it has not read yet. Never raises."""
+    read, flags = 0, _MSG_TRUNC
+    try:
+        with time_limit(max_seconds):
+            while read < max_bytes:
+                try:
+                    n = sock.recv_into(_DISCARD, min(DRAIN_CHUNK, max_bytes - read), flags)
+                except ValueError:  # a TLS socket takes no flags: copy instead
+                    if not flags:
+                        raise
+                    flags = 0
+                    continue
+                if not n:
+                    return True
+                read += n
+    except (TimeoutError, OSError, ValueError):
+        return False
+    return False
+
+
 def _chunked_problem(exc: Exception) -> str:
     """The 400 message for gunicorn's error ``exc`` while it de-chunked a request body."""
     if isinstance(exc, NoMoreData):

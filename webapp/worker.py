@@ -48,7 +48,9 @@ from gunicorn.http import message as gunicorn_message
 from gunicorn.workers.ggevent import GeventWorker
 
 from . import balance
+from .bodies import drain_socket
 from .errors import OTHER_HTTP_CODE, error_body
+from .logs import REQUEST_ID_HEADER, request_id_from
 
 
 class IdleFirstServer(StreamServer):
@@ -182,14 +184,13 @@ class Worker(GeventWorker):
         greenlet.throw(entry[0])
 
     def handle_error(self, req, client, addr, exc):
-        """gunicorn's, with the refused request's path known to ``write_json_error`` (for its error shape)."""
-        path = _request_path(req, exc)
-        if path:
-            _PATHS[id(client)] = path
+        """gunicorn's, with what ``write_json_error`` needs of the refused request known to it: its path (for
+        its error shape) and its ``X-Request-ID`` (echoed where sane, as the app does; else a new one)."""
+        _REFUSED[id(client)] = (_request_path(req, exc), request_id_from(_request_header(req, exc, REQUEST_ID_HEADER)))
         try:
             super().handle_error(req, client, addr, exc)
         finally:
-            _PATHS.pop(id(client), None)
+            _REFUSED.pop(id(client), None)
 
     def handle_quit(self, sig, frame):
         """SIGINT / SIGQUIT: before ready, leave now; after, gunicorn's quick stop, once."""
@@ -230,10 +231,19 @@ def exit_on_stop_signals(log) -> None:
 _PARSE_CODES = {400: "bad_request"}
 
 
-# id(client socket) -> the path of the request gunicorn refused on it, from Worker.handle_error to
+# id(client socket) -> (path, request id) of the request gunicorn refused on it, from Worker.handle_error to
 # write_json_error, which it calls (same greenlet, same call: the entry is removed right after).
-_PATHS: dict[int, str] = {}
+_REFUSED: dict[int, tuple[str | None, str]] = {}
 _LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
+
+
+def _request_header(req, exc: BaseException, name: str) -> str | None:
+    """A header of the refused request where gunicorn got as far as its headers (its request object), else None."""
+    for candidate in (req, getattr(exc, "req", None)):
+        for key, value in getattr(candidate, "headers", None) or ():
+            if isinstance(key, str) and key.upper() == name.upper():
+                return value
+    return None
 
 
 def _request_path(req, exc: BaseException) -> str | None:
@@ -260,16 +270,20 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
     the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
 
-    Called by gunicorn's ``Worker.handle_error`` for a request it could not parse (400, 414, 431, 501...)
+    Called by gunicorn's ``Worker.handle_error`` for a request it could not parse (400, 414, 417, 431, 501...)
     before the app saw it. A Content-Length that is not a number of bytes, is repeated, or comes with
-    ``Transfer-Encoding: chunked`` says what Content-Length must be, in words."""
+    ``Transfer-Encoding: chunked`` says what Content-Length must be, in words. Every answer carries an
+    ``X-Request-ID``, as the app's do. Then what the client still sends is read and dropped, bounded
+    (``bodies.drain_socket``), so that closing does not reset the connection under an answer not yet read."""
     message = mesg
     if "CONTENT-LENGTH" in mesg.upper():
         # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
         message = (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
                    f"and not together with Transfer-Encoding: chunked")
-    body = json.dumps(error_body(_PATHS.get(id(sock)), _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message,
-                                 status_int)).encode()
+    path, request_id = _REFUSED.get(id(sock), (None, None))
+    body = json.dumps(error_body(path, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message, status_int)).encode()
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+            f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id or request_id_from(None)}\r\n\r\n"
+            ).encode("latin-1")
     gunicorn_util.write_nonblock(sock, head + body)
+    drain_socket(sock)
