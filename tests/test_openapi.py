@@ -241,3 +241,16 @@ def test_the_masters_answer_while_starting_fits_every_operation(app):
             documented = operation["responses"]["503"]
             if "$ref" in documented:  # the error table's 503: with Retry-After, as the master sends it
                 assert documented["$ref"] == "#/components/responses/E503" and resp.headers["Retry-After"]
+
+
+def test_every_operation_that_reads_a_body_documents_its_408_and_its_token():
+    """Found by a fresh-user tryout: a stalled /v2 upload is answered 408 body_timeout, as on /api/v1/predict,
+    but the /v2 infer operations did not list it, and the bearer scheme's words left them out too."""
+    doc = build_spec(settings_mod.load(overrides={**CONFIG, "API_TOKEN": "x"}))
+    posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
+    assert {"/api/v1/predict", "/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"} <= set(posts)
+    for path, op in posts.items():
+        assert "408" in op["responses"] and "401" in op["responses"], path
+        assert op["security"] == [{"bearerAuth": []}], path
+    words = doc["components"]["securitySchemes"]["bearerAuth"]["description"]
+    assert "POST /api/v1/*" in words and "POST /v2/models/{name}[/versions/{version}]/infer" in words
