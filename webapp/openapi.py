@@ -394,8 +394,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                 "schema": {"type": "string"}}},
             "securitySchemes": {"bearerAuth": {
                 "type": "http", "scheme": "bearer",
-                "description": "Needed on POST /api/v1/* and POST /v2/models/{name}[/versions/{version}]/infer "
-                               "when `CLASSIFIER_API_TOKEN` is set, and on GET /metrics when "
-                               "`CLASSIFIER_METRICS_TOKEN` or `CLASSIFIER_API_TOKEN` is set."}},
+                "description": "Needed on POST /api/v1/* and POST /v2/models/{name}[/versions/{version}]/infer when "
+                               "`CLASSIFIER_API_TOKEN` is set, and on GET /metrics when `CLASSIFIER_METRICS_TOKEN` or it is set."}},
         },
     }
