@@ -55,8 +55,10 @@ os.environ[GUNICORN_ENV] = "1"
 
 _plan = cpu.plan(cpu.usable_cores(), workers=_s.WORKERS, threads=_s.THREADS)
 # As many workers as were asked for (gunicorn's -w wins over the plan) must fit in memory: too many would
-# have the host swap until nothing answers, so that is a bad setting, said before anything starts.
-if _problem := cpu.memory_problem(_flags.get("workers", _plan.workers), cpu.available_mb()):
+# have the host swap until nothing answers, so that is a bad setting, said before anything starts (not on
+# a SIGHUP's re-read, when the running workers hold some of that memory).
+if lifecycle.first_config_load() and (
+        _problem := cpu.memory_problem(_flags.get("workers", _plan.workers), cpu.available_mb())):
     lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {_problem}")
 
 # -- server socket -------------------------------------------------------------------------------

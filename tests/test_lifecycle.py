@@ -365,6 +365,33 @@ def test_cache_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, launcher
     assert lines[-1] == f"configuration error: CLASSIFIER_CACHE_DIR={folder} {why}"
 
 
+def test_only_the_first_read_of_the_config_file_judges_memory(monkeypatch):
+    """A SIGHUP re-reads gunicorn.conf.py with the workers running: what the host has left then counts their
+    memory against their own plan, so the check that refuses too many workers is the first read's only."""
+    monkeypatch.setattr(lifecycle, "_config_loads", 0)  # a new process's state
+    assert [lifecycle.first_config_load() for _ in range(3)] == [True, False, False]
+
+
+@pytest.mark.server
+def test_sighup_reloads_and_serves_on(tmp_path):
+    """gunicorn's SIGHUP (re-read the config, replace the workers): new workers serve, the master stays."""
+    srv = Server(tmp_path / "server.log", MODEL="efficientnet_lite0", COMPILE=0, WORKERS=1, THREADS=1,
+                 CACHE_DIR=tmp_path / "cache")
+    try:
+        (before,) = srv.wait_ready(1)
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status, health = http_json(srv.port, "/healthz", headers={"Connection": "close"})
+            if status == 200 and health.get("pid") not in (None, before):
+                break
+            time.sleep(0.2)
+        assert health["pid"] != before and srv.proc.poll() is None, srv.output()[-3000:]
+        assert "configuration error" not in srv.output()
+    finally:
+        srv.stop_cleanly()
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 def test_busy_port_is_one_line_and_exit_5(tmp_path, launcher):

@@ -108,6 +108,15 @@ class Master:
 
 
 _master: Master | None = None
+_config_loads = 0
+
+
+def first_config_load() -> bool:
+    """True the first time ``gunicorn.conf.py`` runs in this process; False when a SIGHUP re-reads it, with
+    its workers running (what the host has left then counts them against their own plan)."""
+    global _config_loads
+    _config_loads += 1
+    return _config_loads == 1
 
 
 def master() -> Master:
