@@ -373,6 +373,7 @@ def test_only_the_first_read_of_the_config_file_judges_memory(monkeypatch):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a rare operation, ~9 s: out of the plain run, which keeps near 10 minutes
 def test_sighup_reloads_and_serves_on(tmp_path):
     """gunicorn's SIGHUP (re-read the config, replace the workers): new workers serve, the master stays."""
     srv = Server(tmp_path / "server.log", MODEL="efficientnet_lite0", COMPILE=0, WORKERS=1, THREADS=1,
