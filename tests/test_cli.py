@@ -540,7 +540,7 @@ def test_weights_verify(tmp_path, capsys):
     assert cli.main(["weights", "verify", str(tmp_path / f"{LONG}.pth")]) == 1  # one line, no traceback
     assert capsys.readouterr().err == f"error: {tmp_path / LONG}.pth: File name too long\n"
     assert cli.main(["weights", "fetch", "--dest", str(tmp_path / LONG), "--url", "http://127.0.0.1:9/x.pth"]) == 1
-    assert capsys.readouterr().err == f"error: --dest: {tmp_path / LONG}/x.pth: File name too long\n"
+    assert capsys.readouterr().err == f"error: --dest: {tmp_path / LONG}: File name too long\n"  # the folder named
 
 
 def test_weights_fetch_without_network_fails_fast(tmp_path, no_classifier_env, capsys):
@@ -550,7 +550,19 @@ def test_weights_fetch_without_network_fails_fast(tmp_path, no_classifier_env, c
     assert time.monotonic() - start < 10
     err = capsys.readouterr().err
     assert "cannot connect to 127.0.0.1" in err and "carry the file over" in err
-    assert not (tmp_path / "w" / "resnet18-f37072fd.pth").exists()
+    assert not (tmp_path / "w").exists()  # the folder it made for --dest is gone again: nothing left behind
+
+
+@pytest.mark.parametrize("dest", ["a-file", "a-file/sub", "/dev/null"])
+def test_weights_fetch_says_at_once_that_dest_is_not_a_folder(tmp_path, no_classifier_env, capsys, dest):
+    """Found by a fresh-user tryout: a --dest that is a file (or has one on the way) was looked at only after
+    the download, as "cannot write ...: File exists" and "No network here?"; offline, not at all. Now one line,
+    the OS's reason, before any connection (nothing listens at the URL: a download would be refused)."""
+    (tmp_path / "a-file").write_text("x")
+    path = dest if dest.startswith("/") else str(tmp_path / dest)
+    url = f"http://127.0.0.1:{free_port()}/resnet18-f37072fd.pth"
+    assert cli.main(["weights", "fetch", "--dest", path, "--url", url, "--timeout", "2"]) == 1
+    assert capsys.readouterr().err == f"error: --dest: {path}: Not a directory\n"
 
 
 @pytest.fixture

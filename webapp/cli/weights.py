@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import textwrap
 import urllib.parse
 from pathlib import Path
 
 from .. import settings as settings_mod
-from ..paths import Unusable, expand, kind
+from ..paths import Unusable, expand, kind, reason
 from .common import EXIT_FAILED, EXIT_OK, err
 from .options import HelpFormatter, hex_prefix, positive_float
 
@@ -58,9 +59,10 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
     dest = expand(args.dest)
     target = dest / name
     try:
+        made = _dest_folder(dest)
         present = kind(target) == "file"
-    except Unusable as exc:  # --dest with a name too long, or a folder on the way not searchable
-        err(f"error: --dest: {exc}")
+    except OSError as exc:  # --dest a file, a name too long, a folder on the way not searchable or not a folder
+        err(f"error: --dest: {dest}: {reason(exc)}")
         return EXIT_FAILED
     if present:
         try:
@@ -76,6 +78,7 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
     except OSError as exc:  # dest cannot be created or written
         why = f"cannot write {target}: {exc.strerror or exc}"
     if why:
+        _remove(made)
         err(f"error: {why}.\nNo network here? Run `python -m webapp weights fetch --dest DIR` on a machine that "
             f"has one (or download {url} there), then carry the file over.")
         return EXIT_FAILED
@@ -83,12 +86,43 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
         check_weights_file(target, url)
     except StartupError as exc:
         target.unlink(missing_ok=True)
+        _remove(made)
         err(f"error: {exc}")
         return EXIT_FAILED
     print(f"saved {target} ({target.stat().st_size / 1e6:.1f} MB, sha256 {sha256_file(target)[:16]}..., "
           f"matches {name})")
     print(_carry_instructions(target, hub_checkpoint_path(RESNET18_URL)))
     return EXIT_OK
+
+
+def _dest_folder(dest: Path) -> list[Path]:
+    """Make sure ``dest`` is a folder before anything is downloaded (a file there, or on the way, is said now
+    with the OS's reason, not after minutes as a network problem); returns the folders made for it, deepest
+    first, for ``_remove`` should nothing be saved.
+
+    :raises OSError: ``dest`` is not a folder (ENOTDIR) or cannot be looked at or made.
+    """
+    what = kind(dest)
+    if what == "folder":
+        return []
+    if what is not None:
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(dest))
+    missing = []
+    for folder in (dest, *dest.parents):
+        if kind(folder) is not None:
+            break
+        missing.append(folder)
+    dest.mkdir(parents=True)  # raises ENOTDIR where a file is on the way, EACCES, EROFS...
+    return missing
+
+
+def _remove(folders: list[Path]) -> None:
+    """Remove the (empty) folders ``_dest_folder`` made, deepest first: a failed fetch leaves nothing behind."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def _carry_instructions(target: Path, hub_path: Path) -> str:
