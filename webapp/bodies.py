@@ -124,23 +124,13 @@ class GuardedInput:
         self.pending_continue = False  # a refused request never gets "100 Continue"
         if self.ended:
             return True
+        if self.closing:
+            cap = max_bytes if self.left is None else min(max_bytes, self.left)
+            closed, read = drain_socket(self.sock, cap, max_seconds)
+            return closed or (self.left is not None and read >= self.left)
         read = 0
         try:
             with time_limit(max_seconds):
-                if self.closing:
-                    flags = _MSG_TRUNC
-                    while read < max_bytes and (self.left is None or read < self.left):
-                        try:
-                            n = self.sock.recv_into(_DISCARD, min(DRAIN_CHUNK, max_bytes - read), flags)
-                        except ValueError:  # a TLS socket (gunicorn --certfile) takes no flags: copy instead
-                            if not flags:
-                                raise
-                            flags = 0
-                            continue
-                        if not n:
-                            return True  # the client closed: it has the answer
-                        read += n
-                    return self.left is not None and read >= self.left
                 while not self.ended and read < max_bytes:
                     chunk = self.raw.read(min(65536, max_bytes - read))
                     if not chunk:
@@ -154,9 +144,10 @@ class GuardedInput:
         return self.ended
 
 
-def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_SECONDS) -> bool:
+def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_SECONDS) -> tuple[bool, int]:
     """Read and drop what a client still sends on ``sock`` after its refusal was written, until it closes, at
-    most ``max_bytes`` bytes and ``max_seconds`` s; True where it closed. For gunicorn's own refusals
+    most ``max_bytes`` bytes and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads; returns (whether it closed, bytes
+    read). For a refused body whose connection closes (``GuardedInput.drain``) and gunicorn's own refusals
     (``worker.write_json_error``): closing a socket with unread bytes resets the connection, and a client
     still uploading may lose the answer it has not read yet. Never raises."""
     read, flags = 0, _MSG_TRUNC
@@ -165,17 +156,17 @@ def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_
             while read < max_bytes:
                 try:
                     n = sock.recv_into(_DISCARD, min(DRAIN_CHUNK, max_bytes - read), flags)
-                except ValueError:  # a TLS socket takes no flags: copy instead
+                except ValueError:  # a TLS socket (gunicorn --certfile) takes no flags: copy instead
                     if not flags:
                         raise
                     flags = 0
                     continue
                 if not n:
-                    return True
+                    return True, read  # the client closed: it has the answer
                 read += n
     except (TimeoutError, OSError, ValueError):
-        return False
-    return False
+        pass
+    return False, read
 
 
 def _chunked_problem(exc: Exception) -> str:
