@@ -14,8 +14,9 @@ import sys
 import tempfile
 
 from webapp import GUNICORN_ENV
-from webapp import balance, caches, cpu, lifecycle, settings
+from webapp import balance, caches, cpu, lifecycle, listen, settings
 
+lifecycle.hold_control_signals()  # a SIGHUP or SIGUSR1 before gunicorn's handlers exist is kept, not fatal
 try:
     _s = settings.load()
     # The workers' cache folder, made here as a worker would: one that cannot be is a setting's fault, said
@@ -121,7 +122,7 @@ def _clear_metrics_dir() -> str | None:
 # -- hooks -----------------------------------------------------------------------------------------
 def on_starting(server):
     """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
-    problem = lifecycle.check_listen(server.cfg.address)
+    problem = listen.check_listen(server.cfg.address)
     if problem:
         server.log.error("%s", problem)
         if server.pidfile is not None:
@@ -174,16 +175,20 @@ def _import_shared(server):
 
 
 def when_ready(server):
-    """In the master, listening now: answer 503 on the port until a worker is ready (webapp/responder.py)."""
+    """In the master, listening now: answer 503 on the port until a worker is ready, and from a stop signal
+    until the master exits (webapp/responder.py). First, carry out the control signals (SIGHUP, SIGUSR1, ...)
+    received while starting (webapp/lifecycle.py)."""
     from webapp.responder import Responder
 
+    lifecycle.replay_held_signals(server)
     state = lifecycle.master()
     if state.responder is None and server.LISTENERS:  # with reuse_port each worker listens on its own
         first = [id(lst) for lst in server.LISTENERS]
         state.responder = Responder(
             [lst.sock for lst in server.LISTENERS], wake_fd=state.read_fd, on_wake=state.drain,
             needed=lambda: not state.any_ready(),
-            stopped=lambda: lifecycle.stopping(server) or [id(lst) for lst in server.LISTENERS] != first)
+            stopping=lambda: lifecycle.stopping(server),
+            ended=lambda: bool(server.LISTENERS) and [id(lst) for lst in server.LISTENERS] != first)
         state.responder.start()
 
 
@@ -199,6 +204,10 @@ def pre_fork(server, worker):
         if getattr(w, "slot", None) is not None:
             held[w.slot % n] += 1
     worker.slot = min(range(n), key=lambda i: (held[i], i))
+    if held[worker.slot] and server.num_workers > max(n, server.cfg.workers):  # SIGTTIN past the plan (not a reload)
+        server.log.warning("%d workers for the plan's %d core sets (SIGTTIN): the new one shares cores %s with "
+                           "another, and each gets about half of them; SIGTTOU takes it back", server.num_workers, n,
+                           cpu.core_ranges(_plan.slots[worker.slot]))
     worker.board_entry = balance.claim()  # its entry in the table of who is idle (None: no table)
 
 
@@ -308,7 +317,13 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
-    """In the master, last: remove the metrics folder if it is the one we made."""
+    """In the master, last (its workers gone): answer what waits on the port and close it (webapp/responder.py:
+    it refuses from now on); remove the metrics folder if it is the one we made; then leave with gunicorn's status,
+    skipping the interpreter's teardown of torch (webapp/lifecycle.py)."""
+    responder = lifecycle.master().responder
+    if responder is not None:
+        responder.finish()
     made = os.environ.get(_MADE)
     if made and made == os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         shutil.rmtree(made, ignore_errors=True)
+    lifecycle.leave_master_now()

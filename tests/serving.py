@@ -6,13 +6,24 @@ the test-side manners: failures through ``pytest.fail`` and an exit-0/no-traceba
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 
 from bench.servers import READY_TIMEOUT_S, Gunicorn, NotReady, free_port, ours_command
 
-__all__ = ["READY_TIMEOUT_S", "Server", "free_port"]
+__all__ = ["READY_TIMEOUT_S", "Server", "as_a_terminal_job", "free_port"]
+
+
+def as_a_terminal_job() -> None:
+    """``preexec_fn`` for a command a test stops with SIGINT or SIGHUP: both back to their default action, as a
+    terminal's foreground job has them, however this suite was started. Under ``nohup`` SIGHUP, and in a
+    non-interactive shell's background job (``cmd &``: how a CI script may start it) SIGINT, arrive ignored, exec
+    keeps SIG_IGN, and a command that keeps an ignored signal ignored (webapp/cli/supervise.py, as Unix
+    programs do) then never stops: seen twice, SIGINT tests waiting out their timeouts."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 class Server(Gunicorn):

@@ -27,6 +27,10 @@ from conftest import ROOT, SHARED_IMAGES, png_bytes, png_declaring, shared_image
 from serving import Server, free_port
 
 pytestmark = pytest.mark.cluster
+# The HTTP tests of a real `serve --cluster` (a Ray instance, 2 model replicas and the gunicorn reference: ~50 s of
+# set-up on 2 cores) are in the extended tier, which CI runs as its own step; the replica's own batching, bad
+# uploads and failures, the settings and the usage errors stay in the plain run.
+SERVE_TIER = pytest.mark.extended
 
 ray = pytest.importorskip("ray", reason="the Ray path needs requirements-cluster.txt")
 pytest.importorskip("a2wsgi", reason="the Ray path needs requirements-cluster.txt")
@@ -403,6 +407,7 @@ def test_serve_cluster_refuses_a_bad_or_busy_address_or_no_cluster():
 
 # ----------------------------------------------------------------------------------------- Ray Serve
 
+@SERVE_TIER
 def test_serve_gives_the_gunicorn_top3(cluster, gunicorn):
     for name in _photos():
         data = (SHARED_IMAGES / name).read_bytes()
@@ -434,6 +439,7 @@ def _bad_requests() -> dict[str, dict]:
     }
 
 
+@SERVE_TIER
 @pytest.mark.parametrize("case", list(_bad_requests()) if SHARED_IMAGES.is_dir() else ["(no photos)"])
 def test_serve_bad_uploads_get_the_gunicorn_status(cluster, gunicorn, case):
     if not SHARED_IMAGES.is_dir():
@@ -446,6 +452,7 @@ def test_serve_bad_uploads_get_the_gunicorn_status(cluster, gunicorn, case):
     assert ours.json()["error"]["status"] == ours.status_code
 
 
+@SERVE_TIER
 def test_serve_other_routes(cluster, gunicorn):
     health = requests.get(cluster.url + "/healthz", timeout=10).json()
     assert health["ready"] is True and health["replica"] and health["ingress"]["replica"]
@@ -463,6 +470,7 @@ def test_serve_other_routes(cluster, gunicorn):
     assert requests.get(cluster.url + "/nowhere", timeout=10).status_code == 404
 
 
+@SERVE_TIER
 def test_two_replicas_both_serve(cluster):
     """Concurrent requests spread over both model replicas (X-Served-By names the one that answered)."""
     photos = _photos()
@@ -480,6 +488,7 @@ def test_two_replicas_both_serve(cluster):
     assert len({replica for replica, _, _ in answers}) == 2
 
 
+@SERVE_TIER
 def test_overload_answers_429_with_retry_after(cluster):
     """Past 2 replicas x 4 ongoing + 8 queued, requests get 429 + Retry-After; the others their own answer."""
     dog = shared_image("dog.jpg").read_bytes()
@@ -504,6 +513,7 @@ def test_overload_answers_429_with_retry_after(cluster):
     assert _post(cluster.url, "dog.jpg", dog).status_code == 200
 
 
+@SERVE_TIER
 def test_serve_takes_chunked_uploads_and_sends_one_request_id(cluster, gunicorn):
     dog = shared_image("dog.jpg").read_bytes()
 
@@ -525,6 +535,7 @@ def test_serve_takes_chunked_uploads_and_sends_one_request_id(cluster, gunicorn)
     assert form.json()["results"][0]["filename"] == "dog.jpg"
 
 
+@SERVE_TIER
 def test_sigterm_answers_the_requests_in_flight(cluster):
     """Last of the module: SIGTERM while requests run; each gets its answer, then the command exits 0."""
     dog = shared_image("dog.jpg").read_bytes()

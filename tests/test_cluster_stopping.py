@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from conftest import ROOT, shared_image
-from serving import free_port
+from serving import as_a_terminal_job, free_port
 from webapp.cli.supervise import stop_timeout_s
 
 pytestmark = pytest.mark.cluster
@@ -59,9 +59,11 @@ class LocalServe:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = tmp_path / "serve.log"
         self._log = open(self.log_path, "wb")
+        # SIGINT as a terminal's foreground job has it: a script's `cmd &` leaves it ignored, the command keeps
+        # it ignored, and the SIGINT case waited out its 80 s (a CI run started that way).
         self.proc = subprocess.Popen([sys.executable, "-m", "webapp", "serve", "--cluster"], cwd=ROOT,
                                      stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=_env({**LOCAL, "BIND": f"127.0.0.1:{port}"}))
+                                     preexec_fn=as_a_terminal_job, env=_env({**LOCAL, "BIND": f"127.0.0.1:{port}"}))
         self.sessions = {self.proc.pid}
         deadline = time.monotonic() + READY_TIMEOUT_S
         while b"webapp.cluster.deploy: serving on" not in self.log_path.read_bytes():

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from webapp.responder import RETRY_AFTER_S, Responder
+from webapp.responder import RETRY_AFTER_S, STOPPING_MESSAGE, Responder
 
 
 @pytest.fixture
@@ -40,7 +40,7 @@ def ask(port: int, method: str = "GET", path: str = "/readyz", body: bytes | Non
 
 def test_answers_503_while_needed_then_steps_aside(listening):
     sock, port = listening
-    state = {"needed": True, "stopped": False, "woken": 0}
+    state = {"needed": True, "ended": False, "woken": 0}
     r, w = os.pipe()
 
     def wake():
@@ -48,7 +48,7 @@ def test_answers_503_while_needed_then_steps_aside(listening):
         state["woken"] += 1
 
     responder = Responder([sock], wake_fd=r, on_wake=wake, needed=lambda: state["needed"],
-                          stopped=lambda: state["stopped"])
+                          stopping=lambda: False, ended=lambda: state["ended"])
     responder.start()
     try:
         for method, path in [("GET", "/readyz"), ("GET", "/healthz"), ("GET", "/"), ("POST", "/api/v1/predict")]:
@@ -87,26 +87,102 @@ def test_answers_503_while_needed_then_steps_aside(listening):
             ask(port, timeout=1.0)  # accepted by the kernel, answered by nobody (no worker in this test)
         assert responder.answered == answered
     finally:
-        state["stopped"] = True
+        state["ended"] = True
         time.sleep(0.5)
         os.close(r)
         os.close(w)
-    assert responder._socks == []  # its duplicates are closed once stopped
+    assert responder._socks == []  # its duplicates are closed once gunicorn replaced its listeners
 
 
 def test_answers_again_when_no_worker_is_ready(listening):
     sock, port = listening
-    state = {"needed": False, "stopped": False}
+    state = {"needed": False, "ended": False}
     r, w = os.pipe()
     responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: state["needed"],
-                          stopped=lambda: state["stopped"])
+                          stopping=lambda: False, ended=lambda: state["ended"])
     responder.start()
     try:
         state["needed"] = True  # every ready worker exited (the master's child_exit dropped them)
         time.sleep(0.5)  # it looks again at least every quarter second
         assert ask(port)[0] == 503
     finally:
-        state["stopped"] = True
+        state["ended"] = True
         time.sleep(0.5)
+        os.close(r)
+        os.close(w)
+
+
+def test_while_stopping_answers_every_connection_then_finish_closes_the_port(listening):
+    """A stopping master: the workers have closed their copies of the listening socket, the master's
+    duplicate still holds it open, so the kernel keeps accepting. Each such connection gets 503 (stopping),
+    never a reset; ``finish`` (gunicorn's ``on_exit``) answers what waits and closes: then refused."""
+    sock, port = listening
+    r, w = os.pipe()
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: False,
+                          stopping=lambda: True, ended=lambda: False)
+    sock.close()  # gunicorn's stop closes its own listener first: only the duplicate is left
+    responder.start()
+    try:
+        for method, path in [("GET", "/readyz"), ("POST", "/api/v1/predict"), ("POST", "/v2/models/classifier/infer")]:
+            status, headers, body = ask(port, method, path, body=b"x" * 10_000 if method == "POST" else None)
+            assert status == 503 and headers["Retry-After"] == str(RETRY_AFTER_S), body
+            error = json.loads(body)["error"]
+            message = error if path.startswith("/v2") else error["message"]
+            assert "stopping" in message and STOPPING_MESSAGE in message
+            assert (error if path.startswith("/v2") else error["code"]).startswith("not_ready")
+        # Connections already in the backlog when on_exit comes are answered, not reset, by finish().
+        waiting = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        for c in waiting:
+            c.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        responder.finish()
+        for c in waiting:
+            c.settimeout(2)
+            assert c.recv(100).startswith(b"HTTP/1.1 503"), "answered, not reset"
+            c.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        assert responder._socks == []
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_browser_opening_the_page_while_starting_gets_a_page_in_its_language(listening):
+    """A zh browser opening the page during a first start got the API's raw English JSON for a minute (tryout);
+    the README promises the page. GET / asking for HTML gets a small page that reloads itself after Retry-After."""
+    from webapp import i18n
+
+    sock, port = listening
+    r, w = os.pipe()
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: True,
+                          stopping=lambda: False, ended=lambda: False)
+    responder.start()
+    browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+
+    def get(path, **headers):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+        try:
+            conn.request("GET", path, headers=headers)
+            resp = conn.getresponse()
+            return resp.status, dict(resp.getheaders()), resp.read().decode()
+        finally:
+            conn.close()
+
+    try:
+        for path, extra, lang in [("/", {"Accept-Language": "zh-CN,zh;q=0.9,en;q=0.8"}, "zh"),
+                                  ("/?lang=en", {"Accept-Language": "zh-CN"}, "en"),
+                                  ("/", {"Cookie": "a=1; lang=zh"}, "zh"), ("/", {}, "en")]:
+            status, headers, body = get(path, **browser, **extra)
+            assert status == 503 and headers["Content-Type"] == "text/html; charset=utf-8", body
+            assert headers["Retry-After"] == str(RETRY_AFTER_S) and f'content="{RETRY_AFTER_S}"' in body
+            assert i18n.strings(lang)["err_not_ready"].format(n=RETRY_AFTER_S) in body
+            assert f'lang="{i18n.HTML_LANG[lang]}"' in body
+        for path, headers in [("/", {"Accept": "application/json"}), ("/readyz", browser), ("/api/v1/models", browser)]:
+            status, got, body = get(path, **headers)
+            assert status == 503 and got["Content-Type"] == "application/json"
+            assert json.loads(body)["error"]["code"] == "not_ready"
+    finally:
+        responder.finish()
+        time.sleep(2 * 0.05)  # its thread sees it within a tick
         os.close(r)
         os.close(w)

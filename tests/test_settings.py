@@ -212,3 +212,18 @@ def test_calibration_dir_must_be_a_folder_of_photos(tmp_path):
         with pytest.raises(SettingsError) as err:
             settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": given})
         assert str(err.value) == f"CLASSIFIER_CALIBRATION_DIR={given!r} is not valid: {why}; allowed: {rule}"
+
+
+@pytest.mark.parametrize("name", ["API_TOKEN", "METRICS_TOKEN"])
+@pytest.mark.parametrize("given, why", [("   ", "only spaces"), ("tøken-123", "UTF-8"), ("two words", "UTF-8"),
+                                        ("tab\there", "UTF-8")])
+def test_a_token_clients_cannot_send_as_set_is_refused_without_showing_it(name, given, why):
+    """Spaces alone read as no token and left the API open, unsaid; a non-ASCII one reached the server as curl's
+    UTF-8 bytes and never matched (tryout). Neither is printed: it is a secret."""
+    with pytest.raises(settings.SettingsError) as err:
+        settings.load(environ={f"CLASSIFIER_{name}": given})
+    message = str(err.value)
+    assert message.startswith(f"CLASSIFIER_{name}=(a secret, not shown) is not valid: ") and why in message
+    assert given.strip() not in message or not given.strip()
+    assert settings.load(environ={f"CLASSIFIER_{name}": " Abc.123_~+/= "})[name] == "Abc.123_~+/="
+    assert settings.load(environ={f"CLASSIFIER_{name}": ""})[name] == ""

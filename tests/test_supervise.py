@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from serving import as_a_terminal_job
 from webapp.cli.supervise import DRIVER_ENV, exit_status, stop_timeout_s
 
 # The driver's stand-in: writes its session, its parent and DRIVER_ENV, then each signal it gets, to
@@ -52,12 +53,9 @@ def start(tmp_path, mode: str, hard_stop_s: float = 30.0) -> tuple[subprocess.Po
     out = tmp_path / "child.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop(DRIVER_ENV, None)
-    # SIGHUP and SIGINT as a terminal leaves them, however this suite was started: under nohup SIGHUP, and in
-    # a non-interactive shell's background job (`cmd &`) SIGINT, would be inherited as ignored, and the
-    # supervisor deliberately keeps an ignored signal ignored (seen: SIGINT-SIGINT waited 30 s).
     proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, CHILD, str(out), mode, str(hard_stop_s)], cwd=ROOT,
                             env=env, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGHUP, signal.SIGINT)])
+                            preexec_fn=as_a_terminal_job)  # SIGINT, SIGHUP as a terminal has them
     deadline = time.monotonic() + 30
     while not (out.exists() and out.read_text().endswith("\n")):
         assert proc.poll() is None, proc.stderr.read()

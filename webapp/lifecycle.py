@@ -13,22 +13,23 @@ What it provides, and why:
   it. gunicorn's own way (a worker exits 3, the master raises ``HaltServer``) prints a chained
   ``HaltServer`` traceback and exits 1 when two workers fail at once: the master reaps the second
   while handling the first. So a failed worker reports here and exits 0; ``child_exit`` halts.
-- **The listen check** (``check_listen``): a busy or impossible address is one line and exit 5,
-  not gunicorn's five retries and exit 1.
 - **Cleanup** (``remove_at_exit``): the metrics folder the master made goes on every exit path.
+- **Control signals while starting** (``hold_control_signals``, ``replay_held_signals``): gunicorn's
+  handlers for SIGHUP (reload), SIGUSR1 (reopen logs: logrotate sends it), SIGUSR2 (re-exec), SIGTTIN and
+  SIGTTOU (one worker more or less) come only once the master listens, after seconds of importing torch;
+  before that each signal's default action ended the master (SIGHUP: status 129, no line) or suspended it.
+  They are held from the first read of ``gunicorn.conf.py`` and carried out once gunicorn's handlers are
+  in place (``when_ready``).
 """
 
 from __future__ import annotations
 
 import atexit
-import errno
 import json
 import os
 import shutil
-import socket
-import stat
+import signal
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -45,7 +46,6 @@ EXIT_STATUSES: tuple[tuple[int, str], ...] = (
 )
 
 _MAX_REASON = 3500  # bytes: a report stays under PIPE_BUF (4096), so each one is written atomically
-LISTEN_ATTEMPTS, LISTEN_PAUSE_S = 4, 0.5  # a server that is just stopping may hold the port a moment longer
 
 
 def markdown_table() -> str:
@@ -247,15 +247,20 @@ def leave_if_stopped_cleanly() -> None:
     exc = sys.exc_info()[1]
     if not isinstance(exc, SystemExit) or exc.code not in (0, None):
         return
+    _flush_and_exit(0)
+
+
+def _flush_and_exit(status: int) -> None:
+    """Flush every log handler (gunicorn's error log, the JSON access log) and stdout/stderr, then ``os._exit``."""
     import logging
 
-    logging.shutdown()  # flushes every handler (gunicorn's error log, the JSON access log)
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
             pass
-    os._exit(0)
+    os._exit(status)
 
 
 def remove_at_exit(path: str) -> None:
@@ -272,83 +277,60 @@ def remove_at_exit(path: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
     atexit.register(remove)
+    _removals.append(remove)
 
 
-# -- can we listen? --------------------------------------------------------------------------------------------
-def _why(exc: OSError) -> str:
-    reasons = {errno.EADDRINUSE: "the address is in use (another server listens there)",
-               errno.EACCES: "permission denied (ports below 1024 need root)",
-               errno.EADDRNOTAVAIL: "no such address on this host"}
-    if isinstance(exc, socket.gaierror):
-        return f"unknown host ({exc.strerror})"
-    return reasons.get(exc.errno, exc.strerror or str(exc))
+_removals: list[Callable[[], None]] = []
 
 
-def _probe(address) -> None:
-    """Bind ``address`` (gunicorn's form: ``(host, port)`` or a unix path) as gunicorn will, then let go.
-
-    :raises OSError: why it cannot be bound.
-    """
-    if isinstance(address, tuple):
-        host, port = address
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(info[0], socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn: a TIME_WAIT port is free
-            s.bind(info[4])
+def leave_master_now() -> None:
+    """Last in the master's ``on_exit`` (its workers gone, its lines written): leave with gunicorn's status at
+    once, skipping the teardown of the torch the master imported (``webapp/preload.py``): 0.4 s idle, ~1 s
+    under load, measured from ``on_exit`` to the process's end on the 2-core box, which every stop and
+    restart waited for. The status is gunicorn's: 0 for a stop (``halt`` runs in its handler of
+    ``StopIteration``/``KeyboardInterrupt``), a ``HaltServer``'s own; any other path is left to gunicorn."""
+    exc = sys.exc_info()[1]
+    status = 0 if isinstance(exc, (StopIteration, KeyboardInterrupt)) else getattr(exc, "exit_status", None)
+    if not isinstance(status, int):
         return
-    path = address
-    if path.startswith("\0"):
-        return
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        directory = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(directory):
-            raise OSError(errno.ENOENT, f"no folder {directory}") from None
-        if not os.access(directory, os.W_OK):
-            raise OSError(errno.EACCES, f"cannot write in {directory}") from None
-        return
-    if not stat.S_ISSOCK(mode):
-        raise OSError(errno.EEXIST, f"{path} exists and is not a socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # gunicorn would remove it: is it live?
-        try:
-            s.connect(path)
-        except OSError:
-            return  # a stale socket file: gunicorn replaces it
-    raise OSError(errno.EADDRINUSE, "in use")
+    for remove in _removals:
+        remove()
+    _flush_and_exit(status)
 
 
-def show(address) -> str:
-    """``address`` as people write it: ``127.0.0.1:8000``, ``[::1]:8000``, ``unix:/run/x.sock``."""
-    if isinstance(address, tuple):
-        host, port = address
-        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return f"fd://{address}" if isinstance(address, int) else f"unix:{address}"
+# gunicorn's control signals whose default action would end (or suspend) a master that is still starting
+CONTROL_SIGNALS = (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTTIN, signal.SIGTTOU)
+_held: list[int] | None = None  # signals received while starting, in order; None: not holding
 
 
-def check_listen(addresses, *, sleep: Callable[[float], None] = time.sleep) -> str | None:
-    """Whether gunicorn will be able to listen on every address of ``addresses`` (``cfg.address``).
+def hold_control_signals() -> None:
+    """At the first read of ``gunicorn.conf.py`` (the master, before gunicorn's own handlers): note each
+    ``CONTROL_SIGNALS`` received from now on instead of dying of it (``replay_held_signals`` carries them
+    out). A signal with a handler already (a SIGHUP re-read of the file: gunicorn's) is left alone. One ignored
+    on the way in (``nohup``: SIGHUP) is held too, as gunicorn's handler takes it over once listening anyway."""
+    global _held
+    for sig in CONTROL_SIGNALS:
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.SIG_IGN):
+            if _held is None:
+                _held = []
+            signal.signal(sig, lambda signum, _frame: _held.append(signum) if len(_held) < 8 else None)
 
-    Returns None, or one line saying which address cannot be used and why. An address in use is
-    tried ``LISTEN_ATTEMPTS`` times, ``LISTEN_PAUSE_S`` apart (a server stopping just now).
-    Inherited sockets (``fd://``, systemd, a USR2 re-exec) are not checked: they are bound already.
-    """
-    if os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS"):
-        return None
-    for address in addresses:
-        if isinstance(address, int):
-            continue
-        for attempt in range(LISTEN_ATTEMPTS):
-            try:
-                _probe(address)
-                break
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE and attempt + 1 < LISTEN_ATTEMPTS:
-                    sleep(LISTEN_PAUSE_S)
-                    continue
-                return (f"cannot listen on {show(address)}: {_why(exc)}; choose another address with "
-                        f"CLASSIFIER_BIND (or gunicorn's -b)")
-    return None
+
+def replay_held_signals(server) -> list[str]:
+    """In ``when_ready`` (gunicorn's handlers installed): send each held signal again to this process,
+    in order, for gunicorn to carry out as if it had come now; one line on ``server.log`` each. A repeated
+    SIGHUP, SIGUSR1 or SIGUSR2 is sent once (a second reload of the same file does nothing more); each
+    SIGTTIN and SIGTTOU counts. Returns their names."""
+    global _held
+    got, _held, held = list(_held or []), None, []
+    for sig in got:
+        if sig in (signal.SIGTTIN, signal.SIGTTOU) or sig not in held:
+            held.append(sig)
+    names = [signal.Signals(sig).name for sig in held]
+    for sig, name in zip(held, names):
+        server.log.info("%s received while starting: carried out now that the master is listening", name)
+        os.kill(os.getpid(), sig)
+    return names
 
 
 def exit_now(status: int, line: str | None = None) -> None:

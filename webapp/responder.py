@@ -1,4 +1,5 @@
-"""The port answers while no worker can: 503 ``not_ready`` from gunicorn's master until a worker is ready.
+"""The port answers while no worker can: 503 ``not_ready`` from gunicorn's master until a worker is ready, and
+from a stop signal until the master exits.
 
 A gevent worker accepts connections only once its model is built, compiled, warmed up and
 self-tested (a minute on a cold cache). Until then a request would wait in the listen backlog
@@ -9,11 +10,23 @@ the master accepts on the listening sockets and answers every request, ``/readyz
 Once a worker reports ready it stops accepting (the workers take every connection from then on);
 should every ready worker exit, it answers again until a replacement is ready.
 
+**Stopping.** A listening socket accepts connections (the kernel completes the handshake into its
+backlog) for as long as any process holds it open, and closing the last copy resets whatever waits in
+the backlog. On SIGTERM gunicorn's master closes its own copy at once and the workers close theirs
+within ``worker.TICK_S``, while this thread's duplicate stayed open until the master exited (0.1-0.3 s
+later, draining requests in flight: up to the graceful timeout): connections made in that gap were
+reset unanswered (measured: 1-4 ``curl: (56) Recv failure`` per SIGTERM with 4 clients uploading, 2
+workers). So, once the master is stopping, the thread answers every connection still arriving with
+``503 not_ready`` ("stopping", ``Retry-After``); it first leaves each one ``STOP_DEFER_S`` to a worker
+still accepting, which serves it. Once every worker has exited, gunicorn's ``on_exit`` hook calls
+``finish``: it answers what waits in the backlog and closes the duplicates, so the port refuses from
+then on, not only after the interpreter's teardown (~0.4 s more in a master that imported torch).
+
 It runs in the master, which gevent never patches: a plain OS thread (from ``webapp.concurrency``),
 ``select`` and blocking sockets with short timeouts. It imports neither torch nor Flask. It works on
 duplicates of gunicorn's listening sockets, so gunicorn closing its own (a stop) never leaves it
-selecting on a closed or reused descriptor; it closes them as soon as the master stops, and each
-worker closes its inherited copies right after fork.
+selecting on a closed or reused descriptor; it closes them if gunicorn replaces its listeners (a SIGHUP
+with a new bind), and each worker closes its inherited copies right after fork.
 """
 
 from __future__ import annotations
@@ -30,15 +43,57 @@ from .errors import NotReady, error_body
 RETRY_AFTER_S = 5
 MESSAGE = ("the service is starting: no worker has its model ready yet (a first start compiles it, about a minute "
            "per worker); try again shortly")
+STOPPING_MESSAGE = ("the service is stopping: this server takes no new requests (those in flight are being "
+                    "answered); try again shortly, on another replica or once it has restarted")
 _HEAD_LIMIT = 16384  # bytes of request head read before answering
 _READ_S = 0.5  # a slow or silent client is answered anyway after this long (s)
-_TICK_S = 0.25  # how often the thread looks at whether the master is stopping (s)
+_TICK_S = 0.05  # how often the thread looks at whether the master is stopping (s)
+# s: once stopping, how long a waiting connection is left to the workers (each accepts within a
+# millisecond while it still listens; the longest wait seen before one closes its copy is worker.TICK_S)
+STOP_DEFER_S = 0.02
 
 
-def response(head: bool = False, path: str | None = None) -> bytes:
+def page(head_bytes: bytes) -> bytes | None:
+    """The 503 as a small page in the browser's language, reloading itself after ``RETRY_AFTER_S``, for a browser
+    opening the page (``GET /`` asking for HTML): the README promises the page, not the API's JSON, there. None
+    for any other request. The language as the app picks it (``?lang=``, the ``lang`` cookie, Accept-Language)."""
+    from html import escape
+    from urllib.parse import parse_qs, urlsplit
+
+    from . import i18n
+
+    lines = head_bytes.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) < 2 or parts[0] not in ("GET", "HEAD") or urlsplit(parts[1]).path != "/":
+        return None
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    if "text/html" not in fields.get("accept", ""):
+        return None
+    arg = (parse_qs(urlsplit(parts[1]).query).get("lang") or [None])[0]
+    cookie = next((c.split("=", 1)[1] for c in fields.get("cookie", "").split(";") if c.strip().startswith("lang=")),
+                  None)
+    wanted = [i18n.normalize(x.split(";")[0]) for x in fields.get("accept-language", "").split(",")]
+    lang = i18n.normalize(arg) or i18n.normalize(cookie) or next((x for x in wanted if x), i18n.DEFAULT_LANG)
+    t = i18n.strings(lang)
+    body = (f'<!doctype html><html lang="{i18n.HTML_LANG[lang]}"><head><meta charset="utf-8">'
+            f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f'<meta http-equiv="refresh" content="{RETRY_AFTER_S}"><title>{escape(t["title"])}</title></head>'
+            f'<body><main><h1>{escape(t["title"])}</h1><p role="status">'
+            f'{escape(t["err_not_ready"].format(n=RETRY_AFTER_S))}</p></main></body></html>').encode()
+    head = ["HTTP/1.1 503 Service Unavailable", "Content-Type: text/html; charset=utf-8", f"Content-Length: {len(body)}",
+            f"Retry-After: {RETRY_AFTER_S}", "Cache-Control: no-store", "X-Content-Type-Options: nosniff",
+            "Content-Security-Policy: default-src 'none'", "Vary: Accept, Accept-Language, Cookie", "Connection: close"]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if parts[0] == "HEAD" else body)
+
+
+def response(head: bool = False, path: str | None = None, message: str = MESSAGE) -> bytes:
     """The whole HTTP/1.1 503 answer (``head``: without the body, for a HEAD request; ``path``: the request's,
-    for the error's shape: the Open Inference Protocol's under ``/v2``)."""
-    body = json.dumps(error_body(path, NotReady.code, MESSAGE, NotReady.status)).encode()
+    for the error's shape: the Open Inference Protocol's under ``/v2``; ``message``: ``MESSAGE`` while
+    starting, ``STOPPING_MESSAGE`` while stopping)."""
+    body = json.dumps(error_body(path, NotReady.code, message, NotReady.status)).encode()
     lines = ["HTTP/1.1 503 Service Unavailable", "Content-Type: application/json",
              f"Content-Length: {len(body)}", f"Retry-After: {RETRY_AFTER_S}", "Cache-Control: no-store",
              "X-Content-Type-Options: nosniff", "Connection: close"]
@@ -46,22 +101,28 @@ def response(head: bool = False, path: str | None = None) -> bytes:
 
 
 class Responder:
-    """Answers 503 on duplicates of ``listeners`` (sockets) while ``needed()`` is true.
+    """Answers 503 on duplicates of ``listeners`` (sockets) while ``needed()`` or ``stopping()`` is true.
 
     ``wake_fd`` is read-ready when the workers reported something: ``on_wake()`` then reads it
-    (and may change ``needed()``). ``stopped()`` says the master is stopping: the thread closes its
-    sockets and ends.
+    (and may change ``needed()``). ``stopping()`` says the master is stopping: the thread answers every
+    connection a worker has not taken within ``STOP_DEFER_S`` until the process exits. ``ended()`` says
+    gunicorn replaced its listeners: the thread closes its duplicates and ends.
     """
 
     def __init__(self, listeners: list[socket.socket], *, wake_fd: int, on_wake: Callable[[], None],
-                 needed: Callable[[], bool], stopped: Callable[[], bool]):
+                 needed: Callable[[], bool], stopping: Callable[[], bool], ended: Callable[[], bool]):
         self._socks = []
         for lst in listeners:
             dup = socket.socket(lst.family, lst.type, lst.proto, fileno=os.dup(lst.fileno()))
             dup.setblocking(False)  # already so (gunicorn made it non-blocking; the flag is shared)
             self._socks.append(dup)
-        self._wake_fd, self._on_wake, self._needed, self._stopped = wake_fd, on_wake, needed, stopped
+        self._wake_fd, self._on_wake, self._needed = wake_fd, on_wake, needed
+        self._stopping, self._ended = stopping, ended
         self.answered = 0
+        from .concurrency import Primitives
+
+        self._lock = Primitives.for_this_process().make_lock()  # one accept-and-answer at a time; held by finish()
+        self._finished = False
 
     def start(self) -> None:
         """Run ``serve`` on its own real OS thread."""
@@ -70,34 +131,63 @@ class Responder:
         Primitives.for_this_process().start_thread(self.serve, ())
 
     def serve(self) -> None:
-        """Until the master stops: accept and answer while no worker is ready, else only watch the channel."""
+        """Until gunicorn replaces its listeners (or the process exits): accept and answer while no worker is
+        ready or the master is stopping, else only watch the channel."""
         try:
-            while not self._stopped():
-                listening = self._needed()
+            while not self._ended():
+                stopping = self._stopping()
+                listening = stopping or self._needed()
                 fds = [self._wake_fd] + ([s.fileno() for s in self._socks] if listening else [])
                 try:
                     readable, _, _ = select.select(fds, [], [], _TICK_S)
-                except (OSError, ValueError):  # closed under us: the master is going away
+                except (OSError, ValueError):  # the wake pipe closed under us: the master is going away
+                    return
+                if self._finished:
                     return
                 if self._wake_fd in readable:
                     self._on_wake()
-                for s in self._socks:
-                    if s.fileno() in readable and self._needed() and not self._stopped():
-                        self._answer_one(s)
+                if stopping and len(readable) > (self._wake_fd in readable):
+                    time.sleep(STOP_DEFER_S)  # a worker still listening takes it and serves it
+                with self._lock:
+                    if self._finished:
+                        return
+                    for s in self._socks:
+                        if s.fileno() in readable and not self._ended():
+                            if stopping:
+                                self._answer_one(s, STOPPING_MESSAGE)
+                            elif self._needed() and not self._stopping():
+                                self._answer_one(s, MESSAGE)
         finally:
-            self._close()
+            with self._lock:
+                self._close()
 
-    def _answer_one(self, listener: socket.socket) -> None:
+    def finish(self, within_s: float = 1.0) -> int:
+        """In the master, its workers gone (gunicorn's ``on_exit``): answer every connection waiting in the
+        backlog 503 (stopping), for at most ``within_s`` s, then close the duplicates: the port refuses from
+        now on. Returns how many it answered. The thread takes no connection after this."""
+        answered = 0
+        with self._lock:
+            self._finished = True
+            deadline = time.monotonic() + within_s
+            for s in self._socks:
+                while time.monotonic() < deadline and self._answer_one(s, STOPPING_MESSAGE):
+                    answered += 1
+            self._close()
+        return answered
+
+    def _answer_one(self, listener: socket.socket, message: str) -> bool:
+        """Accept one connection (never blocks) and answer it 503 with ``message``; False if none waited."""
         try:
             conn, _ = listener.accept()
         except OSError:  # BlockingIOError: a worker took it first; anything else: nothing to answer
-            return
+            return False
         try:
             conn.settimeout(_READ_S)
             head = _read_head(conn)
             target = head.split(b"\r\n", 1)[0].split(b" ")
             path = target[1].decode("latin-1") if len(target) > 1 else None
-            conn.sendall(response(head=head.startswith(b"HEAD "), path=path))
+            html = page(head) if message == MESSAGE else None  # starting: a browser gets the page (stopping: JSON)
+            conn.sendall(html or response(head=head.startswith(b"HEAD "), path=path, message=message))
             self.answered += 1
             conn.shutdown(socket.SHUT_WR)  # FIN now, even though forked workers may hold a copy
             _discard(conn)  # unread bytes at close would turn into a reset that can eat our answer
@@ -105,6 +195,7 @@ class Responder:
             pass
         finally:
             conn.close()
+        return True
 
     def _close(self) -> None:
         for s in self._socks:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from . import catalog, rate_limits
+from .listen import BIND_RULE, parse_bind as _bind
 
 PREFIX = "CLASSIFIER_"
 
@@ -62,9 +63,22 @@ class _Reason(ValueError):
     """A parser's refusal in words that help (said before the rule), unlike Python's own."""
 
 
+TOKEN_RULE = "empty (none), or letters, digits and ASCII punctuation without spaces (visible ASCII)"
+
+
+def _token(text: str) -> str:
+    """A bearer token: empty (none), or visible ASCII (what every HTTP client sends byte for byte: curl and
+    browsers send other characters as UTF-8, Python's requests as Latin-1). Spaces alone are not "none"."""
+    value = str(text).strip()
+    if str(text) and not value:
+        raise _Reason("only spaces: read as no token, it would leave the API open")
+    if not all("!" <= c <= "~" for c in value):
+        raise _Reason("curl and browsers send other characters as UTF-8, Python's requests as Latin-1")
+    return value
+
+
 def _photo_folder(text: str) -> str:
-    """``CALIBRATION_DIR``: empty, or a folder of photos, checked as settings load (one line, exit 2), not in every
-    worker's "loading model failed" (bf16's start-up check reads it too): ``assets.calibration_problem``."""
+    """``CALIBRATION_DIR``: empty, or a folder of photos (``assets.calibration_problem``), checked as settings load."""
     value = str(text).strip()
     if value:
         from .assets import calibration_problem  # Pillow: imported only when a folder is set
@@ -72,49 +86,6 @@ def _photo_folder(text: str) -> str:
         if problem := calibration_problem(value):
             raise _Reason(problem)
     return value
-
-
-BIND_RULE = ("a port (8000: 127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), [IPv6]:PORT ([::1]:8000) or unix:PATH "
-             "(port 1 to 65535)")
-
-
-def _bind(text: str) -> str:
-    """A listening address in gunicorn's forms; a bare port means ``127.0.0.1:PORT`` (localhost unless opened).
-
-    gunicorn itself reads a bare ``8010`` as the host ``8010`` on port 8000 and retries binding it.
-    """
-    value = str(text).strip()
-
-    def port_of(digits: str) -> str:
-        if not digits.isdigit() or not 0 < int(digits) < 65536:
-            raise ValueError(f"{digits!r} is not a port")
-        return str(int(digits))
-
-    if value.isdigit():
-        return f"127.0.0.1:{port_of(value)}"
-    if value.startswith("unix:"):
-        if not value[5:].strip():
-            raise ValueError("unix: needs a path")
-        return value
-    if value.startswith("["):
-        import ipaddress
-
-        host, sep, port = value[1:].partition("]:")
-        try:
-            ipaddress.IPv6Address(host)
-        except ValueError:
-            raise ValueError(f"{host!r} is not an IPv6 address") from None
-        if not sep:
-            raise ValueError("no port after the ]")
-        return f"[{host}]:{port_of(port)}"
-    host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError("no port" if not sep else "no host before the :")
-    if ":" in host:
-        raise ValueError("an IPv6 address goes in brackets")
-    if not all(part and part.replace("-", "").isalnum() for part in host.split(".")):
-        raise ValueError(f"{host!r} is not a host name or address")
-    return f"{host}:{port_of(port)}"
 
 
 @dataclass(frozen=True)
@@ -162,11 +133,9 @@ class Setting:
             return BIND_RULE
         kind = "an integer" if self.parse is _int else "a number" if self.parse is _float else "a string"
         low, high = ("" if v is None else f"{v:,}" if self.parse is _int else f"{v:,g}" for v in (self.low, self.high))
-        if self.low is not None and self.high is not None:
-            return f"{kind} from {low} to {high}"
-        if self.low is not None:
-            return f"{kind} >= {low}"
-        return kind
+        if self.low is None:
+            return kind
+        return f"{kind} from {low} to {high}" if self.high is not None else f"{kind} >= {low}"
 
     def convert(self, raw: Any, source: str) -> Any:
         """Parse and check ``raw`` (text or an already-typed value).
@@ -188,7 +157,8 @@ class Setting:
             # The parser's own words ("invalid literal for int() with base 10") are Python's, not the
             # operator's: the rule says what is allowed, once; a package to install is said too.
             why = f": {exc}" if isinstance(exc, (rate_limits.MissingPackage, _Reason)) else ""
-            raise SettingsError(f"{source}={raw!r} is not valid{why}; allowed: {self.rule()}") from None
+            shown = "(a secret, not shown)" if self.secret else repr(raw)
+            raise SettingsError(f"{source}={shown} is not valid{why}; allowed: {self.rule()}") from None
         if self.choices and value not in self.choices:
             raise SettingsError(f"{source}={raw!r} is not valid; allowed: {self.rule()}")
         if self.low is not None and value < self.low or self.high is not None and value > self.high:
@@ -266,8 +236,8 @@ SETTINGS: tuple[Setting, ...] = (
             "later than this (photos being decoded and queued, times their measured cost) gets 429 at once, before "
             "its body is read, with Retry-After from that prediction. QUEUE_SIZE still applies.",
             low=10, high=86_400_000, commands=(SERVE,)),
-    Setting("REQUEST_TIMEOUT_S", _float, 30.0, "Seconds an image may wait for its result before the request gets "
-            "504. Bounds requests only: start-up's self-test has STARTUP_TIMEOUT_S.", low=0.01, high=3600),
+    Setting("REQUEST_TIMEOUT_S", _float, 30.0, "Seconds from a request's body read to its result, decoding included, "
+            "before it gets 504. Bounds requests only: start-up's self-test has STARTUP_TIMEOUT_S.", low=0.01, high=3600),
     # -- requests --
     Setting("TOP_K", _int, 3, "Labels returned per image when the request does not say (topk=1..10).",
             low=1, high=10),
@@ -280,9 +250,9 @@ SETTINGS: tuple[Setting, ...] = (
             "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on an upload).",
             low=0.1, high=3600, commands=SERVERS),
     # -- access --
-    Setting("API_TOKEN", _str, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
+    Setting("API_TOKEN", _token, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
             "Bearer <token>' (compared in constant time); else 401. The page and /healthz, /readyz, /v2 health and "
-            "metadata stay open.", commands=SERVERS, secret=True),
+            "metadata stay open.", commands=SERVERS, secret=True, allowed=TOKEN_RULE),
     Setting("RATE_LIMIT", rate_limits.rate_limit, "", "Per-client-address limit on classify requests: one budget "
             "for the page, the API and /v2 together, in Flask-Limiter's notation, e.g. '120/minute' or "
             "'10/second;500/hour'; over it: 429. Empty: off.", commands=SERVERS, allowed=rate_limits.RATE_LIMIT_RULE),
@@ -294,9 +264,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted). With "
             "API_TOKEN set, a scrape needs a token too (METRICS_TOKEN, else API_TOKEN).",
             commands=SERVERS),
-    Setting("METRICS_TOKEN", _str, "", "If set, GET /metrics needs 'Authorization: Bearer <token>' (Prometheus: "
+    Setting("METRICS_TOKEN", _token, "", "If set, GET /metrics needs 'Authorization: Bearer <token>' (Prometheus: "
             "authorization: {credentials: <token>} in the scrape config); else 401. Empty: the API_TOKEN, if set.",
-            commands=SERVERS, secret=True),
+            commands=SERVERS, secret=True, allowed=TOKEN_RULE),
     Setting("ACCESS_LOG", _str, "text", "Access log lines: text (gunicorn's), json (one JSON object per request, "
             "with its request id), or off.", choices=("text", "json", "off"), commands=SERVERS),
     # -- Ray cluster: python -m webapp serve --cluster / classify --cluster (requirements-cluster.txt) --
@@ -367,7 +337,8 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
     """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys).
 
     :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not be silently
-        ignored), a value outside what the table allows, or ``RATE_LIMIT`` with an empty ``RATE_LIMIT_STORAGE``.
+        ignored), a value outside the table's rule, or a conflicting pair (``RATE_LIMIT`` with an empty
+        ``RATE_LIMIT_STORAGE``; ``CLUSTER_MIN_REPLICAS`` above ``CLUSTER_MAX_REPLICAS`` while autoscaling).
     """
     environ = os.environ if environ is None else environ
     overrides = overrides or {}
@@ -385,9 +356,12 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
         if s.name in overrides:
             value = s.convert(overrides[s.name], s.name)
         values[s.name] = value
+    src = {name: name if name in overrides else PREFIX + name for name in BY_NAME}  # as the user wrote it
     if values["RATE_LIMIT"] and not values["RATE_LIMIT_STORAGE"]:  # a limit needs somewhere to count
-        source = "RATE_LIMIT_STORAGE" if "RATE_LIMIT_STORAGE" in overrides else PREFIX + "RATE_LIMIT_STORAGE"
-        raise SettingsError(f"{source}='' is not valid; allowed: {BY_NAME['RATE_LIMIT_STORAGE'].rule()}")
+        raise SettingsError(f"{src['RATE_LIMIT_STORAGE']}='' is not valid; allowed: {BY_NAME['RATE_LIMIT_STORAGE'].rule()}")
+    if values["CLUSTER_REPLICAS"] == 0 and (low := values["CLUSTER_MIN_REPLICAS"]) > values["CLUSTER_MAX_REPLICAS"]:
+        raise SettingsError(f"{src['CLUSTER_MIN_REPLICAS']}={low} is above {src['CLUSTER_MAX_REPLICAS']}="
+                            f"{values['CLUSTER_MAX_REPLICAS']} (autoscaling: CLASSIFIER_CLUSTER_REPLICAS=0)")
     return Settings(values)
 
 

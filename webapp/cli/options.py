@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import re
 import textwrap
+from pathlib import Path
 
 from .. import settings as settings_mod
 from ..settings import PREFIX, SETTINGS, Setting, SettingsError
@@ -158,3 +159,29 @@ def hex_prefix(text: str) -> str:
     if not re.fullmatch(r"[0-9a-fA-F]{1,64}", text.strip()):
         raise argparse.ArgumentTypeError(f"{text!r} is not a hex sha256 prefix")
     return text.strip().lower()
+
+
+EMPTY_PATH = "an empty path (a shell variable that is not set?)"
+
+
+def path_arg(text: str) -> Path:
+    """``text`` as a ``Path`` for a file or folder argument; raises ``argparse.ArgumentTypeError`` (a usage error,
+    exit 2) for an empty one, which ``Path`` would read as the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError(EMPTY_PATH)
+    return Path(text)
+
+
+def folder_arg(text: str) -> Path:
+    """``path_arg`` for a folder that may well be the current one: the refusal says to give ``.`` for it."""
+    if not text:
+        raise argparse.ArgumentTypeError(f"{EMPTY_PATH}; give . for the current folder")
+    return Path(text)
+
+
+def address_arg(text: str) -> str:
+    """``--address``: a Ray cluster's address; an empty one is a usage error (exit 2), not a silent local Ray."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty address (a shell variable that is not set?); leave --address out "
+                                         "to join $RAY_ADDRESS or start a local Ray")
+    return text.strip()

@@ -14,7 +14,7 @@ import sys
 from .. import settings as settings_mod
 from ..settings import PREFIX
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err, ray_missing
-from .options import HelpFormatter, add_setting_options, as_environ, given_settings, settings_epilog, shown
+from .options import HelpFormatter, add_setting_options, address_arg, as_environ, given_settings, settings_epilog, shown
 
 
 def add_parser(sub) -> None:
@@ -35,7 +35,7 @@ def add_parser(sub) -> None:
                        help="serve on a Ray cluster instead (Ray Serve; pip install -r requirements-cluster.txt): "
                             "joins --address or $RAY_ADDRESS, else starts Ray on this host; the HTTP proxy "
                             "listens on --bind; replicas from the --cluster-* options")
-    serve.add_argument("--address", default=None, metavar="ADDR",
+    serve.add_argument("--address", type=address_arg, default=None, metavar="ADDR",
                        help="with --cluster: the Ray cluster to join, e.g. ray://head:10001 or head:6379 "
                             "(default: $RAY_ADDRESS, else a local Ray)")
     add_setting_options(serve, commands=settings_mod.SERVERS)

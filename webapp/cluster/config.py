@@ -21,11 +21,7 @@ def replica_settings(args: dict | None = None, environ=None) -> dict:
 
     :raises SettingsError: a bad value, or ``CLUSTER_MIN_REPLICAS`` > ``CLUSTER_MAX_REPLICAS``.
     """
-    s = settings_mod.load(os.environ if environ is None else environ, args or {})
-    if s.CLUSTER_REPLICAS == 0 and s.CLUSTER_MIN_REPLICAS > s.CLUSTER_MAX_REPLICAS:
-        raise settings_mod.SettingsError(
-            f"CLASSIFIER_CLUSTER_MIN_REPLICAS={s.CLUSTER_MIN_REPLICAS} is above "
-            f"CLASSIFIER_CLUSTER_MAX_REPLICAS={s.CLUSTER_MAX_REPLICAS}")
+    s = settings_mod.load(os.environ if environ is None else environ, args or {})  # checks MIN <= MAX too
     values = dict(s)
     values["THREADS"] = s.THREADS or 1
     for name in PATH_SETTINGS:
