@@ -23,7 +23,7 @@ import torch
 from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
-from . import exif, incomplete
+from . import exif, incomplete, pnm
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
@@ -34,6 +34,7 @@ from .models import Preprocessing
 
 
 silence_pillow_warnings()  # exif.py's (torch-free, for the CLI's client too): process-wide, once
+pnm.install()  # numpy decoders for the PNM data Pillow decodes in Python (~30x slower per byte): process-wide
 
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (
