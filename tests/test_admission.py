@@ -218,6 +218,19 @@ def test_tickets_stop_counting_once_decoding_takes_them_or_the_budget_passes():
 
 
 @pytest.mark.unit
+def test_a_decode_that_outlives_its_request_counts_until_its_thread_ends():
+    """A request's 504 on a decode past REQUEST_TIMEOUT_S ended its ``job`` while the thread decoded on; its photo
+    stopped counting, so later requests were admitted behind a busy decode thread as if it were free."""
+    adm, _, _ = make_admission()
+    job = adm.decoding(None, [3 * MB, MB, MB])  # three photos: the first outlives the request's deadline
+    ended = adm.abandon(job, 3 * MB)
+    adm.finish(job)  # the request's 504: the two photos never started stop counting
+    assert adm._ahead() == (1, pytest.approx(3 * MB))  # the one still decoding does not
+    ended()  # its thread is free
+    assert adm._ahead() == (0, 0.0)
+
+
+@pytest.mark.unit
 def test_a_ticket_counts_only_while_its_body_is_arriving():
     adm, _, _ = make_admission()
     arriving = {"now": True}

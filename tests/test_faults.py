@@ -217,6 +217,30 @@ def test_request_timeout_gives_504(timeout_server):
           f"{max(s for st, s, *_ in out if st == 504):.2f} s")
 
 
+def test_a_decode_that_outlasts_the_request_timeout_gets_its_504_on_time(timeout_server):
+    """The timeout bounds the whole answer, decoding included: an 80 MP PNG alone on an idle worker (its decode
+    ~1 s, far over this server's 50 ms) was answered 200 after the decode, the deadline counted only from the
+    queue (tryout: 200 after 15.9 s with a 2 s timeout, a 16-bit PPM)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (10000, 8000), (120, 130, 140)).save(buf, format="PNG", compress_level=1)
+    body, ctype = multipart([("big.png", buf.getvalue(), "image/png")])
+    t0 = time.monotonic()
+    resp = post(timeout_server, body, ctype, timeout=120)
+    took = time.monotonic() - t0
+    assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout", resp.text[:300]
+    assert "no result within 0.05 s (CLASSIFIER_REQUEST_TIMEOUT_S)" in resp.json()["error"]["message"]
+    # Its decode runs on past the 504, and counts as work ahead of later requests until it ends (it did not).
+    ahead = []
+    while time.monotonic() - t0 < 60 and (not ahead or ahead[-1]):
+        ahead.append(requests.get(f"{timeout_server.url}/healthz", timeout=10).json()["admission"]["uploads_ahead"])
+        time.sleep(0.02)
+    assert ahead[0] == 1 and ahead[-1] == 0, ahead
+    t1 = time.process_time()
+    Image.open(io.BytesIO(buf.getvalue())).load()
+    decode_s = time.process_time() - t1
+    print(f"\nan 80 MP PNG with a 50 ms request timeout: 504 after {took:.2f} s (its decode here: {decode_s:.2f} s)")
+
+
 class HubBlocked(AssertionError):
     """Raised when decoding blocks the worker's hub (fixed: decodes run on batcher.Offloader threads)."""
 
@@ -298,9 +322,14 @@ def test_sigterm_drains_in_flight_requests(drain_server):
     """20 uploads of three photos (two 12 MP) in flight, SIGTERM to the master: every one answers 200, exit 0.
 
     Each client sends its headers and the first quarter of its 7 MB body, then waits; once every
-    connection has been accepted by a worker (none left in the listen backlog, which the master
-    closes on SIGTERM), the master gets SIGTERM and the clients send the rest slowly (~1.5 s). So all
-    20 are in flight when the signal comes and every decode and inference happens after it.
+    connection has been accepted by a worker (none left in the listen backlog), the master gets SIGTERM
+    and the clients send the rest slowly (~1.5 s). So all 20 are in flight when the signal comes and every
+    decode and inference happens after it.
+
+    Meanwhile a new connection every 20 ms: each is served by a worker still listening, or answered 503
+    ``not_ready`` "stopping" by the master (webapp/responder.py), or refused once the master has closed the
+    port; never accepted and then reset (the master's copy of the listening socket kept the port
+    accepting, unanswered, until it exited: every one of them got a reset).
     """
     files = [("phone-12mp.jpg", shared_image("phone-12mp.jpg").read_bytes(), "image/jpeg"),
              ("rotated.jpg", shared_image("phone-12mp-exif-rotated.jpg").read_bytes(), "image/jpeg"),
@@ -330,7 +359,28 @@ def test_sigterm_drains_in_flight_requests(drain_server):
         conn.close()
         return resp.status, answer, time.monotonic()
 
-    with ThreadPoolExecutor(n) as pool:
+    newcomers: list = []  # (s after SIGTERM: connect, outcome, answer) of connections made while stopping
+    stop_probing = threading.Event()
+
+    def probe_while_stopping():
+        while not stop_probing.is_set():
+            t = time.monotonic()
+            conn = http.client.HTTPConnection("127.0.0.1", drain_server.port, timeout=10)
+            try:
+                conn.request("GET", "/readyz")
+                resp = conn.getresponse()
+                body = resp.read()
+                outcome = resp.status if resp.status != 503 else json.loads(body)["error"]["message"]
+            except ConnectionRefusedError:
+                outcome = "refused"
+            except (OSError, http.client.HTTPException) as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            finally:
+                conn.close()
+            newcomers.append((round(t - term_at, 3), outcome, round(time.monotonic() - term_at, 3)))
+            time.sleep(0.02)
+
+    with ThreadPoolExecutor(n + 1) as pool:
         futures = [pool.submit(send, i) for i in range(n)]
         started.wait(30)
         deadline = time.monotonic() + 30
@@ -340,9 +390,20 @@ def test_sigterm_drains_in_flight_requests(drain_server):
         term_at = time.monotonic()
         drain_server.proc.send_signal(signal.SIGTERM)
         go.set()
+        prober = pool.submit(probe_while_stopping)
         results = [f.result(timeout=90) for f in futures]
-    code = drain_server.proc.wait(timeout=30 + 20)  # graceful_timeout + margin
-    exited = time.monotonic() - term_at
+        code = drain_server.proc.wait(timeout=30 + 20)  # graceful_timeout + margin
+        exited = time.monotonic() - term_at
+        time.sleep(0.3)
+        stop_probing.set()
+        prober.result(timeout=30)
+    kinds = Counter("stopping" if isinstance(o, str) and "stopping" in o else o for _, o, _ in newcomers)
+    assert set(kinds) <= {200, 503, "stopping", "refused"}, (  # the odd ones, and when the master exited
+        [x for x in newcomers if x[1] not in (200, 503, "refused") and "stopping" not in str(x[1])][:5],
+        f"exited {exited:.3f} s after SIGTERM", drain_server.output()[-1500:])
+    assert kinds["stopping"] >= 10 and kinds["refused"] >= 1, kinds  # the drain lasts ~1.5 s; then it refuses
+    outcomes = [o for _, o, _ in newcomers]
+    assert outcomes.index("refused") > max(i for i, o in enumerate(outcomes) if o != "refused")
     out = drain_server.output()
     assert [s for s, _, _ in results] == [200] * n, [a for s, a, _ in results if s != 200][:3]
     assert all([r["filename"] for r in a["results"]] == [f[0] for f in files] for _, a, _ in results)
@@ -352,7 +413,7 @@ def test_sigterm_drains_in_flight_requests(drain_server):
     assert "Traceback" not in out, out[-5000:]
     assert "graceful timeout" not in out.lower(), out[-3000:]
     print(f"\nSIGTERM with {n} x 3-photo uploads in flight: all 200, the last {last:.1f} s after the signal; "
-          f"master exited {code} after {exited:.1f} s")
+          f"master exited {code} after {exited:.1f} s; connections made meanwhile: {dict(kinds)}")
 
 
 # -- 5. SIGKILL of one worker ---------------------------------------------------------------------------

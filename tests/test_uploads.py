@@ -55,6 +55,20 @@ def test_one_value_per_file_in_order(client):
     assert got == [("a.jpg", 4000, 3000, "HEIC", 2000000), ("b.jpg", 1000, 2000, "WEBP", 90000)]
 
 
+def test_a_part_sent_as_it_is_beside_scaled_copies_has_its_four_values_empty(client):
+    """The page's fallback form (an API token it does not have) sends scaled copies and photos as they are in one
+    request: one set of values per file part still, all four empty for one that is not a copy."""
+    fields = {"original_width": ["4000", ""], "original_height": ["3000", ""], "original_format": ["heic", ""],
+              "original_bytes": ["2000000", ""]}
+    resp = post(client, [("a.jpg", SCALED), ("b.jpg", SCALED)], **fields)
+    assert resp.status_code == 200, resp.get_json()
+    a, b = resp.get_json()["results"]
+    assert (a["width"], a["format"], "scaled_by_client" in a) == (4000, "HEIC", True)
+    assert (b["width"], b["format"], b["bytes"], "scaled_by_client" in b) == (80, "JPEG", len(SCALED), False)
+    fields["original_format"] = ["heic", "JPEG"]  # some of a part's four and not the others: refused, as ever
+    assert post(client, [("a.jpg", SCALED), ("b.jpg", SCALED)], **fields).status_code == 400
+
+
 @pytest.mark.parametrize("field, value", [
     ("original_width", "0"), ("original_width", "65536"), ("original_width", "-5"), ("original_width", "4e3"),
     ("original_width", " 40"), ("original_width", "3_000"), ("original_width", "٣"), ("original_width", ""),

@@ -38,19 +38,19 @@ The prediction, in ms, for a request of ``nbytes`` body bytes and ``images`` pho
   the queue drains faster than predicted, which refuses nobody: nothing arrives to be refused.
 
 Costs are CPU time (``time.thread_time`` of the decode or inference thread), times the worker's
-``Overhead``, not wall time. Wall time
-counts whatever else shared the core meanwhile: other decodes, and above all the request-handling
-thread answering refusals, which runs at a higher priority (``CLASSIFIER_WORK_NICE``). Fed back into
-the prediction, that made a spiral: more refusals stretched the measured costs, which refused more.
-A fresh worker hammered at once by clients that ignore ``Retry-After`` (8 clients, 12 MP photos, 2
-workers; 4 each fit the budget four times over) refused ~500 requests a second and fell to a quarter
-of its images/s (7 vs 30), and stayed there until the load eased. CPU time is the work itself, which
-no neighbour stretches. But the worker also spends CPU around that work, on the same cores and ahead
-of it (reading bodies, parsing, answering, refusing: ~12% more at 2x overload with 12 MP photos), and
-CPU time alone predicted answers ~20% early: admitted p99 went from 0.75x to 1.27x the budget, and
-clients told to come back too soon doubled the refusals. ``Overhead`` scales the costs by the
-worker's whole CPU time per CPU second of measured work, measured each second and capped at
-``Overhead.MAX``, so that the refusals' own work can stretch the prediction at most that much.
+``Overhead``, not wall time. Wall time counts whatever else shared the core meanwhile: other decodes,
+and above all the request-handling thread answering refusals, which runs at a higher priority
+(``CLASSIFIER_WORK_NICE``). Fed back into the prediction, that made a spiral: more refusals stretched
+the measured costs, which refused more. A fresh worker hammered at once by clients that ignore
+``Retry-After`` (8 clients, 12 MP photos, 2 workers; 4 each fit the budget four times over) refused ~500
+requests a second and fell to a quarter of its images/s (7 vs 30), and stayed there until the load
+eased. CPU time is the work itself, which no neighbour stretches. But the worker also spends CPU around
+that work, on the same cores and ahead of it (reading bodies, parsing, answering, refusing: ~12% more at
+2x overload with 12 MP photos), and CPU time alone predicted answers ~20% early: admitted p99 went from
+0.75x to 1.27x the budget, and clients told to come back too soon doubled the refusals. ``Overhead``
+scales the costs by the worker's whole CPU time per CPU second of measured work, measured each second
+and capped at ``Overhead.MAX``, so that the refusals' own work can stretch the prediction at most that
+much.
 
 A request is admitted when ``ahead + min(own, budget / 2) <= budget``: what it waits for must fit,
 and a photo whose own cost is over half the budget counts as half, so a big photo is never refused
@@ -243,10 +243,8 @@ class Admission:
         self._lock = Primitives.for_this_process().make_lock()
         self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
         self._owed: list[tuple[float, float]] = []  # (when, ms): refused work told to come back then, in time order
-        self._decoding_uploads = 0  # photos in classify not decoded yet, and their bytes
-        self._decoding_bytes = 0
-        self.admitted = 0
-        self.refused = 0
+        self._decoding_uploads, self._decoding_bytes = 0, 0  # photos in classify not decoded yet, and their bytes
+        self.admitted = self.refused = 0
         self.gone = 0  # requests whose client hung up before their photos were decoded or run
 
     # -- the prediction --------------------------------------------------------------------------
@@ -354,8 +352,7 @@ class Admission:
             if ticket is not None:
                 ticket.live = False
             job = Decoding(uploads=len(sizes), nbytes=sum(sizes))
-            self._decoding_uploads += job.uploads
-            self._decoding_bytes += job.nbytes
+            self._decoding_uploads, self._decoding_bytes = self._decoding_uploads + job.uploads, self._decoding_bytes + job.nbytes
             return job
 
     def decoded(self, job: Decoding, nbytes: int, ms: float) -> None:
@@ -364,16 +361,20 @@ class Admission:
             self.decode.observe(nbytes, ms)
             self._decode_cpu_s += ms / 1e3
             if job.uploads > 0:
-                job.uploads -= 1
-                job.nbytes -= nbytes
-                self._decoding_uploads -= 1
-                self._decoding_bytes -= nbytes
+                job.uploads, job.nbytes = job.uploads - 1, job.nbytes - nbytes
+                self._decoding_uploads, self._decoding_bytes = self._decoding_uploads - 1, self._decoding_bytes - nbytes
+
+    def abandon(self, job: Decoding, nbytes: int) -> Callable[[], None]:
+        """One upload of ``job`` (``nbytes``) outlived its request and its decode thread runs on: it stays counted
+        ahead of later requests (past ``finish``) until the returned function is called, when that thread ends."""
+        with self._lock:
+            job.uploads, job.nbytes = job.uploads - 1, job.nbytes - nbytes
+        return lambda: self.finish(Decoding(uploads=1, nbytes=nbytes))
 
     def finish(self, job: Decoding) -> None:
         """``job``'s decoding ended (done or failed): whatever of it is left stops counting."""
         with self._lock:
-            self._decoding_uploads -= job.uploads
-            self._decoding_bytes -= job.nbytes
+            self._decoding_uploads, self._decoding_bytes = self._decoding_uploads - job.uploads, self._decoding_bytes - job.nbytes
             job.uploads, job.nbytes = 0, 0
 
     def note_gone(self) -> None:

@@ -12,9 +12,10 @@ AOTInductor package runs through ``aoti._CApi`` for that reason, as torch's own 
 - ``Primitives.start_thread``: under gevent the *original* ``_thread.start_new_thread``
   (``get_original("threading", "Thread")`` is not enough: its ``start`` calls the patched module).
   The batcher's inference thread, ``keep_alive``'s heartbeat and ``call_with_timeout`` use it.
-- ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads; outside gevent it
-  calls the function in the caller's own thread. With ``DECODE_CORES=server`` its threads may run
-  on any of the server's cores (``widen_this_thread``), the inference thread only on its worker's.
+- ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads (one past its request's deadline
+  runs on: ``StillRunning``); outside gevent it calls the function in the caller's own thread. With
+  ``DECODE_CORES=server`` its threads may run on any of the server's cores (``widen_this_thread``), the
+  inference thread only on its worker's.
 - ``client_pool``, ``inference_executor``, ``decode_executor``: ``concurrent.futures`` pools for
   callers that are never under gevent (the CLI's ``classify``, a Ray replica's asyncio loop).
 
@@ -262,21 +263,14 @@ def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) 
 
 
 def client_pool(workers: int):
-    """A ``concurrent.futures`` pool of ``workers`` real OS threads that submit work and wait on it.
-
-    For callers outside a server (the CLI's ``classify``): each thread submits one file's image
-    and blocks on its future, so the inference thread sees several at once and forms batches.
-    Never used under gevent (a server's requests are already concurrent greenlets).
-    """
+    """A ``concurrent.futures`` pool of ``workers`` real OS threads for the CLI's ``classify`` (never under gevent):
+    each submits one file's image and waits on it, so the inference thread sees several at once and forms batches."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="classify")
 
 
 def inference_executor(thread_init: Callable[[], None] | None = None):
-    """A pool of exactly one real OS thread for every forward pass of a Ray replica.
-
-    One thread, as the batcher's: batches run one at a time, and ``thread_init`` (intra-op
-    threads) runs once on it first. Used with ``loop.run_in_executor`` from an asyncio replica.
-    """
+    """One real OS thread for every forward pass of a Ray replica (``loop.run_in_executor``): batches run one at a
+    time, as the batcher's, and ``thread_init`` (intra-op threads) runs once on it first."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference", initializer=thread_init)
 
 
@@ -292,9 +286,8 @@ def call_with_timeout(fn: Callable[[], object], timeout: float, *,
     For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server
     is unreachable; Ray Serve's ``serve.delete`` when Ray's own processes were stopped under it).
     ``give_up``, if given, is asked every 0.2 s: True stops the wait early, as a timeout does.
-    The thread is left to finish on its own (it is not joined at exit); it holds nothing.
-    ``fn``'s exception is raised here.
-    """
+    The thread is left to finish on its own (it is not joined at exit); it holds nothing. ``fn``'s exception is
+    raised here."""
     p = Primitives.for_this_process()
     done = p.make_lock()
     done.acquire()
@@ -347,15 +340,29 @@ class Offloader:
 
             self._pool = ThreadPool(maxsize=max_threads)
 
-    def run(self, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)`` on a decode thread, its exception re-raised in the caller."""
+    def run(self, fn: Callable, *args, within: float | None = None, **kwargs):
+        """``fn(*args, **kwargs)`` on a decode thread, its exception re-raised in the caller.
+
+        :raises StillRunning: under gevent, no result within ``within`` s (None: no limit); the thread cannot be
+            stopped and runs on, its result dropped (the caller's deadline is what the client was promised).
+        """
         if self._pool is None:
             return fn(*args, **kwargs)
-        ok, value = self._pool.apply(self._on_pool_thread, (fn, args, kwargs))
+        if within is None:
+            ok, value = self._pool.apply(self._on_pool_thread, (fn, args, kwargs))
+        else:
+            import gevent
+
+            work = self._pool.spawn(self._on_pool_thread, fn, args, kwargs)
+            try:
+                ok, value = work.get(timeout=max(0.0, within))
+            except gevent.Timeout:
+                late = StillRunning(f"no result within {within:.3g} s")
+                late.when_done = lambda then: work.rawlink(lambda _result: then())
+                raise late from None
         if not ok:
             raise value  # re-raised here: gevent's pool would print it as an unhandled traceback
         return value
-
 
     def _on_pool_thread(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, object]:
         tid = _thread.get_native_id()
@@ -366,6 +373,11 @@ class Offloader:
             if self.cores:
                 widen_this_thread(self.cores)
         return _capture(fn, args, kwargs)
+
+
+class StillRunning(TimeoutError):
+    """``Offloader.run`` gave up waiting and the work runs on: ``when_done(fn)`` calls ``fn()`` (in the hub) once
+    its thread is free, so that what it still costs (CPU, a pool thread) can count until then."""
 
 
 def widen_this_thread(cores: list[int]) -> bool:

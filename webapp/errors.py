@@ -154,7 +154,8 @@ class BodyTimeout(ServiceError):
 
 class InferenceTimeout(ServiceError):
     status, code = 504, "timeout"
-    when = "no result within the request timeout; the image is dropped from its batch if not yet run"
+    when = ("no result within the request timeout (decoding included); the image is dropped from its batch if not "
+            "yet run")
     settings = ("REQUEST_TIMEOUT_S",)
 
     @classmethod

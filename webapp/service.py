@@ -22,9 +22,9 @@ import torch
 from . import balance, cpu, imaging, preload, startup
 from .admission import Admission, Ticket
 from .batcher import InferenceBatcher, Result
-from .concurrency import Offloader, keep_alive, lower_this_thread, peer_closed, peer_sending
+from .concurrency import Offloader, StillRunning, keep_alive, lower_this_thread, peer_closed, peer_sending
 from .contract import Upload
-from .errors import ClientGone, NotReady, ServiceError, StartupError
+from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, StartupError
 from .imaging import Prepared
 from .models import encode
 
@@ -301,18 +301,32 @@ class Classifier:
         job = self.admission.decoding(ticket, [len(up.data) for up in uploads])
         # On their way to the queue: a batch forming meanwhile waits for them, and only while any are.
         coming = self.batcher.coming(len(uploads))
+        # REQUEST_TIMEOUT_S bounds the whole answer, decoding included: a decode that outlasts it (an 80 MP
+        # PNG on a busy core) gets its 504 on time, and the queue wait gets only what is left of it.
+        deadline = start + s.REQUEST_TIMEOUT_S
         try:
             prepared = []
             for up in uploads:
-                p, ms = self.offloader.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
-                                           max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
-                                           thumbnail=keep_images, gone=gone)
+                try:
+                    p, ms = self.offloader.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
+                                               max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
+                                               thumbnail=keep_images, gone=gone,
+                                               within=deadline - time.perf_counter())
+                except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
+                    exc.when_done(self.admission.abandon(job, len(up.data)))
+                    raise InferenceTimeout.after(s.REQUEST_TIMEOUT_S) from None
                 self.admission.decoded(job, len(up.data), ms)
                 prepared.append(p)
             decode_ms = (time.perf_counter() - start) * 1e3
             if gone is not None and gone():
                 raise ClientGone.before("its photos were queued")
-            outcomes = self.batcher.infer([p.tensor for p in prepared], gone, coming)
+            if (left := deadline - time.perf_counter()) <= 0:
+                raise InferenceTimeout.after(s.REQUEST_TIMEOUT_S)
+            try:
+                outcomes = self.batcher.infer([p.tensor for p in prepared], gone, coming,
+                                              timeout=min(left, self.batcher.request_timeout))
+            except InferenceTimeout:  # said with the setting's value, not the part of it left after decoding
+                raise InferenceTimeout.after(s.REQUEST_TIMEOUT_S) from None
         except ClientGone as exc:
             self.admission.note_gone()
             log.info("%s", exc.message)

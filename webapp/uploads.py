@@ -146,7 +146,8 @@ def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
 
 def read_originals(form, files: int) -> list[Original | None]:
     """The ``original_*`` form fields of a multipart upload of ``files`` file parts: one ``Original``
-    per part, in order; ``[None] * files`` when the client sent none of them.
+    per part, in order (None for a part whose four values are all empty: sent as it is, beside scaled copies);
+    ``[None] * files`` when the client sent none of them.
 
     :raises BadRequest: some of the four fields and not the others, a count other than one per
         file part, a width or height not an integer in 1..65535, a byte size not in 1..2**40, or a
@@ -164,6 +165,9 @@ def read_originals(form, files: int) -> list[Original | None]:
                              f"in the same order")
     out = []
     for width, height, fmt, size in zip(*values.values()):
+        if not any(v.strip() for v in (width, height, fmt, size)):  # all four empty: this part is not a copy
+            out.append(None)
+            continue
         name = fmt.strip().upper()
         if name not in ORIGINAL_FORMATS:
             raise BadRequest(f"original_format must be one of {', '.join(ORIGINAL_FORMATS)}, got {fmt[:40]!r}")
