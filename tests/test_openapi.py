@@ -254,3 +254,53 @@ def test_every_operation_that_reads_a_body_documents_its_408_and_its_token():
         assert op["security"] == [{"bearerAuth": []}], path
     words = doc["components"]["securitySchemes"]["bearerAuth"]["description"]
     assert "POST /api/v1/*" in words and "POST /v2/models/{name}[/versions/{version}]/infer" in words
+
+
+@pytest.mark.parametrize("field, raw", [
+    ("original_format", "JPEG"), ("original_format", "jpeg"), ("original_format", " WebP "), ("original_format", "heic"),
+    ("original_format", "JPG"), ("original_format", "x"), ("original_format", "JPEG2000"),
+    ("original_width", "1"), ("original_width", "65535"), ("original_width", "0"), ("original_width", "65536"),
+    ("original_width", "-3"), ("original_bytes", str(2 ** 40)), ("original_bytes", str(2 ** 40 + 1))])
+def test_the_documented_original_fields_take_what_the_server_takes(field, raw):
+    """Found reviewing the document: it typed the widths as integers and the format as an upper-case enum while
+    the server takes "" (all four empty: a part sent as it is) and any case, so a client validating its request
+    against the document refused what the page itself sends. Each value: the document's item schema and
+    ``uploads.read_originals`` agree (the other three fields valid)."""
+    import jsonschema
+    from werkzeug.datastructures import MultiDict
+
+    from webapp.errors import BadRequest
+    from webapp.uploads import read_originals
+
+    props = build_spec(settings_mod.load())["paths"]["/api/v1/predict"]["post"]["requestBody"]["content"][
+        "multipart/form-data"]["schema"]["properties"]
+    form = {"original_width": "640", "original_height": "480", "original_format": "PNG", "original_bytes": "1000",
+            field: raw}
+    try:
+        read_originals(MultiDict(form), 1)
+        served = True
+    except BadRequest:
+        served = False
+    value = int(raw) if raw.lstrip("-").isdigit() else raw  # as a multipart text value is typed by its schema
+    assert jsonschema.Draft4Validator(props[field]["items"]).is_valid(value) == served, (field, raw, served)
+    # and the four empty values of a part sent as it is, which the server reads as "not a copy"
+    empty = MultiDict({f: "" for f in form})
+    assert read_originals(empty, 1) == [None]
+    assert all(jsonschema.Draft4Validator(props[f]["items"]).is_valid("") for f in form)
+
+
+def test_the_topk_form_field_is_documented_as_the_server_reads_it(client, app):
+    """Found by a fresh-user tryout: the server reads ``topk`` from a multipart body (the page's form sends it; the
+    query parameter wins), but the document's multipart schema did not name it."""
+    doc = build_spec(app.extensions["settings"])
+    post = doc["paths"]["/api/v1/predict"]["post"]
+    form = post["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]["topk"]
+    (query,) = [p for p in post["parameters"] if p.get("name") == "topk"]
+    assert {k: form[k] for k in ("type", "minimum", "maximum")} == {"type": "integer", "minimum": 1, "maximum": 10}
+    assert query["schema"]["maximum"] == form["maximum"]
+    data = {"file": (io.BytesIO(small_png()), "a.png"), "topk": "5"}
+    answer = client.post("/api/v1/predict", data=data, content_type="multipart/form-data").get_json()
+    assert len(answer["results"][0]["predictions"]) == 5
+    data = {"file": (io.BytesIO(small_png()), "a.png"), "topk": "5"}
+    answer = client.post("/api/v1/predict?topk=2", data=data, content_type="multipart/form-data").get_json()
+    assert len(answer["results"][0]["predictions"]) == 2  # the query parameter wins

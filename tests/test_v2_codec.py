@@ -341,3 +341,33 @@ def test_binary_data_without_its_header_length_says_what_is_missing():
         f"send the {codec.HEADER} header with the JSON header's length, {header}" in message, message
     assert codec.parse_request(body, header, **LIMITS).photos == [PNG]  # with it, the same body is fine
     assert refused(BadRequest, b'{"inputs": [}').startswith("the inference request is not valid JSON")
+
+
+@pytest.mark.parametrize("content_type, text, photo", [
+    ("base64", base64.b64encode(PNG).decode(), PNG), ("str", "abc", b"abc"), ("string", "abc", b"abc"),
+    ("utf8", "aGk=", b"aGk="), ("utf-8", "aGk=", b"aGk="), ("np", base64.b64encode(PNG).decode(), PNG),
+    ("np", "not base64!", b"not base64!")])
+def test_the_documented_content_type_takes_every_value_the_codec_reads(app, content_type, text, photo):
+    """Found reviewing the document: it allowed only "base64" and "str" while the codec reads "string", "utf8" and
+    "utf-8" as str and any other value (an MLServer codec's own) as if absent, so a client validating against the
+    document refused requests the server answers. Both the request's and the input's ``parameters``."""
+    from webapp.openapi import build_spec
+
+    spec = build_spec(app.extensions["settings"])
+    request = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    request = json.loads(json.dumps(request).replace('"#/', '"urn:doc#/'))
+    for where in ("request", "input"):
+        doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": [text]}]}
+        (doc if where == "request" else doc["inputs"][0])["parameters"] = {"content_type": content_type}
+        assert codec.parse_request(json.dumps(doc).encode(), None, **LIMITS).photos == [photo]
+        _validator(spec, request).validate(doc)
+
+
+def _validator(spec: dict, schema: dict):
+    """A Draft 4 validator (OpenAPI 3.0's schema dialect) that resolves the document's ``#/components`` refs."""
+    import jsonschema
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT4
+
+    registry = Registry().with_resource("urn:doc", Resource.from_contents(spec, default_specification=DRAFT4))
+    return jsonschema.Draft4Validator(schema, registry=registry)

@@ -52,10 +52,8 @@ def _error_response(status: int) -> dict:
     return {
         "description": when[0].upper() + when[1:] + ".",
         "headers": headers,
-        "content": {"application/json": {"schema": {
-            "allOf": [{"$ref": "#/components/schemas/Error"}],
-            "properties": {"error": {"properties": {"code": {"enum": list(codes)}, "status": {"enum": [status]}}}},
-        }}},
+        "content": {"application/json": {"schema": {"allOf": [{"$ref": "#/components/schemas/Error"}], "properties": {
+            "error": {"properties": {"code": {"enum": list(codes)}, "status": {"enum": [status]}}}}}}},
     }
 
 
@@ -253,23 +251,25 @@ SCHEMAS: dict[str, Any] = {
 
 
 def _original_fields(max_files: int) -> dict:
-    """The optional ``original_*`` multipart fields: what a client says of the photos it scaled before upload."""
-    said = ("Optional, with the other `original_*` fields (all four or none), one value per `file` part in the "
-            "same order: the file is a copy the client scaled down (e.g. to `send_short_side` of "
-            "`GET /api/v1/models`, as the page does in the browser), and this describes its original. The result "
-            "then reports the original's `width`, `height`, `format` and `bytes`, and `scaled_by_client`. A bad "
-            "value is 400 `bad_request` naming the field.")
-    side = {"type": "integer", "minimum": 1, "maximum": Original.MAX_SIDE}
+    """The optional ``original_*`` multipart fields: what a client says of the photos it scaled before upload, as
+    ``uploads.read_originals`` takes them (a number or "", all four "" for a part sent as is; a format in any case)."""
+    said = ("Optional, with the other `original_*` fields (all four or none; all four empty for a part sent as it "
+            "is), one value per `file` part in the same order: the file is a copy the client scaled down (e.g. to "
+            "`send_short_side` of `GET /api/v1/models`, as the page does in the browser), and this describes its "
+            "original. The result then reports the original's `width`, `height`, `format` and `bytes`, and "
+            "`scaled_by_client`. A bad value is 400 `bad_request` naming the field.")
+    empty, side = {"type": "string", "maxLength": 0}, {"type": "integer", "minimum": 1, "maximum": Original.MAX_SIDE}
+    any_case = "|".join("".join(f"[{c}{c.lower()}]" for c in name) for name in ORIGINAL_FORMATS)
 
     def field(items: dict, what: str) -> dict:
         return {"type": "array", "items": items, "minItems": 1, "maxItems": max_files, "description": f"{what}. {said}"}
 
     return {
-        "original_width": field(side, "The original's width in px, upright (EXIF orientation applied)"),
-        "original_height": field(side, "The original's height in px, upright"),
-        "original_format": field({"type": "string", "enum": list(ORIGINAL_FORMATS)},
-                                 "The original's format (case does not matter)"),
-        "original_bytes": field({"type": "integer", "minimum": 1, "maximum": Original.MAX_BYTES},
+        "original_width": field({"anyOf": [side, empty]}, "The original's width in px, upright (EXIF orientation applied)"),
+        "original_height": field({"anyOf": [side, empty]}, "The original's height in px, upright"),
+        "original_format": field({"type": "string", "pattern": rf"^\s*({any_case})?\s*$"},
+                                 f"The original's format, one of {', '.join(ORIGINAL_FORMATS)} (case does not matter)"),
+        "original_bytes": field({"anyOf": [{"type": "integer", "minimum": 1, "maximum": Original.MAX_BYTES}, empty]},
                                 "The original's file size in bytes"),
     }
 
@@ -281,6 +281,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     metrics_token = bool(settings.METRICS_TOKEN or settings.API_TOKEN)
     errors = (400, 401, 405, 408, 413, 415, 429, 500, 503, 504) if token else (400, 405, 408, 413, 415, 429, 500, 503, 504)
     image_body = {"type": "string", "format": "binary"}
+    topk = {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}
     predict = {
         "operationId": "predict",
         "summary": "Classify one or several images",
@@ -291,9 +292,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
             f"{settings.MAX_PIXELS:,} pixels per image."),
         "tags": ["classify"],
         "parameters": [
-            {"name": "topk", "in": "query", "required": False,
-             "description": f"Labels per image (default {settings.TOP_K}).",
-             "schema": {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}},
+            {"name": "topk", "in": "query", "required": False, "schema": topk,
+             "description": f"Labels per image (default {settings.TOP_K}); a multipart body's `topk` field if absent."},
             {"$ref": "#/components/parameters/RequestId"},
             {"name": "X-Filename", "in": "header", "required": False,
              "description": "Raw bodies only: the name echoed as `filename` (first 255 characters; UTF-8, else Latin-1).",
@@ -302,16 +302,12 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
         "requestBody": {
             "required": True,
             "content": {
-                "multipart/form-data": {
-                    "schema": {
-                        "type": "object",
-                        "required": ["file"],
-                        "properties": {"file": {"type": "array", "items": image_body, "minItems": 1,
-                                                "maxItems": settings.MAX_FILES,
-                                                "description": "The image(s): one part per file."},
-                                       **_original_fields(settings.MAX_FILES)},
-                    },
-                },
+                "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+                    "file": {"type": "array", "items": image_body, "minItems": 1, "maxItems": settings.MAX_FILES,
+                             "description": "The image(s): one part per file."},
+                    "topk": {**topk, "description": "Labels per image, as the page's form sends it; the query "
+                                                    "parameter `topk` wins where both are given."},
+                    **_original_fields(settings.MAX_FILES)}}},
                 "image/*": {"schema": image_body},
                 "application/octet-stream": {"schema": image_body},
             },

@@ -95,9 +95,10 @@ def _infer_request(settings) -> dict:
     photos = {"type": "array", "minItems": 1, "maxItems": settings.MAX_FILES,
               "items": {"type": "string", "format": "byte"},
               "description": "One base64 string per photo (any format `/api/v1/predict` takes)."}
-    content_type = {"type": "string", "enum": ["base64", "str"],
-                    "description": "How `data` strings hold the photos: `base64`, or `str` (their UTF-8 bytes). "
-                                   "Absent: base64 where the string is valid base64, else its UTF-8 bytes."}
+    content_type = {"type": "string", "example": "base64",
+                    "description": "How `data` strings hold the photos: `base64`, or `str` (also `string`, `utf8`, "
+                                   "`utf-8`: their UTF-8 bytes). Absent or any other value (an MLServer codec's "
+                                   "own, e.g. `np`): base64 where the string is valid base64, else its UTF-8 bytes."}
     image = {"type": "object", "required": ["name", "datatype", "shape"],
              "properties": {"name": {"type": "string", "enum": [codec.INPUT]},
                             "datatype": {"type": "string", "enum": ["BYTES"]},
