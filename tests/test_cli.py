@@ -147,6 +147,19 @@ def test_bad_values_are_usage_errors(no_classifier_env, monkeypatch, capsys):
     assert "unknown setting CLASSIFIER_TOP_KK" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["settings"], ["serve", "--cluster", "--dry-run"], ["serve", "--dry-run"]])
+def test_autoscaling_with_min_replicas_above_max_is_refused_by_every_command(command, no_classifier_env, monkeypatch,
+                                                                             capsys):
+    """The real ``serve --cluster`` refused it (exit 2) while ``settings`` and ``--dry-run`` said it was fine."""
+    for key, value in {"CLUSTER_REPLICAS": "0", "CLUSTER_MIN_REPLICAS": "5", "CLUSTER_MAX_REPLICAS": "2"}.items():
+        monkeypatch.setenv(f"CLASSIFIER_{key}", value)
+    assert cli.main(command) == 2
+    out = capsys.readouterr()
+    assert "CLASSIFIER_CLUSTER_MIN_REPLICAS=5 is above CLASSIFIER_CLUSTER_MAX_REPLICAS=2" in out.out + out.err
+    monkeypatch.setenv("CLASSIFIER_CLUSTER_REPLICAS", "3")  # a fixed count: the range is not used
+    assert settings.load().CLUSTER_REPLICAS == 3
+
+
 def test_settings_markdown_is_the_readme_table(no_classifier_env, capsys):
     assert cli.main(["settings", "--markdown"]) == 0
     assert capsys.readouterr().out == settings.markdown_table() + "\n"
@@ -278,6 +291,24 @@ def test_an_empty_path_is_a_usage_error_never_the_current_folder(no_classifier_e
     monkeypatch.setattr("sys.stdin", io.StringIO("\n  \n"))  # from stdin (-): blank lines are skipped, as ever
     assert cli.main(["classify", *mode, "-"]) == 2
     assert capsys.readouterr().err == "error: no paths (stdin was empty)\n"
+
+
+@pytest.mark.parametrize("argv, flag, hint", [
+    (["weights", "verify", ""], "FILE", False),  # was "error: .: not a regular file", exit 1
+    (["weights", "fetch", "--dest", ""], "--dest", True),  # was the current folder
+    (["bundle", "--out", ""], "--out", False),
+    (["bundle", "--out", "kit", "--requirements", ""], "--requirements", False),
+    (["serve", "--cluster", "--address", "", "--dry-run"], "--address", False),  # was a local Ray, silently
+    (["classify", "--cluster", "--address", " ", "--out", "x.parquet", "x.jpg"], "--address", False),
+])
+def test_an_empty_file_folder_or_address_argument_is_a_usage_error(argv, flag, hint, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    what = "address" if flag == "--address" else "path"
+    assert f"error: argument {flag}: an empty {what} (a shell variable that is not set?)" in err, err
+    assert ("give . for the current folder" in err) == hint
 
 
 def test_raw_and_heic_photos_in_folders_are_named_with_why(tmp_path):
@@ -518,8 +549,17 @@ def _named_by_its_hash(folder: Path, data: bytes, stem: str = "model") -> Path:
     return path
 
 
-def test_weights_verify(tmp_path, capsys):
+def test_weights_verify(tmp_path, capsys, monkeypatch):
     good = _named_by_its_hash(tmp_path, os.urandom(4096))
+    # Whole and as its name says, but not ResNet-18's file, the only one the service loads: it would refuse it
+    # (tryout: this said OK, exit 0, and the server then refused the file as "damaged or not the expected file").
+    assert cli.main(["weights", "verify", str(good)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"NOT RESNET-18 {good}") and "resnet18-f37072fd.pth" in out and "would refuse" in out
+    assert cli.main(["weights", "verify", str(good), "--sha256", hashlib.sha256(good.read_bytes()).hexdigest()]) == 1
+    capsys.readouterr()
+    # Where it is the file the service loads (here: a URL naming its hash stands in for torchvision's), OK.
+    monkeypatch.setattr("webapp.models.RESNET18_URL", f"https://download.example/{good.name}")
     assert cli.main(["weights", "verify", str(good)]) == 0
     assert capsys.readouterr().out.startswith(f"OK {good}")
     tampered = tmp_path / "tampered" / good.name
@@ -533,7 +573,7 @@ def test_weights_verify(tmp_path, capsys):
     unnamed.write_bytes(b"not resnet")
     assert cli.main(["weights", "verify", str(unnamed)]) == 1
     out = capsys.readouterr().out
-    assert "f37072fd" in out and "no sha256 prefix" in out
+    assert good.name[:-4] in out and "no sha256 prefix" in out
     assert cli.main(["weights", "verify", str(good), "--sha256", hashlib.sha256(good.read_bytes()).hexdigest()]) == 0
     assert cli.main(["weights", "verify", str(tmp_path / "absent.pth")]) == 1
     capsys.readouterr()
@@ -744,3 +784,18 @@ def test_classify_names_the_model_that_serves_and_warns_once(no_classifier_env, 
     if not quiet:
         assert "starting the model (eager) ..." in err
         assert "model EfficientNet-Lite0 (offline), weights efficientnet-lite0-" in err and ") (" not in err
+
+
+def test_json_output_is_valid_unicode_for_a_name_that_is_not_utf8():
+    """Python keeps such a name's bytes as lone surrogates ("\\udce9"), which json writes as is: strict readers
+    (serde_json, Go) refuse or mangle it (tryout). Its bytes are written \\xNN; CSV and the table keep them raw."""
+    import io as _io
+
+    from webapp.cli.output import write_results
+
+    path = os.fsdecode(b"/photos/caf\xe9.jpg")
+    out = _io.StringIO()
+    write_results([{"path": path, "predictions": [], "error": None}], "json", 3, out)
+    text = out.getvalue()
+    text.encode("utf-8")  # no lone surrogate left: it would raise
+    assert json.loads(text)[0]["path"] == "/photos/caf\\xe9.jpg"

@@ -31,6 +31,7 @@ from .. import settings as settings_mod
 from ..paths import Unusable, expand, kind, reason
 from . import kit
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err
+from .options import path_arg
 
 # What of the repository the service needs at run time (tests, benchmarks and docs stay behind).
 SOURCE = ("webapp", "static", "templates", "deploy", "wsgi.py", "gunicorn.conf.py", "README.md",
@@ -60,7 +61,7 @@ def add_parser(sub) -> None:
                     "requirements.txt with a hash-pinned lock, the service's source, ResNet-18's weights if found "
                     "here, install.sh, the systemd unit and the Containerfile, and a sha256 manifest of it all. "
                     "On the host without network: DIR/install.sh. Progress and sizes go to stderr.")
-    p.add_argument("--out", type=Path, required=True, metavar="DIR", help="the kit folder to make (new or empty)")
+    p.add_argument("--out", type=path_arg, required=True, metavar="DIR", help="the kit folder to make (new or empty)")
     p.add_argument("--tar", action="store_true", help="also write DIR.tar, one file for the USB stick")
     p.add_argument("--python-version", type=_python_version, default=None, metavar="X.Y",
                    help="CPython version of the target host (default: this one's, %d.%d)" % sys.version_info[:2])
@@ -73,7 +74,7 @@ def add_parser(sub) -> None:
                         "https://pypi.org/simple for the rest)")
     p.add_argument("--extra-index-url", action="append", default=[], metavar="URL",
                    help="another package index (repeatable)")
-    p.add_argument("--requirements", type=Path, default=ROOT / "requirements.txt", metavar="FILE",
+    p.add_argument("--requirements", type=path_arg, default=ROOT / "requirements.txt", metavar="FILE",
                    help=argparse.SUPPRESS)  # tests: a small kit
     p.set_defaults(func=cmd_bundle)
 

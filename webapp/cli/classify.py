@@ -23,7 +23,8 @@ from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err,
 from ..paths import expand, kind, said
 from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, read_limited, report_skipped,
                     skipped_note, unreadable)
-from .options import HelpFormatter, add_setting_options, given_settings, positive_int, settings_epilog
+from .options import (EMPTY_PATH, HelpFormatter, add_setting_options, address_arg, given_settings, positive_int,
+                      settings_epilog)
 from .output import write_results
 from .remote import add_arguments as add_remote_arguments
 from .remote import classify_remote
@@ -62,7 +63,7 @@ def add_parser(sub) -> None:
                                "Data reads (s3://bucket/photos/, gs://...). --cluster-actors model actors")
     classify.add_argument("--out", default=None, metavar="DEST.parquet",
                           help="with --cluster: the Parquet file to write (a path or a URI such as s3://...)")
-    classify.add_argument("--address", default=None, metavar="ADDR",
+    classify.add_argument("--address", type=address_arg, default=None, metavar="ADDR",
                           help="with --cluster: the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     add_remote_arguments(classify)  # --server URL, --no-scale: the same command against a running server
     add_setting_options(classify, commands=(settings_mod.CLASSIFY, settings_mod.CLASSIFY_CLUSTER),
@@ -122,7 +123,7 @@ def path_problems(paths: list[str]) -> list[str]:
     out = []
     for p in paths:
         if not p:
-            out.append("error: an empty path (a shell variable that is not set?); give . for the current folder")
+            out.append(f"error: {EMPTY_PATH}; give . for the current folder")
         elif "://" not in p and (why := unreadable(Path(p))) and error_code(why) != "not_a_file":
             out.append(f"error: {p}: {why}")
     return out

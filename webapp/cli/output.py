@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+
+
+def _unicode(path: str) -> str:
+    """``path`` as valid Unicode: bytes that are not UTF-8 (kept by Python as surrogates) written ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _error_text(error: dict) -> str:
@@ -18,7 +24,9 @@ def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
     pipe) propagate.
     """
     if fmt == "json":
-        json.dump(results, out, indent=1)
+        # A file name that is not UTF-8 (bytes Python keeps as lone surrogates, "\udce9") would be JSON that
+        # strict readers (serde_json, Go's decoder) refuse or mangle: its bytes are written \xe9 instead.
+        json.dump([{**r, "path": _unicode(r["path"])} for r in results], out, indent=1)
         out.write("\n")
     elif fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")

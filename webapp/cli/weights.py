@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from ..paths import Unusable, expand, kind, reason
 from .common import EXIT_FAILED, EXIT_OK, err
-from .options import HelpFormatter, hex_prefix, positive_float
+from .options import HelpFormatter, folder_arg, hex_prefix, path_arg, positive_float
 
 
 def add_parser(sub) -> None:
@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
         description="Download the ResNet-18 weights (torchvision IMAGENET1K_V1) into DIR and check their sha256, "
                     "to carry to a host without internet. Fails (exit 1) when there is no network, after at most "
                     "the download timeout.")
-    fetch.add_argument("--dest", type=Path, default=Path("."), metavar="DIR", help="folder to put the file in "
+    fetch.add_argument("--dest", type=folder_arg, default=Path("."), metavar="DIR", help="folder to put the file in "
                        "(default: the current folder)")
     fetch.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
                        help="give up connecting after this long (default: CLASSIFIER_DOWNLOAD_TIMEOUT_S)")
@@ -35,8 +35,9 @@ def add_parser(sub) -> None:
     verify = wsub.add_parser(
         "verify", formatter_class=HelpFormatter, help="check a weights file's sha256 against the prefix in its name",
         description="Check FILE's sha256 against the prefix in its name (resnet18-f37072fd.pth -> f37072fd); "
-                    "a name without one is checked against ResNet-18's. Prints OK or the mismatch; exit 0 or 1.")
-    verify.add_argument("file", type=Path, metavar="FILE")
+                    "a name without one is checked against ResNet-18's. Prints OK or the mismatch; exit 0 only "
+                    "for a whole copy of ResNet-18's file, the only one the service loads.")
+    verify.add_argument("file", type=path_arg, metavar="FILE")
     verify.add_argument("--sha256", type=hex_prefix, default=None, metavar="PREFIX",
                         help="expected sha256 (or a prefix of it) instead of the one in the name")
     verify.set_defaults(func=cmd_weights_verify)
@@ -137,10 +138,12 @@ def _carry_instructions(target: Path, hub_path: Path) -> str:
 
 
 def cmd_weights_verify(args: argparse.Namespace) -> int:
-    """``weights verify``: compare the file's sha256 with ``--sha256``, the prefix in its name, else ResNet-18's.
+    """``weights verify``: compare the file's sha256 with ``--sha256``, the prefix in its name, else ResNet-18's;
+    and say whether it is the ResNet-18 file the service loads (a whole file of anything else is refused there).
 
-    Prints OK or MISMATCH on stdout; returns EXIT_OK on a match, EXIT_FAILED on a mismatch or a
-    missing or unreadable file, or a path that cannot be looked at (one line: the path and the OS's reason).
+    Prints OK, MISMATCH or NOT RESNET-18 on stdout; returns EXIT_OK only for ResNet-18's own file, whole;
+    EXIT_FAILED otherwise, or for a missing or unreadable file, or a path that cannot be looked at (one line:
+    the path and the OS's reason).
     """
     from ..models import RESNET18_URL, expected_hash_prefix, sha256_file
 
@@ -170,6 +173,13 @@ def cmd_weights_verify(args: argparse.Namespace) -> int:
         digest = sha256_file(path)
     except OSError as exc:
         err(f"error: cannot read {path}: {exc.strerror or exc}")
+        return EXIT_FAILED
+    served = expected_hash_prefix(RESNET18_URL)
+    if digest.startswith(prefix) and not digest.startswith(served):
+        # whole and as named, but the service loads ResNet-18 from this one file only (models.check_weights_file)
+        print(f"NOT RESNET-18 {path}: sha256 {digest} starts with {prefix} ({source}), but it is not ResNet-18's "
+              f"{os.path.basename(urllib.parse.urlparse(RESNET18_URL).path)} (sha256 {served}...), the only file "
+              f"the service loads as ResNet-18: it would refuse this one; get that file with 'weights fetch'")
         return EXIT_FAILED
     if digest.startswith(prefix):
         print(f"OK {path}: sha256 {digest} starts with {prefix} ({source})")
