@@ -11,6 +11,11 @@ import { prepare, scalingOn, sendSize } from "./scale.js";
 const MAX_PARALLEL = 4;     // photos in flight at once
 const MAX_RETRIES = 2;      // automatic retries of a 429/503 that asks to wait at most RETRY_MAX_S
 const RETRY_MAX_S = 10;
+// How long a photo waits for its answer before its card says so (ms): what the server gives (data-answer-within-s:
+// its REQUEST_TIMEOUT_S + 30 s, webapp/ui.py) and the upload at 8 KB/s (64 kbit/s: an EDGE phone link still gets
+// through; a typical scaled copy adds ~16 s). A link that drops without a reset (Wi-Fi gone, a laptop asleep, a
+// proxy that holds on) left the card "Classifying…" for good.
+const answerWithinMs = (bytes) => (Number(body.dataset.answerWithinS) || 60) * 1000 + bytes / 8;
 
 const doc = document.documentElement;
 const body = document.body;
@@ -27,7 +32,10 @@ doc.classList.replace("no-js", "js");
 if (scalingOn) sendSize(body.dataset.models);     // fetched once, before the first photo needs it
 else document.getElementById("privacy").hidden = true;   // ?scale=0 (a diagnostic): originals go up
 
-const state = { lang: body.dataset.lang, i18n: null, items: [], queue: [], running: 0, batch: null };
+// The page's own words are in it (webapp/ui.py's page_words): right from the first paint, even if the bundle
+// (which adds the labels in this language) is slow or never comes.
+const embedded = (() => { try { return JSON.parse(document.getElementById("words").textContent); } catch { return null; } })();
+const state = { lang: body.dataset.lang, i18n: embedded, items: [], queue: [], running: 0, batch: null };
 let loading = loadI18n(body.dataset.i18n);
 
 async function loadI18n(url) {
@@ -60,7 +68,7 @@ function add(files) {
     answer: null, error: null, waiting: null, card: null,
   }));
   state.items.push(...fresh);
-  state.batch = { items: fresh };
+  joinBatch(fresh);
   const frag = document.createDocumentFragment();
   for (const item of fresh) {
     item.card = h("article", { className: "result" });
@@ -83,7 +91,8 @@ form.addEventListener("submit", (e) => {
 });
 clearButton.addEventListener("click", () => {
   state.items = state.items.filter((it) => !it.answer && !it.error);  // keep the ones still running
-  cards.replaceChildren(...state.items.map((it) => it.card));
+  const kept = new Set(state.items.map((it) => it.card));
+  for (const card of [...cards.children]) if (!kept.has(card)) card.remove();   // the rest stay where they were
   status.textContent = "";
   clearButton.hidden = state.items.length === 0;
   results.hidden = state.items.length === 0;
@@ -124,11 +133,36 @@ document.addEventListener("paste", (e) => {
 });
 
 // -- classifying -------------------------------------------------------------------------------
+// Photos picked (or tried again) while others still run join their batch: the status line (a live region)
+// and aria-busy count every photo in flight, and the summary covers them all, not only the latest pick.
+function joinBatch(items) {
+  const running = state.batch?.items.some((it) => !it.answer && !it.error);
+  state.batch = running ? { items: [...state.batch.items.filter((it) => !items.includes(it)), ...items] } : { items };
+}
+
+// A failed card's "Try again" (busy, starting, timed out, unreachable: not a file the server cannot read).
+const THE_FILES_OWN = ["no_file", "unsupported_media_type", "too_large", "undecodable_image", "bad_request"];
+function retry(item) {
+  item.error = null;
+  item.waiting = null;
+  joinBatch([item]);
+  render(item);
+  state.queue.push(item);
+  showStatus();
+  pump();
+}
+
 function pump() {
   while (state.running < MAX_PARALLEL && state.queue.length) {
     const item = state.queue.shift();
     state.running += 1;
-    classify(item).finally(() => { state.running -= 1; showStatus(); pump(); });
+    classify(item)
+      .catch(() => {   // never a card left spinning: whatever went wrong, it ends as a failed card
+        item.answer = null;
+        item.error ??= { code: "other" };
+        try { render(item); } catch { item.card.className = "result failed"; }
+      })
+      .finally(() => { state.running -= 1; showStatus(); pump(); });
   }
 }
 
@@ -143,8 +177,17 @@ async function prepareItem(item) {
   render(item);
 }
 
+// Labels per photo: the form's own rule (1 to 10); what the field holds otherwise is brought into it (0 -> 1,
+// 11 -> 10, 2.5 -> 2, empty or not a number -> the server's default) and shown there, so the page says what it used.
+function labelsPerPhoto() {
+  const v = Math.trunc(Number(topk.value));
+  const k = topk.value.trim() === "" || !Number.isFinite(v) ? Number(topk.defaultValue) || 3 : Math.min(10, Math.max(1, v));
+  if (topk.value !== String(k)) topk.value = String(k);
+  return k;
+}
+
 async function classify(item) {
-  const k = Math.min(10, Math.max(1, parseInt(topk.value, 10) || 3));
+  const k = labelsPerPhoto();
   await prepareItem(item);
   for (let attempt = 0; ; attempt += 1) {
     const { blob, original } = item.sent;
@@ -154,14 +197,20 @@ async function classify(item) {
       for (const key of ["width", "height", "format", "bytes"]) data.append(`original_${key}`, original[key]);
     }
     let resp, json = null;
+    const limit = answerWithinMs(blob.size), late = new AbortController(), timer = setTimeout(() => late.abort(), limit);
     try {
-      resp = await fetch(`${body.dataset.api}?topk=${k}`, { method: "POST", body: data, headers: { Accept: "application/json" } });
-      json = await resp.json().catch(() => null);
+      const sentAt = performance.now();
+      resp = await fetch(`${body.dataset.api}?topk=${k}`,
+        { method: "POST", body: data, headers: { Accept: "application/json" }, signal: late.signal });
+      json = await resp.json().catch((e) => { if (late.signal.aborted) throw e; return null; });
+      item.roundTrip = performance.now() - sentAt;   // upload, server and answer, as this browser saw it (ms)
     } catch {
-      item.error = { code: "network" };
+      item.error = late.signal.aborted ? { code: "no_answer", seconds: Math.round(limit / 1000) } : { code: "network" };
       break;
+    } finally {
+      clearTimeout(timer);
     }
-    if (resp.ok && json?.results?.length) {
+    if (resp.ok && Array.isArray(json?.results?.[0]?.predictions) && json.model) {
       item.answer = json;
       break;
     }
@@ -177,6 +226,7 @@ async function classify(item) {
     if ((resp.status === 429 || resp.status === 503) && wait >= 0 && wait <= RETRY_MAX_S && attempt < MAX_RETRIES) {
       for (let s = Math.max(1, wait); s > 0; s -= 1) {
         item.waiting = s;
+        item.waitingFor = code;   // why: busy, starting or over the rate limit, said as the final error would
         render(item);
         await sleep(1000);
       }
@@ -190,13 +240,26 @@ async function classify(item) {
   render(item);
 }
 
-// The API needs a token this page does not have: send the photos through the plain form instead.
+// The API needs a token this page does not have: send the photos not yet answered through the plain form
+// instead, as they would have gone (the scaled copy, without EXIF, with its original_* fields; the others as
+// they are, their four fields empty), so the page's promise about location and camera data still holds.
 let submitted = false;
-function submitPlainForm() {
+async function submitPlainForm() {
   if (submitted) return;
   submitted = true;
   const dt = new DataTransfer();
-  for (const it of state.items) dt.items.add(it.file);
+  const fields = { original_width: [], original_height: [], original_format: [], original_bytes: [] };
+  for (const it of state.items.filter((x) => !x.answer)) {
+    if (!it.sent) await prepareItem(it).catch(() => {});
+    const copy = it.sent?.original ? it.sent : null;
+    dt.items.add(copy ? new File([copy.blob], it.name, { type: copy.blob.type }) : it.file);
+    for (const key of ["width", "height", "format", "bytes"]) fields[`original_${key}`].push(copy ? copy.original[key] : "");
+  }
+  if (fields.original_width.some((v) => v !== "")) {
+    for (const [name, list] of Object.entries(fields)) {
+      for (const value of list) form.append(h("input", { type: "hidden", name, value: String(value) }));
+    }
+  }
   pickers[0].files = dt.files;
   pickers[1].disabled = true;
   form.submit();
@@ -207,9 +270,12 @@ function errorWords(err) {
   const retryable = (state.i18n?.retryable ?? []).includes(err.code);   // from webapp/errors.py's table
   if (retryable) return err.retryAfter != null ? tr(`err_${err.code}`, { n: Math.max(1, err.retryAfter) }) : tr(`err_${err.code}_later`);
   const key = `err_${err.code}`;
-  return state.i18n && key in state.i18n.strings ? tr(key) : tr("err_other");
+  return state.i18n && key in state.i18n.strings ? tr(key, { n: err.seconds }) : tr("err_other");
 }
 
+// A file name as shown: its bidirectional controls (U+202A-202E, U+2066-2069) as U+FFFD, so "x\u202eexe.jpg"
+// cannot show as "xgpj.exe" (the name sent and answered stays as it is; webapp/ui.py shows it the same way).
+const shownName = (name) => name.replace(/[\u202a-\u202e\u2066-\u2069]/g, "\ufffd");
 const ms = (v) => (v < 10 ? v.toFixed(1) : v.toFixed(0));
 // Bytes for people, in decimal units as phones and file managers show them: 3.2 MB, 68 KB, 900 B.
 const size = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : n >= 1e3 ? `${Math.round(n / 1e3)} KB` : `${n} B`);
@@ -231,12 +297,12 @@ function render(item) {
   const { answer, error } = item;
   const thumb = item.thumb === undefined ? h("div", { className: "thumb none", "aria-hidden": "true" })
     : item.thumb === null ? h("div", { className: "thumb none" }, tr("no_preview"))
-    : h("img", { className: "thumb", src: item.thumb, alt: tr("preview_alt", { name: item.name }) });
-  const parts = [h("h3", { className: "filename" }, item.name)];
+    : h("img", { className: "thumb", src: item.thumb, alt: tr("preview_alt", { name: shownName(item.name) }) });
+  const parts = [h("h3", { className: "filename" }, shownName(item.name))];
   if (answer) {
     const res = answer.results[0], m = answer.model;
     parts.push(
-      h("ol", { className: "predictions", "aria-label": tr("predictions", { name: item.name }) },
+      h("ol", { className: "predictions", "aria-label": tr("predictions", { name: shownName(item.name) }) },
         ...res.predictions.map((p) => h("li", {},
           h("span", { className: "label" }, labelOf(p)),
           h("span", { className: "pct" }, `${(p.probability * 100).toFixed(1)}%`),
@@ -248,12 +314,19 @@ function render(item) {
       h("p", { className: "timing" },
         h("span", { className: "visually-hidden" }, tr("timing_label") + ": "),
         h("span", { className: "sent" }, sentWords(item)), " · ",
-        tr("timing", Object.fromEntries(Object.entries(answer.timing_ms).map(([k, v]) => [k, ms(v)])))));
+        tr("timing", Object.fromEntries(Object.entries(answer.timing_ms).map(([k, v]) => [k, ms(v)]))),
+        item.roundTrip != null ? " · " + tr("round_trip", { ms: ms(item.roundTrip) }) : null));
   } else if (error) {
     parts.push(h("p", { className: "problem" }, errorWords(error)));
     if (error.message) parts.push(h("p", { className: "detail", lang: "en" }, error.message));
+    if (!THE_FILES_OWN.includes(error.code)) {
+      parts.push(h("button", { type: "button", className: "button secondary retry", onclick: () => retry(item) },
+        tr("try_again")));
+    }
   } else {
-    parts.push(h("p", { className: "pending" }, item.waiting ? tr("retrying", { n: item.waiting }) : tr("pending")));
+    const why = `retrying_${item.waitingFor}`;
+    const key = state.i18n && why in state.i18n.strings ? why : "retrying";
+    parts.push(h("p", { className: "pending" }, item.waiting ? tr(key, { n: item.waiting }) : tr("pending")));
   }
   item.card.className = error ? "result failed" : "result";
   item.card.replaceChildren(thumb, h("div", { className: "body" }, ...parts));

@@ -210,14 +210,52 @@ async function thumbnail(src) {
   });
 }
 
+// The EXIF orientation (1-8) in bytes `b`, found by a TIFF header ("II*\0" or "MM\0*") and its IFD0's tag
+// 0x0112; 1 where none is found. A false find only sends the original, never a wrong copy.
+function exifOrientation(b) {
+  for (let i = 0; i + 8 <= b.length; i += 1) {
+    const le = b[i] === 0x49 && b[i + 1] === 0x49 && b[i + 2] === 0x2a && b[i + 3] === 0;
+    const be = b[i] === 0x4d && b[i + 1] === 0x4d && b[i + 2] === 0 && b[i + 3] === 0x2a;
+    if (!le && !be) continue;
+    const u16 = (o) => (le ? b[o] | (b[o + 1] << 8) : (b[o] << 8) | b[o + 1]);
+    const u32 = (o) => (le ? u16(o) + u16(o + 2) * 65536 : u16(o) * 65536 + u16(o + 2));
+    const ifd = i + u32(i + 4), n = ifd + 2 <= b.length ? u16(ifd) : 0;
+    for (let k = 0; k < n && k < 512 && ifd + 14 + 12 * k <= b.length; k += 1) {
+      const e = ifd + 2 + 12 * k;
+      if (u16(e) === 0x0112 && u16(e + 2) === 3) {
+        const v = u16(e + 8);
+        if (v >= 1 && v <= 8) return v;
+      }
+    }
+  }
+  return 1;
+}
+
+// A non-JPEG file's EXIF orientation: a WebP's from its EXIF chunk (after the image data, where the
+// container puts it), any other's from its first 256 KB and last 64 KB (PNG's eXIf, AVIF's Exif item).
+async function orientationOf(file, format) {
+  const bytes = async (from, to) => new Uint8Array(await file.slice(from, to).arrayBuffer());
+  if (format === "WEBP") {
+    for (let at = 12; at + 8 <= file.size;) {   // RIFF chunks: FourCC, little-endian size, data, pad to even
+      const head = await bytes(at, at + 8);
+      const size = head[4] | (head[5] << 8) | (head[6] << 16) | (head[7] * 16777216);
+      if (String.fromCharCode(...head.subarray(0, 4)) === "EXIF") return exifOrientation(await bytes(at + 8, at + 8 + size));
+      at += 8 + size + (size % 2);
+    }
+    return 1;
+  }
+  const head = exifOrientation(await bytes(0, 1 << 18));
+  return head !== 1 ? head : exifOrientation(await bytes(Math.max(0, file.size - (1 << 16)), file.size));
+}
+
 /**
  * What to send for `file`, and its preview, from one decode. `send` is sendSize()'s { short, resample }.
  * Resolves to { blob, original, thumb, why }: `blob` the bytes to upload (the file itself, or the
  * scaled lossless copy); `original` {width, height, format, bytes} of the photo when `blob` is a
  * scaled copy (the page sends it as the original_* fields), else null; `thumb` a data: URL or null
  * (not decodable here); `why` a word for tests and the console: scaled | off | unknown | undecodable |
- * small | incomplete (a JPEG perhaps cut short: the server judges it) | larger (the copy would be no
- * smaller) | failed. Never rejects.
+ * small | incomplete (a JPEG perhaps cut short: the server judges it) | oriented (not a JPEG, with an
+ * EXIF orientation: the server turns it) | larger (the copy would be no smaller) | failed. Never rejects.
  */
 export async function prepare(file, send) {
   const plain = (why, thumb = null) => ({ blob: file, original: null, thumb, why });
@@ -238,6 +276,10 @@ export async function prepare(file, send) {
     if (format === "JPEG" && (greyEdge(bmp, width, height) || jpegScansCut(new Uint8Array(await file.arrayBuffer())))) {
       return plain("incomplete", await thumbFrom(bmp));   // perhaps cut short: the server judges the file itself
     }
+    // Browsers apply the EXIF orientation of a JPEG when they decode it; of a WebP, Chromium does not (a
+    // sideways copy: keeshond, not German shepherd, where the server turns it upright). Any other format
+    // that carries one goes as it is, for the server to turn.
+    if (format !== "JPEG" && (await orientationOf(file, format)) !== 1) return plain("oriented", await thumbFrom(bmp));
     const [x, y, vw, vh] = serverView(width, height);
     const [w, h] = resizedSize(vw, vh, send.short);
     const rgba = resize(pixels(bmp, vw, vh, x, y), vw, vh, w, h, send.resample);

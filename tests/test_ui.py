@@ -2,6 +2,7 @@
 in English or Simplified Chinese (``?lang=``, the ``lang`` cookie, ``Accept-Language``)."""
 
 import io
+import json
 import re
 
 from PIL import Image
@@ -20,9 +21,13 @@ def test_index_has_a_plain_form(client):
     # A phone can take a photo straight from the camera; the multiple picker stays a picker.
     assert re.search(r'<input id="camera" name="file" type="file" accept="image/\*" capture="environment">', html)
     assert not re.search(r'<input id="file"[^>]*capture', html) and re.search(r'<input id="file"[^>]*multiple', html)
-    # JavaScript only enhances the page: one external module, no inline script, no inline style.
-    scripts = re.findall(r"<script[^>]*>(.*?)</script>", html, flags=re.S)
-    assert scripts == [""] and '<script type="module" src="/static/app.js"></script>' in html
+    # JavaScript only enhances the page: one external module, no inline script, no inline style; its words
+    # ride along as a JSON data block, which is never run (and so needs nothing from the CSP).
+    scripts = re.findall(r"<script([^>]*)>(.*?)</script>", html, flags=re.S)
+    assert [a for a, body in scripts if body] == [' type="application/json" id="words"']
+    assert '<script type="module" src="/static/app.js"></script>' in html
+    words = json.loads(re.search(r'<script type="application/json" id="words">(.*?)</script>', html, re.S).group(1))
+    assert words["lang"] == "en" and words["strings"]["pending"] and "labels" not in words
     assert not re.search(r"<[^>]+\s(style|on[a-z]+)=", html)  # no inline style or event handler (CSP)
     assert "untrained" in html  # the seeded model is marked on the page
     assert '<html lang="en"' in html and 'aria-live="polite"' in html
@@ -46,7 +51,8 @@ def test_upload_shows_top3_with_percentages(offline_client):
     assert 'src="data:image/jpeg;base64,' in html and 'alt="Uploaded photo dog.jpg"' in html
     assert "EfficientNet-Lite0" in html and re.search(r"· (fp32|bf16|int8)", html)  # model and precision
     assert re.search(r"decode [\d.]+ ms · wait for batch [\d.]+ ms · inference [\d.]+ ms", html)
-    assert "queue" not in html.lower()  # an idle request's batch window is not a queue (it reads like congestion)
+    shown = re.sub(r"<script.*?</script>", "", html, flags=re.S)  # the words for the script hold every template
+    assert "queue" not in shown.lower()  # an idle request's batch window is not a queue (it reads like congestion)
 
 
 def test_upload_in_chinese_shows_chinese_labels(offline_client):
@@ -73,6 +79,24 @@ def test_without_javascript_the_request_timing_is_shown_once(offline_client):
     assert html.count('class="timing"') == 1 and len(re.findall(r"decode [\d.]+ ms", html)) == 1
     cards = html.split('<article class="result">')[1:]
     assert not any("decode" in card.split("</article>")[0] for card in cards)
+
+
+def test_without_javascript_a_photo_that_cannot_be_read_is_one_failed_card_beside_the_others(offline_client):
+    """The plain form's one bad file threw away the other photos' labels (a 415 page); the JavaScript page shows
+    them with one failed card, and so does the form now. Only when none can be read is it the error page."""
+    dog = shared_image("dog.jpg").read_bytes()
+    resp = offline_client.post("/", data={"file": [(io.BytesIO(dog), "dog.jpg"), (io.BytesIO(b"not a photo"), "notes.txt"),
+                                                   (io.BytesIO(dog[: len(dog) // 3]), "cut.jpg")]},
+                               headers={"Accept-Language": "en"})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and html.count('<article class="result">') == 1, html[-3000:]
+    assert html.count('<article class="result failed">') == 2 and "German shepherd" in html
+    failed = [card.split("</article>")[0] for card in html.split('<article class="result failed">')[1:]]
+    assert "notes.txt" in failed[0] and "Not a photo" in failed[0] and "unsupported_media_type" in failed[0]
+    assert "cut.jpg" in failed[1] and "undecodable_image" in failed[1]
+    assert html.index("dog.jpg") < html.index("notes.txt") < html.index("cut.jpg")  # in the order sent
+    resp = offline_client.post("/", data={"file": [(io.BytesIO(b"x"), "a.txt"), (io.BytesIO(b"y"), "b.txt")]})
+    assert resp.status_code == 415 and "a.txt" in resp.get_data(as_text=True)
 
 
 def test_the_model_title_follows_the_language(offline_client):
@@ -109,6 +133,17 @@ def test_filename_is_escaped_never_a_path(client):
     assert "<script>alert(1)" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;../../étoile🐶.png" in html
 
 
+def test_a_bidi_override_in_a_file_name_cannot_disguise_it_on_the_page(client):
+    """"x\u202eexe.jpg" showed as "xgpj.exe" (tryout): the page shows bidirectional controls as U+FFFD; the
+    answer itself keeps the name as sent."""
+    name = "x\u202eexe.jpg"
+    resp = client.post("/", data={"file": (io.BytesIO(png_bytes(Image.new("RGB", (32, 32)))), name)})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and '<h3 class="filename">x\ufffdexe.jpg</h3>' in html and "\u202e" not in html
+    api = client.post("/api/v1/predict", data={"file": (io.BytesIO(png_bytes(Image.new("RGB", (32, 32)))), name)})
+    assert api.get_json()["results"][0]["filename"] == name
+
+
 def test_errors_are_shown_in_words_on_the_page(client):
     resp = client.post("/", data={"file": (io.BytesIO(b"not a photo"), "notes.txt")})
     html = resp.get_data(as_text=True)
@@ -129,6 +164,15 @@ def test_a_bad_request_is_not_blamed_on_topk(client):
     assert "labels per photo" not in html and "not understood" in html
     resp = client.post("/", data={"file": (io.BytesIO(b"%PDF-1.4"), "a.pdf")})
     assert resp.status_code == 415 and "PPM" in resp.get_data(as_text=True)  # the formats it does read, all of them
+
+
+def test_a_page_that_does_not_exist_is_not_called_a_photo_that_could_not_be_classified(client):
+    for lang, heading in [("en", "No such page"), ("zh", "没有这个页面")]:
+        resp = client.get(f"/no-such-page?lang={lang}", headers={"Accept": "text/html"})
+        html = resp.get_data(as_text=True)
+        assert resp.status_code == 404 and f'<h2 id="error-title">{heading}</h2>' in html
+    html = client.post("/?lang=en", data={"file": (io.BytesIO(b"not a photo"), "notes.txt")}).get_data(as_text=True)
+    assert '<h2 id="error-title">Could not classify that</h2>' in html
 
 
 def test_errors_in_chinese(client):

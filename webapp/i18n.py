@@ -52,12 +52,15 @@ STRINGS: dict[str, dict[str, str]] = {
         "topk": "Labels per photo",
         "submit": "Classify",
         "clear_results": "Clear results",
+        "try_again": "Try again",
         "results": "Results",
         "predictions": "Top labels for {name}",
         "preview_alt": "Uploaded photo {name}",
         "no_preview": "No preview",
         "pending": "Classifying…",
         "retrying": "The server is busy: trying again in {n} s…",
+        "retrying_not_ready": "The model is still starting: trying again in {n} s…",
+        "retrying_rate_limited": "Too many photos in a short time: trying again in {n} s…",
         "working": "Classifying {n} photos…",
         "working_one": "Classifying 1 photo…",
         "done": "{ok} of {n} photos classified.",
@@ -66,10 +69,12 @@ STRINGS: dict[str, dict[str, str]] = {
         "meta": "{model} · {precision}",
         "size": "{width}×{height} {format}",
         "timing": "decode {decode} ms · wait for batch {queue} ms · inference {inference} ms · total {total} ms",
+        "round_trip": "with the upload {ms} ms",
         "scaled": "scaled in the browser: {from} → {to}",
         "sent_as_is": "sent as is: {size}",
         "timing_label": "Time taken",
         "error_title": "Could not classify that",
+        "error_title_no_page": "No such page",
         "err_no_file": "No photo was received: choose a photo first.",
         "err_too_large": "Too large: this photo (or this many photos at once) is more than the server accepts.",
         "err_unsupported_media_type": "Not a photo: the server cannot read this kind of file "
@@ -89,6 +94,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_not_found": "There is no such page.",
         "err_method_not_allowed": "That address does not take this kind of request.",
         "err_network": "The server could not be reached: check the connection and try again.",
+        "err_no_answer": "No answer from the server in {n} s (the connection may have dropped): try again.",
         "err_other": "Something went wrong on the server (it is logged there): try again.",
     },
     "zh": {
@@ -111,12 +117,15 @@ STRINGS: dict[str, dict[str, str]] = {
         "topk": "每张照片的标签数",
         "submit": "识别",
         "clear_results": "清除结果",
+        "try_again": "重试",
         "results": "识别结果",
         "predictions": "{name} 最可能的标签",
         "preview_alt": "上传的照片 {name}",
         "no_preview": "无法预览",
         "pending": "识别中…",
         "retrying": "服务器繁忙：{n} 秒后自动重试…",
+        "retrying_not_ready": "模型仍在启动：{n} 秒后自动重试…",
+        "retrying_rate_limited": "短时间内上传太多：{n} 秒后自动重试…",
         "working": "正在识别 {n} 张照片…",
         "working_one": "正在识别 1 张照片…",
         "done": "已识别 {ok}/{n} 张照片。",
@@ -125,10 +134,12 @@ STRINGS: dict[str, dict[str, str]] = {
         "meta": "{model} · {precision}",
         "size": "{width}×{height} {format}",
         "timing": "解码 {decode} 毫秒 · 等待组批 {queue} 毫秒 · 推理 {inference} 毫秒 · 总计 {total} 毫秒",
+        "round_trip": "含上传 {ms} 毫秒",
         "scaled": "已在浏览器中缩小：{from} → {to}",
         "sent_as_is": "按原图上传：{size}",
         "timing_label": "耗时",
         "error_title": "无法识别",
+        "error_title_no_page": "没有这个页面",
         "err_no_file": "没有收到照片：请先选择一张照片。",
         "err_too_large": "文件太大：这张照片（或一次上传的照片数量）超出了服务器的限制。",
         "err_unsupported_media_type": "这不是照片：服务器无法读取这种文件（支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF、PPM）。",
@@ -147,6 +158,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_not_found": "页面不存在。",
         "err_method_not_allowed": "该地址不接受这种请求。",
         "err_network": "无法连接服务器：请检查网络后重试。",
+        "err_no_answer": "服务器 {n} 秒内没有回应（连接可能已断开）：请重试。",
         "err_other": "服务器出错（已记录）：请重试。",
     },
 }
@@ -263,11 +275,17 @@ def error_text(code: str, lang: str, retry_after: str | int | None = None) -> st
 
 
 @lru_cache(maxsize=None)
+def page_words(lang: str) -> dict:
+    """``bundle``'s content but the labels (~5 KB, not ~40): what the page embeds for its script."""
+    return {"lang": lang, "htmlLang": HTML_LANG[lang], "strings": strings(lang), "modelTitles": model_titles(lang),
+            "retryable": list(RETRY_CODES)}
+
+
+@lru_cache(maxsize=None)
 def bundle(lang: str) -> tuple[bytes, str]:
     """What ``static/app.js`` loads for ``lang``: ``{"lang", "htmlLang", "strings", "labels", "modelTitles",
     "retryable"}`` as JSON bytes, and its short hash. ``modelTitles``: model name -> title in ``lang``;
     ``retryable``: the error codes whose words say "try again in N s"."""
-    body = json.dumps({"lang": lang, "htmlLang": HTML_LANG[lang], "strings": strings(lang), "labels": labels(lang),
-                       "modelTitles": model_titles(lang), "retryable": list(RETRY_CODES)},
+    body = json.dumps({**page_words(lang), "labels": labels(lang)},
                       ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return body, hashlib.sha256(body).hexdigest()[:12]

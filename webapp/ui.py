@@ -12,9 +12,11 @@ cookie, so a plain link switches and remembers the language.
 from __future__ import annotations
 
 import base64
+import re
 
 from flask import Blueprint, abort, current_app, g, render_template, request
 from . import i18n
+from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .uploads import parse_topk, read_uploads
 
 bp = Blueprint("ui", __name__)
@@ -35,7 +37,7 @@ def request_lang() -> str:
 @bp.app_context_processor
 def i18n_context() -> dict:
     """What index.html needs for its language; applies to every page, the error pages included."""
-    lang = request_lang()
+    lang, clf = request_lang(), current_app.extensions.get("classifier")
     return {
         "lang": lang,
         "html_lang": i18n.HTML_LANG[lang],
@@ -46,7 +48,23 @@ def i18n_context() -> dict:
         "error_text": lambda code, retry_after=None: i18n.error_text(code, lang, retry_after),
         "timing_text": lambda timing: i18n.strings(lang)["timing"].format(**{k: _ms(v) for k, v in timing.items()}),
         "model_title": lambda model: i18n.model_title(model, lang),
+        "shown_name": shown_name,
+        # static/app.js's words from the first paint (the bundle it fetches adds the labels): on a slow link the
+        # cards said "pending", "err_other" until it came, and for good if it failed (tryout)
+        "page_words": i18n.page_words(lang),
+        # static/app.js waits this long (s), plus the upload's time, before saying no answer came: the server's own
+        # bound on an answer (REQUEST_TIMEOUT_S: body read to result) and 30 s for the network and the queue to it
+        "answer_within_s": clf.settings.REQUEST_TIMEOUT_S + 30 if clf else "",
     }
+
+
+def shown_name(name: str) -> str:
+    """A file name as the page shows it: bidirectional controls (U+202A-202E, U+2066-2069) as U+FFFD, so that
+    ``x\u202eexe.jpg`` cannot show as "xgpj.exe" (static/app.js does the same); the answer keeps the name."""
+    return _BIDI.sub("\ufffd", name)
+
+
+_BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
 
 
 def _ms(value: float) -> str:
@@ -94,11 +112,40 @@ def classify():
     # arrives as a part with no name and no bytes: not a photo the person sent.
     parts = request.files.getlist("file")
     uploads = [u for u, p in zip(uploads, parts) if p.filename or u.data] or uploads
-    answer = clf.classify(uploads, topk=topk, keep_images=True)
+    answer = clf.classify(uploads, topk=topk, keep_images=True) if len(uploads) == 1 else each(clf, uploads, topk)
     for item in answer["results"]:
-        item["thumbnail"] = jpeg_data_uri(item["thumbnail"])
+        if "thumbnail" in item:
+            item["thumbnail"] = jpeg_data_uri(item["thumbnail"])
     i18n.translate(answer, request_lang())
     return render_template("index.html", model=answer["model"], ready=True, answer=answer, error=None, topk=topk)
+
+
+_THE_FILES_OWN = (NoFile, NotAnImage, TooLarge, UndecodableImage)  # 400, 413, 415: about that photo alone
+
+
+def each(clf, uploads: list, topk: int) -> dict:
+    """Several photos from the plain form, each classified on its own: one that cannot be read (400, 413, 415)
+    is a failed card beside the others' labels, as the JavaScript page shows it (the JSON API fails the whole
+    request instead: documented there). Returns the ``classify`` answer of them all, a failed one as
+    ``{"filename", "error": {"code", "message", "status"}}``, timings (ms) summed.
+
+    :raises ServiceError: every photo's own error when none could be read (the first one's); any other error
+        (429, 503, 504, 500) at once, as for one photo.
+    """
+    answers, results, first = [], [], None
+    for up in uploads:
+        try:
+            answers.append(clf.classify([up], topk=topk, keep_images=True))
+        except _THE_FILES_OWN as exc:
+            first = first or exc
+            results.append({"filename": up.name, "error": {"code": exc.code, "message": exc.message,
+                                                           "status": exc.status}})
+            continue
+        results.extend(answers[-1]["results"])
+    if not answers:
+        raise first
+    timing = {k: sum(a["timing_ms"][k] for a in answers) for k in answers[0]["timing_ms"]}
+    return {**answers[-1], "results": results, "timing_ms": timing}
 
 
 @bp.get("/i18n/<lang>.json")
