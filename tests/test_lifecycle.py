@@ -94,7 +94,7 @@ def test_ctrl_c_while_serving_is_quiet(tmp_path):
     assert code == 0, lines[-20:]
     assert len(stop) <= STOP_LINES + 2, stop  # at most one line per worker
     assert_quiet(lines)
-    assert sorted(os.listdir(temp)) == [], "left in the temporary folder"
+    assert sorted(os.listdir(temp)) == [], ("left in the temporary folder", [(d, f) for d, _, f in os.walk(temp)])
 
 
 @pytest.mark.server
@@ -208,7 +208,7 @@ def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
 # -- failed starts ------------------------------------------------------------------------------------------
 def assert_failed_start(code: int, lines: list[str], temp: Path, *, status: int, names: str, most: int) -> None:
     """Exit ``status``; at most ``most`` lines; the last one names the problem (``names`` in it); no
-    traceback; one error line per problem at most; nothing left in ``temp``."""
+    traceback; one error line per problem at most; nothing left in ``temp``, nothing running with it as ``TMPDIR``."""
     text = "\n".join(lines)
     assert code == status, text[-3000:]
     assert names in lines[-1], text[-3000:]
@@ -216,7 +216,25 @@ def assert_failed_start(code: int, lines: list[str], temp: Path, *, status: int,
     assert sum("[ERROR]" in line for line in lines) <= 2, text  # gunicorn's "Shutting down" and the reason
     for bad in ("Traceback", "HaltServer", "I/O operation on closed file", "Retrying", "was sent SIG", "[CRITICAL]"):
         assert bad not in text, text
-    assert sorted(os.listdir(temp)) == [], "left in the temporary folder"
+    assert sorted(os.listdir(temp)) == [], ("left in the temporary folder", [(d, f) for d, _, f in os.walk(temp)])
+    assert running_with(temp) == [], "still running after the server exited"
+
+
+def running_with(temp: Path) -> list[str]:
+    """The command lines of living processes whose ``TMPDIR`` is ``temp`` or a folder in it: what a failed start
+    left running (a CI run once found a C++ compiler of the killed compile child still writing there)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):  # not a process, gone, or not ours to read
+            continue
+        tmpdir = next((v[7:].decode(errors="replace") for v in environ if v.startswith(b"TMPDIR=")), None)
+        if tmpdir and (tmpdir == str(temp) or tmpdir.startswith(f"{temp}/")) and stat[stat.rfind(")") + 2] != "Z":
+            found.append(cmdline)
+    return found
 
 
 # Lines of a start that fails in the workers (2 of them): 5 of the master's start; per worker, at most its

@@ -37,6 +37,7 @@ Not threads, but safe between the two worlds:
   the waiting greenlet yields to others; elsewhere a ``concurrent.futures.Future``.
 - ``peer_closed``, ``peer_sending``: has the client hung up, is its upload arriving? A zero-timeout
   poll on the original ``select.poll``, safe from the hub and from real threads.
+- ``blocking_sleep``: the original ``time.sleep``, for code that may run in the hub (a signal handler).
 
 Outside gevent (tests, the CLI, Ray) everything is plain ``threading`` / ``concurrent.futures``.
 """
@@ -102,12 +103,8 @@ class _GeventFuture:
         self._hub.loop.run_callback_threadsafe(self._set, None, exc)
 
     def _set(self, value, exc) -> None:  # runs in the hub's thread
-        if self._result.ready():
-            return
-        if exc is None:
-            self._result.set(value)
-        else:
-            self._result.set_exception(exc)
+        if not self._result.ready():
+            self._result.set(value) if exc is None else self._result.set_exception(exc)
 
     def wait(self, timeout: float):
         """Yield to other greenlets up to ``timeout`` s; raise the request's error, or ``TimeoutError``."""
@@ -196,14 +193,9 @@ def _poll_now(sock) -> int | None:
     *original* ``select.poll`` (gevent's ``patch_select`` removes ``poll``, and its cooperative ``select``
     would switch greenlets). One syscall that never blocks, so the hub and real threads (a decode thread,
     the inference thread) may call it. It reads nothing: what the client sent is left for the server."""
-    import select
+    from gevent import monkey
 
-    if gevent_active():
-        from gevent import monkey
-
-        make_poll = monkey.get_original("select", "poll")
-    else:
-        make_poll = select.poll
+    make_poll = monkey.get_original("select", "poll")  # select.poll itself where gevent has not patched it
     try:
         fd = sock.fileno()
         if fd < 0:
@@ -217,6 +209,14 @@ def _poll_now(sock) -> int | None:
 
 _IN = 0x1  # POLLIN (Linux values: the select module under gevent may lack its constants)
 _GONE = 0x2000 | 0x10 | 0x8 | 0x20  # POLLRDHUP | POLLHUP | POLLERR | POLLNVAL
+
+
+def blocking_sleep(seconds: float) -> None:
+    """Sleep ``seconds`` s holding this OS thread, even under gevent (the original ``time.sleep``): for code that may
+    run in the hub itself, a signal handler's, where gevent's cooperative sleep raises ``BlockingSwitchOutError``."""
+    from gevent import monkey
+
+    monkey.get_original("time", "sleep")(seconds)  # time.sleep itself where gevent has not patched it
 
 
 def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torchvision.transforms import v2
 
-from . import caches, catalog, cpu, imaging
+from . import caches, catalog, children, cpu, imaging
 from .assets import GOLDEN, calibration_files
 from .bf16 import BF16_KEEP_FP32, judge_bf16
 from .engine import Engine, choose_precision, choose_reduce_range, configure_threads, native_bf16
@@ -298,9 +298,9 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
                 t0 = time.perf_counter()
                 log.debug("building the %s AOTInductor packages in a child process (python -m webapp warm)", precision)
                 try:
-                    done = subprocess.run([sys.executable, "-m", "webapp", "warm", "--keep-affinity"], env=env,
-                                          capture_output=True, text=True, timeout=settings.STARTUP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:  # the child is killed; the setting's promise is kept
+                    done = children.run_bounded([sys.executable, "-m", "webapp", "warm", "--keep-affinity"],
+                                                env=env, timeout_s=settings.STARTUP_TIMEOUT_S)
+                except subprocess.TimeoutExpired:  # child and compilers have ended; the setting's promise is kept
                     raise StartupError(
                         f"compiling the {precision} model took longer than {PREFIX}STARTUP_TIMEOUT_S="
                         f"{settings.STARTUP_TIMEOUT_S} s (a first start compiles for about a minute per precision "

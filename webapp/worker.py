@@ -47,7 +47,7 @@ from gunicorn import util as gunicorn_util
 from gunicorn.http import message as gunicorn_message
 from gunicorn.workers.ggevent import GeventWorker
 
-from . import balance
+from . import balance, children
 from .bodies import drain_socket
 from .errors import OTHER_HTTP_CODE, error_body
 from .logs import REQUEST_ID_HEADER, request_id_from
@@ -210,11 +210,20 @@ class Worker(GeventWorker):
         super().handle_exit(sig, frame)
 
 
+_leaving = False  # leave_before_ready is under way (it ends in os._exit)
+
+
 def leave_before_ready(log, sig: int) -> None:
     """One line on gunicorn's ``log``, exit 0, no cleanup hooks: the model was not serving yet
-    (``os._exit``: the main thread may be deep inside a compile that would run on for a minute)."""
+    (``os._exit``: the main thread may be deep inside a compile that would run on for a minute); a compile child
+    it runs is stopped first (``children.stop_all``)."""
+    global _leaving
+    if _leaving:  # a second stop signal (a terminal's SIGINT, then the master's SIGQUIT) while the first is carried out
+        return
+    _leaving = True
     try:
         log.info("worker %s stopped before it was ready (%s)", os.getpid(), signal.Signals(sig).name)
+        children.stop_all()  # its compile child, if one runs: os._exit runs no cleanup, and it would run on
     finally:
         os._exit(0)
 

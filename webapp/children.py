@@ -1,0 +1,140 @@
+"""A helper command run to an end, bounded in time: past its time, its whole process tree stops, and nothing
+it wrote to its temporary folder is left behind.
+
+Why: a worker builds its AOTInductor packages in a child (``python -m webapp warm``, ``startup.build_in_child``),
+and that child runs the C++ compiler (``g++`` -> ``cc1plus`` -> ``as``), each its own process.
+``subprocess.run(timeout=...)`` kills only the child: the compilers it started were reparented and ran on,
+after the start had failed and the server had exited, writing their ``cc*.s`` files into ``TMPDIR`` (seen in a
+CI run: one left in the test's temporary folder). So the tree is frozen first (``SIGSTOP``, repeated until no
+new process appears, so nothing forks while it is counted), then asked to end (``SIGTERM``: gcc's driver deletes
+its temporary files on it) and, after ``GRACE_S``, killed. The child also gets a ``TMPDIR`` of its own, removed
+when it has ended, so whatever a killed compiler could not delete goes too.
+
+Linux only (``/proc``), as the service is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from .concurrency import blocking_sleep
+
+GRACE_S = 3.0  # seconds the stopped tree has to end on SIGTERM before SIGKILL (gcc removes its files in ms)
+_TEMPS: set[str] = set()  # the TMPDIR folders of the run_bounded calls under way (for stop_all)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children, their children, ...), read from ``/proc/*/stat``;
+    ``[]`` where there are none or ``/proc`` cannot be read."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # ended while being read
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # the name may hold spaces and ')': the fields follow its last ')'
+        if fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def _end(scan: Callable[[], list[int]], alive: Callable[[int], bool], grace_s: float) -> None:
+    """End the processes ``scan()`` lists: frozen (``SIGSTOP``, rescanning until no new one appears, so none starts
+    another while they are counted), then ``SIGTERM`` (``SIGCONT``: a stopped process acts on it only once it runs
+    again), then ``SIGKILL`` to those still ``alive`` after ``grace_s`` seconds, waited for until gone."""
+    tree = scan()
+    for _ in range(10):  # each round freezes what it finds; a tree that still grows after 10 is killed as it is
+        _signal(tree, signal.SIGSTOP)
+        grown = [pid for pid in scan() if pid not in tree]
+        if not grown:
+            break
+        tree += grown
+    _signal(tree, signal.SIGTERM)
+    _signal(tree, signal.SIGCONT)
+    for signum in (signal.SIGKILL, None):
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(alive(pid) for pid in tree):
+            blocking_sleep(0.02)  # not gevent's: stop_all may run in the hub (a signal handler's), which cannot yield
+        if signum:
+            _signal(tree, signum)
+
+
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie (a zombie has ended; its parent, gone or not ours, reaps it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:][:1] != "Z"
+
+
+def stop_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
+    """End ``proc`` and every process below it (``_end``), and reap ``proc``."""
+    _end(lambda: [proc.pid] + descendants(proc.pid), _running, grace_s)  # proc too: ended once a zombie
+    proc.wait()
+
+
+def run_bounded(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with ``env`` and a private ``TMPDIR`` (a new folder in ``env``'s), its stdout and stderr captured
+    as text.
+
+    :returns: the finished process (any exit status; the caller judges it).
+    :raises subprocess.TimeoutExpired: it ran past ``timeout_s`` seconds; by then its whole process tree has ended
+        (``stop_tree``) and its ``TMPDIR`` is removed.
+    :raises OSError: it could not be started.
+    """
+    parent = env.get("TMPDIR") or None  # under the folder the child would have used (else Python's default)
+    with tempfile.TemporaryDirectory(prefix="classifier-child-", dir=parent, ignore_cleanup_errors=True) as temp:
+        _TEMPS.add(temp)  # before the fork: a stop_all while Popen waits for the exec still finds the folder
+        try:
+            proc = subprocess.Popen(cmd, env={**env, "TMPDIR": temp}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+        except BaseException:
+            _TEMPS.discard(temp)
+            raise
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except BaseException:  # past its time, or this process is being stopped (SystemExit): no orphans
+            stop_tree(proc)
+            for pipe in (proc.stdout, proc.stderr):
+                pipe.close()  # not read to their end: a process that left the tree may still hold them open
+            raise
+        finally:
+            _TEMPS.discard(temp)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_all(grace_s: float = GRACE_S) -> None:
+    """End every process below this one (``_end``) and remove the ``TMPDIR`` folders of the ``run_bounded`` calls
+    under way: for a process about to leave with ``os._exit`` (a gunicorn worker stopped while it starts,
+    ``worker.leave_before_ready``), which runs no ``finally`` of the call waiting on its child. Without it the
+    other workers of a failed cold start, each waiting on or starting its compile child, left that child (and its
+    compilers) running after the server had exited. Every descendant, not only the children ``run_bounded``
+    knows: one stopped while ``Popen`` still waits for the exec is not known yet, and a compile in the process
+    itself has inductor's compile workers."""
+    _end(lambda: descendants(os.getpid()), _running, grace_s)
+    for temp in list(_TEMPS):
+        shutil.rmtree(temp, ignore_errors=True)
+        _TEMPS.discard(temp)
