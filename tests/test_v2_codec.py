@@ -371,3 +371,28 @@ def _validator(spec: dict, schema: dict):
 
     registry = Registry().with_resource("urn:doc", Resource.from_contents(spec, default_specification=DRAFT4))
     return jsonschema.Draft4Validator(schema, registry=registry)
+
+
+def test_the_documented_input_carries_its_photos_one_way_as_the_codec_reads_it(app):
+    """Found by a tryout: the document let an input have neither ``data`` nor ``parameters.binary_data_size``
+    (and both), which the codec refuses with 400; a client validating against it learnt that from the server."""
+    from webapp.openapi import build_spec
+
+    spec = build_spec(app.extensions["settings"])
+    request = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = _validator(spec, json.loads(json.dumps(request).replace('"#/', '"urn:doc#/')))
+    text, element = base64.b64encode(PNG).decode(), struct.pack("<I", len(PNG)) + PNG  # BYTES: 4-byte length first
+    binary = {"parameters": {"binary_data_size": len(element)}}
+    cases = {"data": ({"data": [text]}, b""), "binary": (binary, element), "neither": ({}, b""),
+             "both": ({"data": [text], **binary}, element)}
+    for name, (carried, tail) in cases.items():
+        doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], **carried}]}
+        header = json.dumps(doc).encode()
+        if name in ("data", "binary"):
+            length = {"data": None, "binary": str(len(header))}[name]
+            assert codec.parse_request(header + tail, length, **LIMITS).photos == [PNG]
+            validator.validate(doc)
+        else:
+            with pytest.raises(BadRequest):
+                codec.parse_request(header + tail, str(len(header)) if tail else None, **LIMITS)
+            assert not validator.is_valid(doc), name

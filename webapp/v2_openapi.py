@@ -110,7 +110,10 @@ def _infer_request(settings) -> dict:
                                 "binary_data_size": {"type": "integer", "minimum": 0,
                                                      "description": "Binary tensor data extension: the input's "
                                                                     "bytes after the JSON header."}}},
-                            "data": photos}}
+                            "data": photos},
+             # exactly one way to carry the photos, as the codec reads them (neither or both: 400 naming them)
+             "oneOf": [{"required": ["data"]},
+                       {"required": ["parameters"], "properties": {"parameters": {"required": ["binary_data_size"]}}}]}
     output = {"type": "object", "required": ["name"],
               "properties": {"name": {"type": "string", "enum": list(codec.OUTPUTS)},
                              "parameters": {"type": "object", "properties": {
