@@ -11,6 +11,7 @@ import { prepare, scalingOn, sendSize } from "./scale.js";
 const MAX_PARALLEL = 4;     // photos in flight at once
 const MAX_RETRIES = 2;      // automatic retries of a 429/503 that asks to wait at most RETRY_MAX_S
 const RETRY_MAX_S = 10;
+const GATEWAY_WAIT_S = 2;   // before retrying a proxy's 502/503/504 that gives no Retry-After (s)
 // How long a photo waits for its answer before its card says so (ms): what the server gives (data-answer-within-s:
 // its REQUEST_TIMEOUT_S + 30 s, webapp/ui.py) and the upload at 8 KB/s (64 kbit/s: an EDGE phone link still gets
 // through; a typical scaled copy adds ~16 s). A link that drops without a reset (Wi-Fi gone, a laptop asleep, a
@@ -159,7 +160,7 @@ function pump() {
     classify(item)
       .catch(() => {   // never a card left spinning: whatever went wrong, it ends as a failed card
         item.answer = null;
-        item.error ??= { code: "other" };
+        item.error ??= { code: "page" };
         try { render(item); } catch { item.card.className = "result failed"; }
       })
       .finally(() => { state.running -= 1; showStatus(); pump(); });
@@ -222,9 +223,14 @@ async function classify(item) {
       continue;
     }
     const wait = parseInt(resp.headers.get("Retry-After"), 10);
-    const code = json?.error?.code ?? (resp.status === 429 ? "overloaded" : resp.status === 413 ? "too_large" : "other");
-    if ((resp.status === 429 || resp.status === 503) && wait >= 0 && wait <= RETRY_MAX_S && attempt < MAX_RETRIES) {
-      for (let s = Math.max(1, wait); s > 0; s -= 1) {
+    // Not the classifier's own answer (a proxy's or gateway's page, a 200 of another shape): said as such, with its
+    // status, not as an error the server logged; a 502/503/504 of that kind (the server restarting behind a proxy)
+    // is retried as the server's own 503 is, after GATEWAY_WAIT_S where it does not say how long.
+    const code = json?.error?.code ?? (resp.status === 429 ? "overloaded" : resp.status === 413 ? "too_large" : "not_classifier");
+    const gateway = code === "not_classifier" && [502, 503, 504].includes(resp.status);
+    const pause = Number.isFinite(wait) ? wait : gateway ? GATEWAY_WAIT_S : NaN;
+    if ((resp.status === 429 || resp.status === 503 || gateway) && pause >= 0 && pause <= RETRY_MAX_S && attempt < MAX_RETRIES) {
+      for (let s = Math.max(1, pause); s > 0; s -= 1) {
         item.waiting = s;
         item.waitingFor = code;   // why: busy, starting or over the rate limit, said as the final error would
         render(item);
@@ -233,7 +239,7 @@ async function classify(item) {
       item.waiting = null;
       continue;
     }
-    item.error = { code, message: json?.error?.message, retryAfter: Number.isFinite(wait) ? wait : null };
+    item.error = { code, status: resp.status, message: json?.error?.message, retryAfter: Number.isFinite(wait) ? wait : null };
     break;
   }
   await loading.catch(() => {});
@@ -270,7 +276,7 @@ function errorWords(err) {
   const retryable = (state.i18n?.retryable ?? []).includes(err.code);   // from webapp/errors.py's table
   if (retryable) return err.retryAfter != null ? tr(`err_${err.code}`, { n: Math.max(1, err.retryAfter) }) : tr(`err_${err.code}_later`);
   const key = `err_${err.code}`;
-  return state.i18n && key in state.i18n.strings ? tr(key, { n: err.seconds }) : tr("err_other");
+  return state.i18n && key in state.i18n.strings ? tr(key, { n: err.seconds, status: err.status }) : tr("err_other");
 }
 
 // A file name as shown: its bidirectional controls (U+202A-202E, U+2066-2069) as U+FFFD, so "x\u202eexe.jpg"

@@ -96,6 +96,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_network": "The server could not be reached: check the connection and try again.",
         "err_no_answer": "No answer from the server in {n} s (the connection may have dropped): try again.",
         "err_other": "Something went wrong on the server (it is logged there): try again.",
+        "err_not_classifier": "The answer did not come from the classifier (HTTP {status}: a proxy or gateway in "
+                              "between may have failed, or the server is restarting): try again.",
+        "err_page": "Something went wrong in this page while it handled the answer: try again.",
     },
     "zh": {
         "title": "AI万物识别",
@@ -160,6 +163,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_network": "无法连接服务器：请检查网络后重试。",
         "err_no_answer": "服务器 {n} 秒内没有回应（连接可能已断开）：请重试。",
         "err_other": "服务器出错（已记录）：请重试。",
+        "err_not_classifier": "收到的回答不是识别服务给出的（HTTP {status}：中间的代理或网关可能出了故障，或服务器正在重启）：请重试。",
+        "err_page": "此网页处理回答时出错：请重试。",
     },
 }
 
