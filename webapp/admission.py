@@ -166,6 +166,10 @@ class Decoding:
     uploads: int
     nbytes: int
 
+    def add(self, uploads: int, nbytes: int) -> None:
+        """Count ``uploads`` more photos of ``nbytes`` more bytes (negative: fewer). Under ``Admission._lock``."""
+        self.uploads, self.nbytes = self.uploads + uploads, self.nbytes + nbytes
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -237,15 +241,12 @@ class Admission:
         self._decode_cpu_s = 0.0  # CPU of the decodes measured so far (s), for Overhead
         self.overhead = None if inference_cpu is None else Overhead(
             lambda: self._decode_cpu_s + inference_cpu(), clock, process_cpu)
-        self._image_ms = image_ms
-        self._queued = queued
-        self._clock = clock
+        self._image_ms, self._queued, self._clock = image_ms, queued, clock
         self._lock = Primitives.for_this_process().make_lock()
         self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
         self._owed: list[tuple[float, float]] = []  # (when, ms): refused work told to come back then, in time order
-        self._decoding_uploads, self._decoding_bytes = 0, 0  # photos in classify not decoded yet, and their bytes
-        self.admitted = self.refused = 0
-        self.gone = 0  # requests whose client hung up before their photos were decoded or run
+        self._decoding = Decoding(uploads=0, nbytes=0)  # every photo in classify not decoded yet, and their bytes
+        self.admitted = self.refused = self.gone = 0  # gone: clients who left before their photos were decoded
 
     # -- the prediction --------------------------------------------------------------------------
     def _expire(self, now: float) -> None:
@@ -255,7 +256,7 @@ class Admission:
     def _ahead(self) -> tuple[int, float]:
         """``(uploads, bytes)`` ahead of a new request: photos being decoded, and tickets whose bodies are
         arriving (a zero-timeout poll each, under the lock: microseconds)."""
-        uploads, nbytes = self._decoding_uploads, float(self._decoding_bytes)
+        uploads, nbytes = self._decoding.uploads, float(self._decoding.nbytes)
         for t in self._tickets:
             if t.live and (t.sending is None or t.sending()):
                 uploads += t.images
@@ -340,10 +341,9 @@ class Admission:
 
     def release(self, ticket: Ticket | None) -> None:
         """Stop counting ``ticket`` (its request ended before decoding, e.g. a 400); no-op if already done."""
-        if ticket is None:
-            return
-        with self._lock:
-            ticket.live = False
+        if ticket is not None:
+            with self._lock:
+                ticket.live = False
 
     def decoding(self, ticket: Ticket | None, sizes: list[int]) -> Decoding:
         """A request starts decoding its uploads of ``sizes`` bytes: they replace its ticket (if any,
@@ -352,7 +352,7 @@ class Admission:
             if ticket is not None:
                 ticket.live = False
             job = Decoding(uploads=len(sizes), nbytes=sum(sizes))
-            self._decoding_uploads, self._decoding_bytes = self._decoding_uploads + job.uploads, self._decoding_bytes + job.nbytes
+            self._decoding.add(job.uploads, job.nbytes)
             return job
 
     def decoded(self, job: Decoding, nbytes: int, ms: float) -> None:
@@ -361,21 +361,21 @@ class Admission:
             self.decode.observe(nbytes, ms)
             self._decode_cpu_s += ms / 1e3
             if job.uploads > 0:
-                job.uploads, job.nbytes = job.uploads - 1, job.nbytes - nbytes
-                self._decoding_uploads, self._decoding_bytes = self._decoding_uploads - 1, self._decoding_bytes - nbytes
+                job.add(-1, -nbytes)
+                self._decoding.add(-1, -nbytes)
 
     def abandon(self, job: Decoding, nbytes: int) -> Callable[[], None]:
         """One upload of ``job`` (``nbytes``) outlived its request and its decode thread runs on: it stays counted
         ahead of later requests (past ``finish``) until the returned function is called, when that thread ends."""
         with self._lock:
-            job.uploads, job.nbytes = job.uploads - 1, job.nbytes - nbytes
+            job.add(-1, -nbytes)
         return lambda: self.finish(Decoding(uploads=1, nbytes=nbytes))
 
     def finish(self, job: Decoding) -> None:
         """``job``'s decoding ended (done or failed): whatever of it is left stops counting."""
         with self._lock:
-            self._decoding_uploads, self._decoding_bytes = self._decoding_uploads - job.uploads, self._decoding_bytes - job.nbytes
-            job.uploads, job.nbytes = 0, 0
+            self._decoding.add(-job.uploads, -job.nbytes)
+            job.add(-job.uploads, -job.nbytes)
 
     def note_gone(self) -> None:
         """Count a request dropped because its client hung up (``/healthz`` shows the count)."""
