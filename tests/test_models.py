@@ -2,6 +2,7 @@
 
 import hashlib
 import http.server
+import json
 import threading
 import time
 
@@ -54,6 +55,8 @@ def test_explicit_path_comes_first(weights_file, url, hub):
     assert m.name == "resnet18" and m.weights == str(weights_file) and not m.untrained and m.fallback_reason is None
     expected = torch.load(weights_file, weights_only=True)
     assert torch.equal(m.module.state_dict()["fc.weight"], expected["fc.weight"])
+    # Answers name the file, not the folder it is in on the server (the log and `info` say that).
+    assert m.describe()["weights"] == weights_file.name and str(weights_file.parent) not in json.dumps(m.describe())
 
 
 def test_explicit_path_missing_is_a_clear_error(hub, tmp_path):

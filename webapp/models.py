@@ -83,11 +83,12 @@ class LoadedModel:
     self_test_classes: range = field(default=DOG_CLASSES)
 
     def describe(self) -> dict:
-        """The ``model`` object of every JSON answer and of ``/healthz``."""
+        """The ``model`` object of every JSON answer and of ``/healthz``: ``weights`` is the file's name only (where
+        the operator keeps it, ``CLASSIFIER_WEIGHTS=/srv/...``, is for the log and ``info``, not every client)."""
         return {
             "name": self.name,
             "title": self.title,
-            "weights": self.weights,
+            "weights": os.path.basename(self.weights),
             "untrained": self.untrained,
             "fallback": self.fallback_reason is not None,
             "note": self.note(),
