@@ -8,7 +8,9 @@ after the start had failed and the server had exited, writing their ``cc*.s`` fi
 CI run: one left in the test's temporary folder). So the tree is frozen first (``SIGSTOP``, repeated until no
 new process appears, so nothing forks while it is counted), then asked to end (``SIGTERM``: gcc's driver deletes
 its temporary files on it) and, after ``GRACE_S``, killed. The child also gets a ``TMPDIR`` of its own, removed
-when it has ended, so whatever a killed compiler could not delete goes too.
+when it has ended, so whatever a killed compiler could not delete goes too. A worker stopped while it starts
+leaves with ``os._exit``, which runs no cleanup: ``stop_all`` ends whatever runs below it first (the other
+worker of a failed cold start had just started its own compile child, which ran on).
 
 Linux only (``/proc``), as the service is.
 """
@@ -56,7 +58,7 @@ def _signal(pids: list[int], signum: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, signum)
-        except ProcessLookupError:
+        except OSError:  # gone (ProcessLookupError), or the pid is now another user's process
             pass
 
 
