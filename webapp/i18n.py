@@ -12,6 +12,7 @@ The API keeps answering English labels and class indices; the page maps the inde
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from functools import lru_cache
@@ -294,3 +295,10 @@ def bundle(lang: str) -> tuple[bytes, str]:
     body = json.dumps({**page_words(lang), "labels": labels(lang)},
                       ensure_ascii=False, separators=(",", ":")).encode("utf-8")
     return body, hashlib.sha256(body).hexdigest()[:12]
+
+
+@lru_cache(maxsize=None)
+def bundle_gzip(lang: str) -> bytes:
+    """``bundle(lang)``'s bytes gzip-compressed (level 9, no timestamp: the same bytes every time): the Chinese
+    bundle is 16 KB, 8 KB compressed, on a first load over a slow phone link (cached a year after)."""
+    return gzip.compress(bundle(lang)[0], 9, mtime=0)

@@ -150,12 +150,17 @@ def each(clf, uploads: list, topk: int) -> dict:
 
 @bp.get("/i18n/<lang>.json")
 def i18n_bundle(lang: str):
-    """``{"lang", "htmlLang", "strings", "labels"}`` for static/app.js (labels: null for English)."""
+    """``{"lang", "htmlLang", "strings", "labels"}`` for static/app.js (labels: null for English); gzip-compressed
+    for a client that accepts it (``Content-Encoding: gzip``, ``Vary: Accept-Encoding``)."""
     if lang not in i18n.LANGS:
         abort(404)
     body, etag = i18n.bundle(lang)
-    resp = current_app.response_class(body, mimetype="application/json")
-    resp.set_etag(etag)
+    gz = request.accept_encodings["gzip"] > 0  # every browser asks for it; Flask compresses nothing itself
+    resp = current_app.response_class(i18n.bundle_gzip(lang) if gz else body, mimetype="application/json")
+    if gz:
+        resp.content_encoding = "gzip"
+    resp.vary.add("Accept-Encoding")
+    resp.set_etag(f"{etag}-gzip" if gz else etag)  # another representation: another strong ETag (RFC 9110 8.8.3)
     # The page asks for it with ?v=<hash>: a changed file is a new URL, so it may be cached long.
     resp.cache_control.public = True
     resp.cache_control.max_age = 365 * 24 * 3600 if request.args.get("v") == etag else 300
