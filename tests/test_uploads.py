@@ -105,6 +105,12 @@ def test_limits_are_inclusive_and_every_format_is_known():
     assert read_originals(MultiDict({"topk": "3"}), 2) == [None, None]
     with pytest.raises(BadRequest, match="original_format must be one of JPEG, PNG"):
         read_originals(MultiDict({**ORIGINAL, "original_format": "PDF"}), 1)
+    # Every format the service decodes itself may be named (a tryout's client scaled a PPM: 400 for the copy,
+    # where the PPM sent as it is was answered), and the phone formats the service does not decode.
+    from webapp.contract import FORMATS
+
+    assert set(FORMATS) < set(ORIGINAL_FORMATS) and {"HEIC", "HEIF"} < set(ORIGINAL_FORMATS)
+    assert read_originals(MultiDict({**ORIGINAL, "original_format": "ppm"}), 1)[0].format == "PPM"
 
 
 def test_the_shared_answer_reports_the_original(app):

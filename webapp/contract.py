@@ -22,9 +22,10 @@ FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM")
 # (README's table and the page's hint say the same).
 FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM"
 
-# Formats a client may name as the original of a photo it scaled before upload: what browsers and
-# phones decode (HEIC/HEIF included: Safari decodes them, so the page can send a JPEG of one).
-ORIGINAL_FORMATS = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "HEIC", "HEIF")
+# Formats a client may name as the original of a photo it scaled before upload: every one the service decodes
+# itself (a PPM scaled by a client was refused, one sent as it is answered), and HEIC/HEIF, which phones and
+# Safari decode (so the page can send a JPEG of one) and the service does not.
+ORIGINAL_FORMATS = (*FORMATS, "HEIC", "HEIF")
 
 
 @dataclass(frozen=True)
