@@ -395,6 +395,7 @@ def test_a_proxys_own_answers_are_said_as_such_and_its_gateway_errors_retried(se
         page.goto(server.url + "/?lang=zh")
         page.set_input_files("#file", str(shared_image("dog.jpg")))
         card = page.locator(".result").first
+        sync_api.expect(card.locator(".pending")).to_contain_text(zh["retrying_not_classifier"].split("{n}")[0])
         card.locator("button.retry").wait_for()  # 503, then 502 twice more: retried twice, then said
         assert card.locator(".problem").inner_text() == zh["err_not_classifier"].format(status=502)
         assert len(calls) == 3 and calls[1] - calls[0] >= 1.9 and calls[2] - calls[1] >= 1.9, calls
