@@ -32,20 +32,24 @@ GRACE_S = 3.0  # seconds the stopped tree has to end on SIGTERM before SIGKILL (
 _TEMPS: set[str] = set()  # the TMPDIR folders of the run_bounded calls under way (for stop_all)
 
 
+def _state(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of process ``pid`` from ``/proc/<pid>/stat`` (state ``Z``: a zombie, it has ended);
+    None where it is gone or cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # the name may hold spaces and ')': the fields follow its last ')'
+    return fields[0], int(fields[1])
+
+
 def descendants(pid: int) -> list[int]:
     """Every living process below ``pid`` (children, their children, ...), read from ``/proc/*/stat``;
     ``[]`` where there are none or ``/proc`` cannot be read."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else ():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # ended while being read
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # the name may hold spaces and ')': the fields follow its last ')'
-        if fields[0] != "Z":
-            parents.setdefault(int(fields[1]), []).append(int(entry.name))
+        if entry.name.isdigit() and (found := _state(int(entry.name))) and found[0] != "Z":
+            parents.setdefault(found[1], []).append(int(entry.name))
     found, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):
@@ -85,11 +89,8 @@ def _end(scan: Callable[[], list[int]], alive: Callable[[int], bool], grace_s: f
 
 def _running(pid: int) -> bool:
     """Neither gone nor a zombie (a zombie has ended; its parent, gone or not ours, reaps it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:][:1] != "Z"
+    found = _state(pid)
+    return found is not None and found[0] != "Z"
 
 
 def stop_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
