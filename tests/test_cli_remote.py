@@ -419,6 +419,24 @@ def test_a_strip_is_sent_as_the_part_the_server_keeps():
     assert (imaging.preprocess(copy, transform) == want).all()
 
 
+def test_a_jpeg_with_more_images_after_the_photo_is_scaled_as_the_jpeg_it_is():
+    """A phone JPEG with a gain map or depth map after the photo, which Pillow opens as "MPO", travelled as the
+    whole file (3 MB for 12 MP) described as MPO, which the server refused as an original_format. It is a JPEG:
+    scaled to the very copy of the same JPEG without the images after it, described as JPEG; cut short and
+    closed by EOI it goes as it is, for the server to refuse."""
+    with Image.open(io.BytesIO(shared_image("phone-12mp-exif-rotated.jpg").read_bytes())) as im:
+        plain = encode(im, "JPEG", quality=90, exif=im.getexif())
+        out = io.BytesIO()
+        im.save(out, format="MPO", quality=90, exif=im.getexif(), save_all=True, append_images=[im.reduce(8)])
+    multi = out.getvalue()
+    assert Image.open(io.BytesIO(multi)).format == "MPO"
+    body, info = remote.scaled(multi, 256)
+    assert info == {"width": 4032, "height": 3024, "format": "JPEG"}  # upright, as the server reports it
+    assert (body, info) == remote.scaled(plain, 256) and len(body) < len(multi) / 20
+    cut = multi[:len(plain) // 2] + b"\xff\xd9"
+    assert remote.scaled(cut, 256)[0] == cut
+
+
 def test_small_or_unreadable_files_are_sent_as_they_are():
     scream = shared_image("scream.jpg").read_bytes()  # 352x448: at or under the size already
     assert remote.scaled(scream, 352) == (scream, {"width": 352, "height": 448, "format": "JPEG"})

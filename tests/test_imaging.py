@@ -406,6 +406,38 @@ def test_the_shared_phone_photo_cut_and_closed_is_400():
         decode(raw[: len(raw) // 2] + b"\xff\xd9", max_pixels=10**8, min_side=224)
 
 
+def _mpo(photo: Image.Image, **kw) -> bytes:
+    """``photo`` as a Multi-Picture file (CIPA DC-007) as Pillow writes one: the photo as a JPEG with an APP2
+    MPF index, then a second JPEG (a 1/8 copy, where a phone puts its HDR gain map or depth map)."""
+    out = io.BytesIO()
+    photo.save(out, format="MPO", save_all=True, append_images=[photo.reduce(8)], **kw)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_jpeg_with_more_images_after_the_photo_is_decoded_as_the_jpeg_it_is(progressive):
+    """Pillow opens a JPEG whose MPF index lists more than one image (phones' gain maps and depth maps) as
+    "MPO": it was decoded at full size (12 MP: 72 ms instead of 34), missed the cut checks and was reported as
+    "MPO". Its photo is a JPEG: the same fast decode, the very pixels of the plain JPEG, reported as JPEG, and
+    cut short and closed by EOI it is refused like one (the checks judge the photo's bytes, not the last image's)."""
+    photo = _photo_like(2400, 1800)
+    plain, multi = encode(photo, "JPEG", quality=90, progressive=progressive), _mpo(photo, quality=90,
+                                                                                   progressive=progressive)
+    assert Image.open(io.BytesIO(multi)).format == "MPO" and len(multi) > len(plain)
+    want, got = decode(plain, max_pixels=BIG, min_side=224), decode(multi, max_pixels=BIG, min_side=224)
+    assert (got.format, got.size) == ("JPEG", (2400, 1800))
+    assert got.image.size == want.image.size == (600, 450)  # the 1/4 DCT scale: short side >= 2 x 224
+    assert (pixels(got.image) == pixels(want.image)).all()
+    assert decode(multi, max_pixels=BIG).image.size == (2400, 1800)  # without the fast path: full size, as a JPEG
+    match = r"after \d+ scans?, before every part" if progressive else r"its scan data stops after about \d+%"
+    for kept in (0.1, 0.5):  # the photo cut and closed (the images after it lost), at both scales
+        for min_side in (None, 224):
+            with pytest.raises(UndecodableImage, match=match):
+                decode(multi[:int(len(plain) * kept)] + b"\xff\xd9", max_pixels=BIG, min_side=min_side)
+    with pytest.raises(UndecodableImage, match="JPEG data is damaged or incomplete"):  # cut, no EOI: as a JPEG
+        decode(multi[:len(plain) // 2], max_pixels=BIG, min_side=224)
+
+
 def _scan_starts(data: bytes) -> list[int]:
     """Where each SOS marker of a JPEG Pillow wrote starts (its entropy-coded data never holds FF DA)."""
     return [m.start() for m in re.finditer(b"\xff\xda", data)]

@@ -24,8 +24,10 @@ FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM"
 
 # Formats a client may name as the original of a photo it scaled before upload: every one the service decodes
 # itself (a PPM scaled by a client was refused, one sent as it is answered), and HEIC/HEIF, which phones and
-# Safari decode (so the page can send a JPEG of one) and the service does not.
-ORIGINAL_FORMATS = (*FORMATS, "HEIC", "HEIF")
+# Safari decode (so the page can send a JPEG of one) and the service does not. And MPO, Pillow's name for a JPEG
+# with more images after the photo (a phone's gain map or depth map: ``incomplete.primary_jpeg``), which the
+# service reports as JPEG, and so takes as JPEG here.
+ORIGINAL_FORMATS = (*FORMATS, "HEIC", "HEIF", "MPO")
 
 
 @dataclass(frozen=True)

@@ -228,7 +228,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                        f"(CLASSIFIER_MAX_PIXELS)")
     if width < 1 or height < 1:
         raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
-    fmt = img.format or "unknown"
+    fmt, data = incomplete.primary_jpeg(img, data)  # a JPEG with more images after the photo (MPO) is a JPEG
     try:
         orientation = exif.orientation(img)  # read before any conversion drops img.info
         if min_side and fmt == "JPEG":

@@ -80,6 +80,26 @@ def jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int,
         return None
 
 
+def primary_jpeg(img: Image.Image, data: bytes) -> tuple[str, bytes]:
+    """``(format, bytes)`` of the photo in ``data`` as the JPEG checks judge it: for a file Pillow opened
+    (``img``) as ``MPO``, ``("JPEG", its first image's bytes)``; else ``(img.format, data)``.
+
+    Pillow reads a JPEG whose APP2 ``MPF`` index lists more than one image (CIPA DC-007 Multi-Picture
+    Format: phones' HDR gain maps and depth maps, cameras' stereo pairs and previews) as ``MPO``. Its
+    first image is the photo: a JPEG like any other, which Pillow decodes (frame 0), browsers show
+    and ``.jpg`` names. So it is reported as JPEG and gets every JPEG treatment (the fast ``draft``
+    decode: 12 MP in 34 ms instead of 72 here; the cut checks, which read the first image's bytes up to
+    its own EOI, not the last image's). Its size is the MP index's first entry (``mpinfo[0xB002]``);
+    where that does not end in EOI within ``data`` (a file cut short, a damaged index), ``data`` itself."""
+    if img.format != "MPO":
+        return img.format or "unknown", data
+    try:
+        size = int(img.mpinfo[0xB002][0]["Size"])
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        size = 0
+    return "JPEG", data[:size] if 2 < size <= len(data) and data[size - 2:size] == b"\xff\xd9" else data
+
+
 # JPEG markers (ITU-T T.81 table B.1): progressive DCT frames (SOF2 Huffman, SOF10 arithmetic), the other
 # frames (not judged here), a scan's start, the end of the image. Inside a scan's entropy-coded data 0xFF is
 # followed by 0x00 (a stuffed byte), a restart marker (D0-D7) or fill (FF); anything else is the next marker.

@@ -43,7 +43,7 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
         img = Image.open(io.BytesIO(data))
         width, height = img.size
         orientation = exif.orientation(img)
-        fmt = img.format or "unknown"
+        fmt, jpeg = incomplete.primary_jpeg(img, data)  # a JPEG with more images after the photo (MPO): a JPEG
     except Exception:  # not an image, damaged, a decompression bomb: the server says which
         return data, None
     turned = orientation in (5, 6, 7, 8)  # the orientations that swap width and height
@@ -61,9 +61,9 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
 
         draft(img)
         img.load()
-        if incomplete.jpeg_rows_decoded(img, data, height, draft) is not None:
+        if incomplete.jpeg_rows_decoded(img, jpeg, height, draft) is not None:
             return data, info  # cut short and closed early: the server's 400, not a copy of the grey fill
-        if ("progressive" in img.info or "progression" in img.info) and incomplete.jpeg_scans_cut(data) is not None:
+        if ("progressive" in img.info or "progression" in img.info) and incomplete.jpeg_scans_cut(jpeg) is not None:
             return data, info  # a progressive one cut and closed: the server's 400, not a copy of the blur
         img = exif.turn(img, orientation)
         img = img.convert("RGB")
