@@ -13,7 +13,7 @@ from PIL import Image
 from conftest import encode, small_png
 from webapp.contract import ORIGINAL_FORMATS, Original, Upload
 from webapp.errors import BadRequest
-from webapp.uploads import ORIGINAL_FIELDS, read_originals
+from webapp.uploads import ORIGINAL_FIELDS, TEXT_FIELDS, read_originals
 from werkzeug.datastructures import MultiDict
 
 SCALED = encode(Image.new("RGB", (80, 60), (40, 120, 200)), "JPEG", quality=90)  # the "scaled copy"
@@ -160,6 +160,24 @@ def test_a_file_field_sent_as_text_says_so(client):
     error = resp.get_json()["error"]
     assert resp.status_code == 400 and error["code"] == "no_file"
     assert "arrived as a text field" in error["message"] and "file=@photo.jpg" in error["message"], error
+
+
+@pytest.mark.parametrize("field", TEXT_FIELDS)
+def test_a_text_field_sent_as_a_file_part_says_so(client, field):
+    """``curl -F 'original_width=@w.txt'`` sends the field as a file part (a filename): it read as missing
+    (``original_width is missing``), and a ``topk`` sent so was silently the default. Now 400 naming the field
+    and how to send it, on the API and on the page's form, whatever the other fields say."""
+    def data() -> MultiDict:
+        fields = MultiDict([("file", (io.BytesIO(SCALED), "p.jpg"))])
+        for k, v in {**ORIGINAL, "topk": "2"}.items():
+            fields.add(k, (io.BytesIO(v.encode()), f"{k}.txt") if k == field else v)
+        return fields
+
+    page = client.post("/", data=data(), content_type="multipart/form-data")
+    assert page.status_code == 400 and f"{field} arrived as a file part" in page.get_data(as_text=True)
+    error = client.post("/api/v1/predict", data=data(), content_type="multipart/form-data").get_json()["error"]
+    assert error["code"] == "bad_request" and error["message"].startswith(f"{field} arrived as a file part"), error
+    assert f"-F '{field}=<value>'" in error["message"]
 
 
 def _one_part(disposition: bytes, data: bytes) -> bytes:

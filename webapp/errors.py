@@ -55,8 +55,9 @@ class UndecodableImage(ServiceError):
 
 class BadRequest(ServiceError):
     status, code = 400, "bad_request"
-    when = ("`topk` not an integer from 1 to 10, a malformed multipart body, or bad `original_*` fields (the "
-            "message names the field); a body that ends before its `Content-Length`, or a chunked body that is "
+    when = ("`topk` not an integer from 1 to 10, a malformed multipart body, bad `original_*` fields, or "
+            "`topk` or an `original_*` field sent as a file part (`-F 'topk=@file'`; the message names the "
+            "field); a body that ends before its `Content-Length`, or a chunked body that is "
             "malformed or ends before its last chunk (the connection closes); a request line or header gunicorn "
             "cannot parse, e.g. `Content-Length: abc` (answered by gunicorn, same JSON shape)")
 

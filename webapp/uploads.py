@@ -127,6 +127,8 @@ def parse_topk(raw: str | None, default: int) -> int:
 # Multipart form fields describing the photo a client scaled before upload, one value per ``file``
 # part, in the same order: all four or none (see ``read_originals``).
 ORIGINAL_FIELDS = ("original_width", "original_height", "original_format", "original_bytes")
+# The multipart fields read as text: ``topk`` and the ``original_*`` ones.
+TEXT_FIELDS = ("topk", *ORIGINAL_FIELDS)
 
 
 def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
@@ -254,7 +256,8 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises NoFile: multipart without a ``file`` part, or with only empty ones (400).
     :raises TooLarge: more than ``max_files`` files, or a body over ``MAX_CONTENT_LENGTH`` (413;
         Werkzeug raises its own 413 when Content-Length already says so).
-    :raises BadRequest: a malformed multipart body, or bad ``original_*`` fields (400; see ``read_originals``).
+    :raises BadRequest: a malformed multipart body, bad ``original_*`` fields (400; see ``read_originals``), or
+        one of ``TEXT_FIELDS`` sent as a file part (a part with a filename).
     :raises NoFile: no body at all (400), whatever its Content-Type.
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
     """
@@ -302,6 +305,12 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         parts = [p for p, b in zip(parts, blank) if not b]
         if len(parts) > max_files:
             raise TooLarge(f"{len(parts)} files in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
+        # A text field sent as a file part (curl -F 'topk=@k.txt': a part with a filename) is not in the form,
+        # so it read as missing (original_*) or as not sent at all (topk: the default, silently).
+        if misplaced := [f for f in TEXT_FIELDS if f in request.files]:
+            raise BadRequest(f"{misplaced[0]} arrived as a file part (its part has a filename, as curl -F "
+                             f"'{misplaced[0]}=@file' sends it); send it as a text field, e.g. curl -F "
+                             f"'{misplaced[0]}=<value>' or -F '{misplaced[0]}=<file'")
         originals = read_originals(request.form, len(parts))
         return [Upload(_clean_name(_part_name(p)), _part_bytes(p), o) for p, o in zip(parts, originals)]
     if mimetype.startswith("image/") or mimetype in RAW_TYPES:
