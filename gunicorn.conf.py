@@ -218,6 +218,11 @@ def post_fork(server, worker):
     from webapp.worker import exit_on_stop_signals
 
     exit_on_stop_signals(server.log)  # until gunicorn installs the worker's own handlers
+    # A master SIGKILLed (OOM killer, kill -9) runs no stop: its workers compiled on for ~45 s before gunicorn's
+    # "Parent changed" check. The kernel's SIGTERM on its death stops them as the master's own SIGTERM would.
+    from webapp import children
+
+    children.signal_on_parent_death(server.pid)
     lifecycle.close_in_worker()
 
     # The service's own log lines go where gunicorn's error log goes.

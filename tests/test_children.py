@@ -119,3 +119,52 @@ os._exit(0)
     pids = pids_in(tmp_path / "pids")
     assert len(pids) == 3 and all(ended(pid) for pid in pids), pids
     assert os.listdir(work) == []
+
+
+def test_a_bounded_child_whose_parent_is_sigkilled_ends_its_tree_and_removes_its_folder(tmp_path):
+    """A parent SIGKILLed (the OOM killer, gunicorn's timeout kill of a worker) runs no cleanup: its compile child,
+    reparented, compiled on for ~50 s and left its files. A child that called ``bounded_child`` (as ``python -m
+    webapp warm`` does) gets SIGTERM from the kernel when its parent dies, and ends its compiler-like grandchild
+    and removes its TMPDIR."""
+    work = tmp_path / "work"
+    work.mkdir()
+    child = ("import os, subprocess, time; from webapp import children; assert children.bounded_child(); "
+             "p = subprocess.Popen(['sleep', '300']); open(os.environ['TMPDIR'] + '/cc1.s', 'w').close(); "
+             f"open({str(tmp_path / 'pids')!r}, 'a').write(f' {{os.getpid()}} {{p.pid}}'); time.sleep(300)")
+    parent = (f"import os, sys; from webapp import children; open({str(tmp_path / 'pids')!r}, 'w').write(str(os.getpid())); "
+              f"children.run_bounded([sys.executable, '-c', {child!r}], env=dict(os.environ, TMPDIR={str(work)!r}), "
+              "timeout_s=300)")
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=Path(__file__).resolve().parents[1])
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids_in(tmp_path / "pids") if (tmp_path / "pids").exists() else []) < 3:
+            assert time.monotonic() < deadline and proc.poll() is None, "the child never started"
+            time.sleep(0.05)
+        assert len(os.listdir(work)) == 1  # the child's own folder, with its cc1.s
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + children.GRACE_S + 5
+        while not all(ended(pid) for pid in pids_in(tmp_path / "pids")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(ended(pid) for pid in pids_in(tmp_path / "pids")), pids_in(tmp_path / "pids")
+        assert os.listdir(work) == []
+    finally:
+        proc.kill()
+        for pid in pids_in(tmp_path / "pids") if (tmp_path / "pids").exists() else []:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+
+
+def test_a_parent_already_gone_is_signalled_at_once(tmp_path):
+    """``signal_on_parent_death`` after the parent died (between the fork and the call): no death signal would come,
+    so it sends the signal itself; with the parent alive, none is sent."""
+    code = ("import os, signal, sys; from webapp import children; got = []; "
+            "signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); "
+            "assert children.signal_on_parent_death(os.getppid(), signal.SIGUSR1); assert not got; "
+            "assert children.signal_on_parent_death(os.getppid() + 10**7, signal.SIGUSR1); assert got == [1]; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr

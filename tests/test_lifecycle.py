@@ -316,6 +316,74 @@ def test_a_compile_past_the_startup_timeout_fails_the_start_naming_the_setting(t
     assert "CLASSIFIER_COMPILE=0" in lines[-1] and time.monotonic() - t0 < 60, (lines[-1], time.monotonic() - t0)
 
 
+def _compile_child(temp: Path, deadline: float) -> tuple[int, int]:
+    """``(pid, its parent: the worker)`` of the start's compile child (``python -m webapp warm``, its ``TMPDIR`` a
+    folder in ``temp``) once it runs processes of its own (inductor's workers, the compiler); fails past ``deadline``."""
+    from webapp import children
+
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+                mine = f"TMPDIR={temp}/".encode() in (proc / "environ").read_bytes()
+                if mine and b"warm" in cmdline and b"--keep-affinity" in cmdline and children.descendants(int(proc.name)):
+                    stat = (proc / "stat").read_text()
+                    return int(proc.name), int(stat[stat.rfind(")") + 2:].split()[1])
+            except (OSError, ValueError):
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no compile child with processes of its own; running with {temp}: {running_with(temp)}")
+
+
+@pytest.mark.server
+@pytest.mark.extended  # a cold compile stopped a few seconds in (~15 s on 2 cores): with `-m extended`
+@pytest.mark.parametrize("killed", ["master", "worker"])
+def test_a_start_sigkilled_while_compiling_leaves_nothing_running(tmp_path, killed):
+    """Found by a tryout: SIGKILL (the OOM killer, kill -9, gunicorn's timeout kill of a worker) runs no cleanup.
+    A worker killed while its compile child ran left that child compiling on, reparented, for ~50 s with its
+    files in TMPDIR; a master killed so left its workers compiling on for ~45 s. Now the kernel tells each
+    process its parent died (PR_SET_PDEATHSIG): the child and its compilers end and remove their folder within
+    seconds; the workers of a dead master stop as on its SIGTERM."""
+    from webapp import children
+
+    env, temp = temp_env(tmp_path, killed)
+    full = classifier_env({**BASE, "CACHE_DIR": tmp_path / "cache", "COMPILE": 1, "MAX_BATCH_SIZE": 1,
+                           "STARTUP_TIMEOUT_S": 600}, env)
+    full.update(CLASSIFIER_BIND=f"127.0.0.1:{free_port()}", PYTHONPATH=str(ROOT))
+    log = (tmp_path / "server.log").open("wb")
+    master = subprocess.Popen(GUNICORN, cwd=ROOT, env=full, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        child, worker = _compile_child(temp, time.monotonic() + 120)
+        below = children.descendants(child)
+        folder = next(v[7:].decode() for v in Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                      if v.startswith(b"TMPDIR="))
+        assert Path(folder).is_dir()
+        os.kill(master.pid if killed == "master" else worker, signal.SIGKILL)
+        deadline = time.monotonic() + children.GRACE_S + 10
+        gone = (lambda: running_with(temp) == []) if killed == "master" else \
+            (lambda: all(not children._running(pid) for pid in [child, worker, *below]))
+        while not gone() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(), (running_with(temp), (tmp_path / "server.log").read_text()[-3000:])
+        assert not Path(folder).exists(), os.listdir(folder)
+    finally:
+        if master.poll() is None:
+            master.send_signal(signal.SIGTERM)
+            try:
+                master.wait(60)
+            except subprocess.TimeoutExpired:
+                master.kill()
+        log.close()
+        for line in running_with(temp):
+            print("left running:", line)
+    deadline = time.monotonic() + children.GRACE_S + 10  # whatever the test's own stop left: ended too
+    while running_with(temp) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The SIGKILLed master's own folder (prometheus' multiprocess files) is the one thing only it removes.
+    left = [f for f in os.listdir(temp) if not (killed == "master" and f.startswith("classifier-metrics-"))]
+    assert running_with(temp) == [] and left == [], (running_with(temp), left)
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("variable, value", [("TOP_K", "abc"), ("BIND", "8010:"), ("BIND", "::1:8000"),

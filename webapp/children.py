@@ -12,11 +12,19 @@ when it has ended, so whatever a killed compiler could not delete goes too. A wo
 leaves with ``os._exit``, which runs no cleanup: ``stop_all`` ends whatever runs below it first (the other
 worker of a failed cold start had just started its own compile child, which ran on).
 
-Linux only (``/proc``), as the service is.
+A parent that is SIGKILLed (the OOM killer, gunicorn's timeout kill of a worker) runs nothing at all: its child
+would compile on for a minute, reparented. So the child asks the kernel for ``SIGTERM`` when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``, ``bounded_child``), and on it ends its own tree and removes its ``TMPDIR``. A gunicorn
+worker asks the same of its master (``gunicorn.conf.py``'s ``post_fork``): a master SIGKILLed while its workers
+compiled left them compiling on for ~45 s; now each stops as on the master's own SIGTERM.
+
+Linux only (``/proc``, ``prctl``), as the service is.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import signal
@@ -28,6 +36,9 @@ from typing import Callable
 
 from .concurrency import blocking_sleep
 
+PARENT_ENV = "WEBAPP_BOUNDED_PARENT"  # run_bounded's pid, in its child's environment (read by bounded_child)
+TEMP_PREFIX = "classifier-child-"  # of the private TMPDIR run_bounded makes for its child
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 GRACE_S = 3.0  # seconds the stopped tree has to end on SIGTERM before SIGKILL (gcc removes its files in ms)
 _TEMPS: set[str] = set()  # the TMPDIR folders of the run_bounded calls under way (for stop_all)
 
@@ -109,10 +120,11 @@ def run_bounded(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> sub
     :raises OSError: it could not be started.
     """
     parent = env.get("TMPDIR") or None  # under the folder the child would have used (else Python's default)
-    with tempfile.TemporaryDirectory(prefix="classifier-child-", dir=parent, ignore_cleanup_errors=True) as temp:
+    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=parent, ignore_cleanup_errors=True) as temp:
         _TEMPS.add(temp)  # before the fork: a stop_all while Popen waits for the exec still finds the folder
         try:
-            proc = subprocess.Popen(cmd, env={**env, "TMPDIR": temp}, stdout=subprocess.PIPE,
+            proc = subprocess.Popen(cmd, env={**env, "TMPDIR": temp, PARENT_ENV: str(os.getpid())},
+                                    stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
         except BaseException:
             _TEMPS.discard(temp)
@@ -141,3 +153,41 @@ def stop_all(grace_s: float = GRACE_S) -> None:
     for temp in list(_TEMPS):
         shutil.rmtree(temp, ignore_errors=True)
         _TEMPS.discard(temp)
+
+
+def signal_on_parent_death(parent: int, signum: int = signal.SIGTERM) -> bool:
+    """Have the kernel send this process ``signum`` when its parent (pid ``parent``) dies, however it dies (SIGKILL
+    included: ``prctl(PR_SET_PDEATHSIG)``, kept across exec). Precisely: when the parent's thread that forked this
+    process ends; the callers' parents fork from a thread that lives as long as the child (gunicorn's master's
+    main thread; ``run_bounded``'s caller, which waits on it). A parent already gone (died before this call) gets
+    ``signum`` sent now. False where it cannot be asked (not Linux, no libc): nothing changes then."""
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return False
+    if prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:  # died between our fork and the prctl: no signal will come
+        os.kill(os.getpid(), signum)
+    return True
+
+
+def bounded_child() -> bool:
+    """In a command ``run_bounded`` started (``PARENT_ENV`` set; else nothing and False): if the parent dies, even
+    SIGKILLed, this process ends its whole tree (``stop_all``), removes its private ``TMPDIR`` and exits 143; so it
+    does on any SIGTERM (``stop_tree``'s too). Call it first thing (``python -m webapp warm`` does)."""
+    parent = os.environ.get(PARENT_ENV, "")
+    if not parent.isdigit():
+        return False
+    temp = os.environ.get("TMPDIR", "")
+
+    def leave(signum, _frame):
+        try:
+            stop_all()  # the compilers and inductor's compile workers below this process
+            if Path(temp).name.startswith(TEMP_PREFIX):  # run_bounded's, which its dead parent cannot remove
+                shutil.rmtree(temp, ignore_errors=True)
+        finally:
+            os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    return signal_on_parent_death(int(parent))

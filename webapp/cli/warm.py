@@ -61,6 +61,9 @@ def cmd_warm(args: argparse.Namespace) -> int:
     fails (its one-line reason on stderr, as a worker would log it). A bad setting, or a ``CACHE_DIR`` that
     cannot be made, raises ``SettingsError`` (``main`` makes it exit 2).
     """
+    from .. import children
+
+    children.bounded_child()  # where a worker started this: ends with it, compilers and files too, however it ends
     os.environ.update(as_environ(given_settings(args)))
     s = settings_mod.load()
     from .. import cpu
