@@ -14,7 +14,7 @@ import sys
 import tempfile
 
 from webapp import GUNICORN_ENV
-from webapp import balance, caches, cpu, lifecycle, listen, settings
+from webapp import balance, caches, catalog, cpu, lifecycle, listen, settings
 
 lifecycle.hold_control_signals()  # a SIGHUP or SIGUSR1 before gunicorn's handlers exist is kept, not fatal
 try:
@@ -134,6 +134,8 @@ def on_starting(server):
     if metrics_dir:
         server.log.info("/metrics counts all workers: PROMETHEUS_MULTIPROC_DIR=%s", metrics_dir)
     server.log.info("plan: %s", cpu.describe(_plan, cpu.usable_cores()))
+    if unused := catalog.unused_weights(_s):
+        server.log.warning("%s", unused)
     if server.cfg.workers != _plan.workers:
         server.log.warning("-w %d overrides the plan's %d workers; slots wrap around the cores",
                            server.cfg.workers, _plan.workers)

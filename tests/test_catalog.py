@@ -65,3 +65,19 @@ def test_catalog_and_settings_import_no_torch():
 
     code = "import sys, webapp.catalog, webapp.settings, webapp.errors; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("model", [m.name for m in catalog.MODELS])
+def test_a_weights_file_another_model_does_not_read_is_said(model):
+    """CLASSIFIER_WEIGHTS beside a model that brings its own weights was ignored without a word."""
+    def load(**overrides):
+        return settings.load(environ={}, overrides={"MODEL": model, "DOWNLOAD": False, **overrides})
+
+    assert catalog.unused_weights(load()) is None  # not set: nothing to say
+    said = catalog.unused_weights(load(WEIGHTS="/srv/w.pth"))
+    if model == "resnet18":
+        assert said is None
+        return
+    assert said == (f"CLASSIFIER_WEIGHTS=/srv/w.pth is not used: it is read for CLASSIFIER_MODEL=resnet18 only, and "
+                    f"CLASSIFIER_MODEL={model} serves its own weights; unset it, or set CLASSIFIER_MODEL=resnet18")
+    assert said in models.explain_resolution(load(WEIGHTS="/srv/w.pth"))["would_serve"]  # python -m webapp info

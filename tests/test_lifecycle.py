@@ -84,8 +84,11 @@ def assert_quiet(lines: list[str]) -> None:
 # -- Ctrl-C -------------------------------------------------------------------------------------------
 @pytest.mark.server
 def test_ctrl_c_while_serving_is_quiet(tmp_path):
-    srv, temp = launch(tmp_path, "ready", session=True, ACCESS_LOG="off")  # only the server's own lines
+    # WEIGHTS beside a model that does not read it: said once, by the master (catalog.unused_weights), not per worker
+    srv, temp = launch(tmp_path, "ready", session=True, ACCESS_LOG="off", WEIGHTS="/srv/resnet18.pth")
     srv.wait_ready(workers=2)
+    said = [line for line in srv.output().splitlines() if "CLASSIFIER_WEIGHTS=/srv/resnet18.pth is not used" in line]
+    assert len(said) == 1 and "[WARNING]" in said[0] and "CLASSIFIER_MODEL=efficientnet_lite0" in said[0], said
     os.killpg(srv.proc.pid, signal.SIGINT)
     code = srv.proc.wait(60)
     lines = srv.output().splitlines()

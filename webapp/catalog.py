@@ -101,3 +101,17 @@ def entry(name: str) -> ModelEntry:
 def settings_help() -> str:
     """The ``MODEL`` setting's help text: one clause per model, in catalog order."""
     return "Model to serve. " + "; ".join(f"{m.name}: {m.summary}" for m in MODELS) + "."
+
+
+def unused_weights(settings) -> str | None:
+    """The warning for a ``WEIGHTS`` setting the chosen model does not read, else None.
+
+    ``WEIGHTS`` is ResNet-18's file; every other model brings its own (the offline model's package, the seeded
+    one's seed). Set beside another ``MODEL`` (one left in a service's environment file, or one meant for a
+    model that cannot take it) it was ignored without a word: the server then served weights other than the
+    ones the operator named. gunicorn's master says it once at start (``gunicorn.conf.py``), ``models.load_model``
+    outside gunicorn, ``python -m webapp info`` under "will serve"."""
+    if not settings.WEIGHTS or settings.MODEL == "resnet18":
+        return None
+    return (f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} is not used: it is read for CLASSIFIER_MODEL=resnet18 only, and "
+            f"CLASSIFIER_MODEL={settings.MODEL} serves its own weights; unset it, or set CLASSIFIER_MODEL=resnet18")

@@ -343,7 +343,8 @@ def explain_resolution(settings) -> dict:
     except ImportError:
         offline = None
     if settings.MODEL != "resnet18":
-        serves = f"{settings.MODEL} (CLASSIFIER_MODEL)"
+        unused = catalog.unused_weights(settings)
+        serves = f"{settings.MODEL} (CLASSIFIER_MODEL)" + (f"; {unused}" if unused else "")
     elif configured:
         serves = ("resnet18 from CLASSIFIER_WEIGHTS" if configured["hash_ok"] else
                   f"nothing: CLASSIFIER_WEIGHTS cannot be looked at ({configured['problem']}), start-up fails"
@@ -367,9 +368,14 @@ BUILDERS: dict[str, Callable] = {
 
 
 def load_model(settings) -> LoadedModel:
-    """Build the model ``settings.MODEL`` asks for, in eval mode, fp32, with its spec.
+    """Build the model ``settings.MODEL`` asks for, in eval mode, fp32, with its spec (and, outside gunicorn,
+    whose master says it once, ``catalog.unused_weights``' warning).
 
     :raises StartupError: weights missing with ``FALLBACK`` off (the message says which file to
         put where), or a weights file that fails its hash check.
     """
+    from . import GUNICORN_ENV
+
+    if (unused := catalog.unused_weights(settings)) and not os.environ.get(GUNICORN_ENV):
+        log.warning("%s", unused)
     return BUILDERS[settings.MODEL](settings)

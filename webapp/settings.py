@@ -173,7 +173,8 @@ SETTINGS: tuple[Setting, ...] = (
     # -- model and weights --
     Setting("MODEL", _str, catalog.DEFAULT, catalog.settings_help(), choices=MODELS),
     Setting("WEIGHTS", _str, "", "Path of a ResNet-18 weights file (resnet18-f37072fd.pth). Empty: look in the torch hub "
-            "cache ($TORCH_HOME/hub/checkpoints/), then download where a network exists."),
+            "cache ($TORCH_HOME/hub/checkpoints/), then download where a network exists. Read for MODEL=resnet18 "
+            "only: beside another model, a warning at start says it is not used."),
     Setting("DOWNLOAD", _bool, True, "Try to download ResNet-18 weights when no file is found (gives up after "
             "DOWNLOAD_TIMEOUT_S when there is no network)."),
     Setting("DOWNLOAD_TIMEOUT_S", _float, 3.0, "Seconds a weights download may take to connect before giving up.",
