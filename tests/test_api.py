@@ -1,6 +1,7 @@
 """The JSON API through Flask's test client: answers, statuses and error bodies."""
 
 import io
+import os
 
 import pytest
 from PIL import Image
@@ -243,6 +244,14 @@ def test_models_names_the_fallback(tmp_path, monkeypatch, make_app):
     lite = models["efficientnet_lite0"]
     assert lite["fallback"] is True and "ResNet-18 weights not found" in lite["note"]
     assert lite["weights"] == "efficientnet-lite0-57934424.pth" and lite["untrained"] is False
+    # What clients read names no folder of the server: not the hub cache of the note, not the precision record's
+    # (cache folder) in /healthz's reason, not where the weights are (tmp_path holds them all here).
+    client = app.test_client()
+    answer = client.post("/api/v1/predict", data=small_png(), content_type="image/png")
+    assert answer.status_code == 200 and "$TORCH_HOME/hub/checkpoints" in answer.get_json()["model"]["note"]
+    for text in [answer.get_data(as_text=True), *(client.get(u).get_data(as_text=True)
+                                                  for u in ("/api/v1/models", "/healthz", "/readyz", "/"))]:
+        assert str(tmp_path) not in text and "/root/" not in text and os.path.expanduser("~/") not in text, text
 
 
 def test_openapi_document_is_served(client):

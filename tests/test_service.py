@@ -84,7 +84,7 @@ def test_auto_keeps_bf16_only_if_the_startup_measurement_says_it_pays_off(monkey
         record, = tmp_path.glob("precision-*.json")
         assert health["precision_reason"].startswith(
             f"auto: oneDNN claims native bf16 but measured bf16 0.90x fp32, so fp32 (decided once for this host "
-            f"and CPU: {record}, measured ")
+            f"and CPU: {record.name} in CLASSIFIER_CACHE_DIR, measured ")
     finally:
         clf.stop()
 

@@ -41,7 +41,7 @@ def test_decided_once_then_read_from_the_record(tmp_path):
     record = json.loads(path.read_text())
     assert decide.calls == 1
     assert first == second == ("bf16", f"auto: measured bf16 2.00x fp32 (decided once for this host and CPU: "
-                                       f"{path}, measured {record['measured_at']})")
+                                       f"{path.name} in CLASSIFIER_CACHE_DIR, measured {record['measured_at']})")
     assert record["key"] == KEY and record["precision"] == "bf16" and record["reason"] == decide.answer[1]
     assert isinstance(record["measured_by_pid"], int)
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []  # written whole, then renamed
@@ -123,7 +123,7 @@ def test_two_workers_one_precision_and_a_second_start_reuses_it(tmp_path):
     (precision, reason), = answers[0]
     record = json.loads(recorded)
     assert precision == record["precision"] and reason.startswith(record["reason"])
-    assert f"decided once for this host and CPU: {records[0]}" in reason
+    assert f"decided once for this host and CPU: {records[0].name} in CLASSIFIER_CACHE_DIR," in reason
     assert record["measured_by_pid"] in pids[0]  # one worker of the first start measured, for all
 
 

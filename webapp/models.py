@@ -285,10 +285,13 @@ def fallback_note() -> str:
     """The one sentence said wherever the offline model serves in place of ResNet-18: the log (once per
     worker), every answer's ``model.note``, the page, ``classify``'s warning. Says what to do either way:
     bring the weights, or name the offline model for hosts that will never have them (which also
-    skips the download attempt)."""
-    target = hub_checkpoint_path(RESNET18_URL)
+    skips the download attempt). It names the hub cache as ``$TORCH_HOME/hub/checkpoints``, not this host's
+    folder: it reaches every client, and a server's paths are not theirs to know (the log line before it,
+    ``build_resnet18``'s, lists the paths tried; ``python -m webapp info`` shows them)."""
+    name = hub_checkpoint_path(RESNET18_URL).name
     return (f"ResNet-18 weights not found, so the offline EfficientNet-Lite0 serves. To serve ResNet-18, put "
-            f"{target.name} in {target.parent} or set CLASSIFIER_WEIGHTS; on a host that will never have it, "
+            f"{name} in the server's torch hub cache ($TORCH_HOME/hub/checkpoints, by default "
+            f"~/.cache/torch/hub/checkpoints) or set CLASSIFIER_WEIGHTS; on a host that will never have it, "
             f"set CLASSIFIER_MODEL=efficientnet_lite0 (no download attempt, no fallback notice).")
 
 

@@ -211,8 +211,8 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     Under a file lock, so the workers of one server starting together wait for the first one's
     measurement instead of each measuring while the others load the CPU (which is how two workers
     came to serve in different precisions). Every worker, the one that measured included, reports
-    the record's reason, with where it is and when it was measured: the same words in every
-    ``/healthz``. Delete the file to measure again. Where the record cannot be used (an unwritable
+    the record's reason, with its file name (the log has its path) and when it was measured: the same words
+    in every ``/healthz``. Delete the file to measure again. Where the record cannot be used (an unwritable
     folder, a lock held past ``RECORD_LOCK_TIMEOUT_S``), this process decides alone and says so.
     """
     from filelock import FileLock, Timeout
@@ -221,7 +221,7 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
 
     def alone(why: object) -> tuple[str, str]:
         log.warning("precision record %s unusable (%s): decided for this process only", path, why)
-        return precision, f"{reason} (decided by this process only: the record {path} was unusable)"
+        return precision, f"{reason} (decided by this process only: the record {path.name} was unusable)"
 
     lock = FileLock(f"{path}.lock", timeout=RECORD_LOCK_TIMEOUT_S)
     try:
@@ -249,7 +249,8 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
                      record["measured_by_pid"], record["precision"])
     finally:
         lock.release()
-    where = f"decided once for this host and CPU: {path}, measured {record['measured_at']}"
+    # The file's name, not its path: this goes to every client (/healthz, answers); the log above has the path.
+    where = f"decided once for this host and CPU: {path.name} in CLASSIFIER_CACHE_DIR, measured {record['measured_at']}"
     return record["precision"], f"{record['reason']} ({where})"
 
 
