@@ -396,3 +396,25 @@ def test_the_documented_input_carries_its_photos_one_way_as_the_codec_reads_it(a
             with pytest.raises(BadRequest):
                 codec.parse_request(header + tail, str(len(header)) if tail else None, **LIMITS)
             assert not validator.is_valid(doc), name
+
+
+@pytest.mark.parametrize("params, nested, photo", [
+    ({"topk": 3}, False, "png"), ({"topk": "3"}, False, "png"), ({"topk": "010"}, False, "png"),
+    ({"topk": ""}, False, "png"), ({"topk": 0}, False, "png"), ({"topk": 11}, False, "png"), ({"topk": "11"}, False, "png"),
+    ({"topk": " 3"}, False, "png"), ({"topk": "-3"}, False, "png"), ({"topk": True}, False, "png"),
+    ({"topk": "abc"}, False, "png"), ({}, True, "png"), ({}, False, "empty"), ({}, True, "empty")])
+def test_the_document_and_the_server_take_the_same_requests(app, client, params, nested, photo):
+    """Found by a tryout: ``topk: "3"`` and nested ``data`` (the protocol's row-major nesting) were answered but
+    forbidden by the document, and ``data: [""]`` was allowed by it but 400 (a 0-byte file). The server's answer
+    (200, or 400) and the document's verdict agree for every such request."""
+    from webapp.openapi import build_spec
+
+    spec = build_spec(app.extensions["settings"])
+    request = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = _validator(spec, json.loads(json.dumps(request).replace('"#/', '"urn:doc#/')))
+    text = base64.b64encode(PNG).decode() if photo == "png" else ""
+    doc = {"parameters": params, "inputs": [{"name": "image", "datatype": "BYTES", "shape": [1],
+                                             "data": [[text]] if nested else [text]}]}
+    resp = client.post(f"/v2/models/{codec.ALIAS}/infer", json=doc)
+    assert resp.status_code in (200, 400), resp.get_data(as_text=True)
+    assert validator.is_valid(doc) == (resp.status_code == 200), (resp.status_code, resp.get_data(as_text=True))

@@ -35,7 +35,13 @@ _TENSOR_META = {"type": "object", "required": ["name", "datatype", "shape"],
                 "properties": {"name": {"type": "string"}, "datatype": {"type": "string"},
                                "shape": {"type": "array", "items": {"type": "integer", "minimum": -1}}}}
 
+# A photo as a `data` element: a non-empty string (an empty one is a 0-byte file: 400 no_file).
+_PHOTO = {"type": "string", "format": "byte", "minLength": 1}
+
 SCHEMAS: dict[str, Any] = {
+    # The protocol's nested form of row-major data (``data: [[...], [...]]``), which the codec reads flattened.
+    "V2PhotoRows": {"type": "array", "minItems": 1,
+                    "items": {"anyOf": [_PHOTO, {"$ref": "#/components/schemas/V2PhotoRows"}]}},
     "V2Error": {"type": "object", "required": ["error"], "additionalProperties": False,
                 "properties": {"error": {"type": "string", "minLength": 1,
                                          "description": "`<code>: <message>`: the code of the README's table, then "
@@ -93,8 +99,10 @@ def _errors(*statuses: int) -> dict:
 
 def _infer_request(settings) -> dict:
     photos = {"type": "array", "minItems": 1, "maxItems": settings.MAX_FILES,
-              "items": {"type": "string", "format": "byte"},
-              "description": "One base64 string per photo (any format `/api/v1/predict` takes)."}
+              "items": {"anyOf": [_PHOTO, {"$ref": "#/components/schemas/V2PhotoRows"}]},
+              "description": "One base64 string per photo (any format `/api/v1/predict` takes); nested arrays "
+                             "(the protocol's row-major nesting) are read flattened, and their strings must "
+                             "number as `shape` says."}
     content_type = {"type": "string", "example": "base64",
                     "description": "How `data` strings hold the photos: `base64`, or `str` (also `string`, `utf8`, "
                                    "`utf-8`: their UTF-8 bytes). Absent or any other value (an MLServer codec's "
@@ -125,8 +133,11 @@ def _infer_request(settings) -> dict:
     return {"type": "object", "required": ["inputs"],
             "properties": {"id": {"type": "string"},
                            "parameters": {"type": "object", "properties": {
-                               "topk": {"type": "integer", "minimum": 1, "maximum": 10,
-                                        "description": f"Labels per photo (default {settings.TOP_K})."},
+                               "topk": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 10},
+                                                  {"type": "string", "pattern": "^(0*([1-9]|10))?$"}],
+                                        "description": f"Labels per photo (default {settings.TOP_K}): an integer "
+                                                       f"from 1 to 10, or one as a string (as clients that send "
+                                                       f"every parameter as a string do; \"\": the default)."},
                                "binary_data_output": {"type": "boolean"},
                                "content_type": content_type}},
                            "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": image},
