@@ -124,8 +124,7 @@ def run_bounded(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> sub
         _TEMPS.add(temp)  # before the fork: a stop_all while Popen waits for the exec still finds the folder
         try:
             proc = subprocess.Popen(cmd, env={**env, "TMPDIR": temp, PARENT_ENV: str(os.getpid())},
-                                    stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         except BaseException:
             _TEMPS.discard(temp)
             raise

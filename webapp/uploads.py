@@ -175,7 +175,8 @@ def read_originals(form, files: int) -> list[Original | None]:
             raise BadRequest(f"original_format must be one of {', '.join(ORIGINAL_FORMATS)}, got {fmt[:40]!r}")
         out.append(Original(width=_int_field("original_width", width, 1, Original.MAX_SIDE),
                             height=_int_field("original_height", height, 1, Original.MAX_SIDE),
-                            format="JPEG" if name == "MPO" else name, bytes=_int_field("original_bytes", size, 1, Original.MAX_BYTES)))
+                            format="JPEG" if name == "MPO" else name,  # Pillow's name for a JPEG: reported as one
+                            bytes=_int_field("original_bytes", size, 1, Original.MAX_BYTES)))
     return out
 
 
