@@ -81,3 +81,20 @@ def test_a_weights_file_another_model_does_not_read_is_said(model):
     assert said == (f"CLASSIFIER_WEIGHTS=/srv/w.pth is not used: it is read for CLASSIFIER_MODEL=resnet18 only, and "
                     f"CLASSIFIER_MODEL={model} serves its own weights; unset it, or set CLASSIFIER_MODEL=resnet18")
     assert said in models.explain_resolution(load(WEIGHTS="/srv/w.pth"))["would_serve"]  # python -m webapp info
+
+
+def test_outside_gunicorn_building_the_model_says_the_weights_are_not_used(monkeypatch, caplog):
+    """The CLI (classify, warm) and Ray build the model themselves: ``load_model`` says it there, once; under gunicorn
+    the master does (tests/test_lifecycle.py), so its workers do not repeat it."""
+    import logging
+
+    s = settings.load(environ={}, overrides={"MODEL": "efficientnet_lite0", "WEIGHTS": "/srv/w.pth"})
+    monkeypatch.delenv(settings.GUNICORN_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="webapp"):
+        models.load_model(s)
+    assert [r.getMessage() for r in caplog.records] == [catalog.unused_weights(s)]
+    caplog.clear()
+    monkeypatch.setenv(settings.GUNICORN_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger="webapp"):
+        models.load_model(s)
+    assert caplog.records == []

@@ -12,10 +12,7 @@ import os
 from flask import Flask, g
 
 from . import settings as settings_mod
-
-# gunicorn.conf.py sets this: the model is then started by its post_worker_init hook, in the
-# worker after fork (never in the master, even with --preload), with gunicorn's heartbeat.
-GUNICORN_ENV = "WEBAPP_GUNICORN_CONF"
+from .settings import GUNICORN_ENV
 
 SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; "

@@ -377,7 +377,7 @@ def load_model(settings) -> LoadedModel:
     :raises StartupError: weights missing with ``FALLBACK`` off (the message says which file to
         put where), or a weights file that fails its hash check.
     """
-    from . import GUNICORN_ENV
+    from .settings import GUNICORN_ENV
 
     if (unused := catalog.unused_weights(settings)) and not os.environ.get(GUNICORN_ENV):
         log.warning("%s", unused)

@@ -19,6 +19,10 @@ from typing import Any, Callable, Mapping
 from . import catalog, rate_limits
 from .listen import BIND_RULE, parse_bind as _bind
 
+# gunicorn.conf.py sets this: the model is then started by its post_worker_init hook, in the
+# worker after fork (never in the master, even with --preload), with gunicorn's heartbeat.
+GUNICORN_ENV = "WEBAPP_GUNICORN_CONF"
+
 PREFIX = "CLASSIFIER_"
 
 MODELS = catalog.NAMES
