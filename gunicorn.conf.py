@@ -11,7 +11,6 @@ import gc
 import os
 import shutil
 import sys
-import tempfile
 
 from webapp import GUNICORN_ENV
 from webapp import balance, caches, catalog, cpu, lifecycle, listen, settings
@@ -102,9 +101,9 @@ access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
 # (Which folder we made is kept in the environment: a SIGHUP re-reads this file.)
 _MADE = "WEBAPP_METRICS_DIR_MADE"
 if _s.METRICS and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[_MADE] = tempfile.mkdtemp(prefix="classifier-metrics-")
-    # on_exit below runs only after a normal stop; a failed bind or any early exit must not leave it behind
-    lifecycle.remove_at_exit(os.environ[_MADE])
+    # Removed at exit however the master exits, short of SIGKILL (on_exit below runs only after a normal stop); a
+    # SIGKILLed master's folder goes at the next start (its pid in its name no longer runs).
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = os.environ[_MADE] = lifecycle.own_temp_dir("classifier-metrics-")
 
 
 def _clear_metrics_dir() -> str | None:

@@ -82,6 +82,23 @@ def assert_quiet(lines: list[str]) -> None:
 
 
 # -- Ctrl-C -------------------------------------------------------------------------------------------
+def test_a_folder_left_by_a_killed_process_goes_at_the_next_start(tmp_path, monkeypatch):
+    """A master SIGKILLed leaves its metrics folder in TMPDIR (its exit hooks never ran); the next start removes
+    every folder of the prefix whose pid no longer runs, and keeps a live process's (another server's)."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])  # a pid that surely ended (reaped: not reused this soon)
+    dead.wait()
+    for name in (f"m-{dead.pid}-old", f"m-{os.getppid()}-live", "m-notapid", f"other-{dead.pid}-x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / f"m-{dead.pid}-old" / "counter_1.db").write_bytes(b"x")
+    made = lifecycle.own_temp_dir("m-")
+    assert Path(made).parent == tmp_path and Path(made).name.startswith(f"m-{os.getpid()}-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"m-{os.getppid()}-live", "m-notapid", f"other-{dead.pid}-x", Path(made).name])
+
+
 @pytest.mark.server
 def test_ctrl_c_while_serving_is_quiet(tmp_path):
     # WEIGHTS beside a model that does not read it: said once, by the master (catalog.unused_weights), not per worker
@@ -382,7 +399,8 @@ def test_a_start_sigkilled_while_compiling_leaves_nothing_running(tmp_path, kill
     deadline = time.monotonic() + children.GRACE_S + 10  # whatever the test's own stop left: ended too
     while running_with(temp) and time.monotonic() < deadline:
         time.sleep(0.1)
-    # The SIGKILLed master's own folder (prometheus' multiprocess files) is the one thing only it removes.
+    # The SIGKILLed master's own folder (prometheus' multiprocess files) is left until the next start removes it
+    # (lifecycle.own_temp_dir, tested below).
     left = [f for f in os.listdir(temp) if not (killed == "master" and f.startswith("classifier-metrics-"))]
     assert running_with(temp) == [] and left == [], (running_with(temp), left)
 

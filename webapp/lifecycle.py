@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -261,6 +262,22 @@ def _flush_and_exit(status: int) -> None:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said
             pass
     os._exit(status)
+
+
+def own_temp_dir(prefix: str) -> str:
+    """A new folder ``<TMPDIR>/<prefix><pid>-<random>`` for this process, removed when it exits (``remove_at_exit``),
+    after removing the folders of this prefix left by processes that died without a stop (SIGKILL: the OOM killer,
+    ``kill -9``), each found by the pid in its name no longer running. A pid that runs again (reused) keeps its
+    folder: only one that surely ended is removed, never another live server's."""
+    parent = tempfile.gettempdir()
+    for entry in os.scandir(parent):
+        pid = entry.name[len(prefix):].partition("-")[0]
+        if entry.name.startswith(prefix) and pid.isdigit() and entry.is_dir(follow_symlinks=False) and \
+                not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(entry.path, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=parent)
+    remove_at_exit(path)
+    return path
 
 
 def remove_at_exit(path: str) -> None:
