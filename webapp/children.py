@@ -77,10 +77,16 @@ def _signal(pids: list[int], signum: int) -> None:
             pass
 
 
-def _end(scan: Callable[[], list[int]], alive: Callable[[int], bool], grace_s: float) -> None:
+def _running(pid: int) -> bool:
+    """Neither gone nor a zombie (a zombie has ended; its parent, gone or not ours, reaps it)."""
+    found = _state(pid)
+    return found is not None and found[0] != "Z"
+
+
+def _end(scan: Callable[[], list[int]], grace_s: float) -> None:
     """End the processes ``scan()`` lists: frozen (``SIGSTOP``, rescanning until no new one appears, so none starts
     another while they are counted), then ``SIGTERM`` (``SIGCONT``: a stopped process acts on it only once it runs
-    again), then ``SIGKILL`` to those still ``alive`` after ``grace_s`` seconds, waited for until gone."""
+    again), then ``SIGKILL`` to those still running (``_running``) after ``grace_s`` seconds, waited for until gone."""
     tree = scan()
     for _ in range(10):  # each round freezes what it finds; a tree that still grows after 10 is killed as it is
         _signal(tree, signal.SIGSTOP)
@@ -92,21 +98,15 @@ def _end(scan: Callable[[], list[int]], alive: Callable[[int], bool], grace_s: f
     _signal(tree, signal.SIGCONT)
     for signum in (signal.SIGKILL, None):
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(alive(pid) for pid in tree):
+        while time.monotonic() < deadline and any(_running(pid) for pid in tree):
             blocking_sleep(0.02)  # not gevent's: stop_all may run in the hub (a signal handler's), which cannot yield
         if signum:
             _signal(tree, signum)
 
 
-def _running(pid: int) -> bool:
-    """Neither gone nor a zombie (a zombie has ended; its parent, gone or not ours, reaps it)."""
-    found = _state(pid)
-    return found is not None and found[0] != "Z"
-
-
 def stop_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
     """End ``proc`` and every process below it (``_end``), and reap ``proc``."""
-    _end(lambda: [proc.pid] + descendants(proc.pid), _running, grace_s)  # proc too: ended once a zombie
+    _end(lambda: [proc.pid] + descendants(proc.pid), grace_s)  # proc too: ended once a zombie
     proc.wait()
 
 
@@ -120,14 +120,11 @@ def run_bounded(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> sub
     :raises OSError: it could not be started.
     """
     parent = env.get("TMPDIR") or None  # under the folder the child would have used (else Python's default)
-    with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX, dir=parent, ignore_cleanup_errors=True) as temp:
-        _TEMPS.add(temp)  # before the fork: a stop_all while Popen waits for the exec still finds the folder
-        try:
-            proc = subprocess.Popen(cmd, env={**env, "TMPDIR": temp, PARENT_ENV: str(os.getpid())},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        except BaseException:
-            _TEMPS.discard(temp)
-            raise
+    temp = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=parent)
+    _TEMPS.add(temp)  # before the fork: a stop_all while Popen waits for the exec still finds the folder
+    try:
+        proc = subprocess.Popen(cmd, env={**env, "TMPDIR": temp, PARENT_ENV: str(os.getpid())},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except BaseException:  # past its time, or this process is being stopped (SystemExit): no orphans
@@ -135,9 +132,12 @@ def run_bounded(cmd: list[str], *, env: dict[str, str], timeout_s: float) -> sub
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()  # not read to their end: a process that left the tree may still hold them open
             raise
-        finally:
-            _TEMPS.discard(temp)
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    finally:
+        # Removed before it leaves _TEMPS: a stop_all (then os._exit) at any moment finds every folder still there
+        # (discarded first, a folder the exiting process had no time to remove was left: a test caught it 1 in 5).
+        shutil.rmtree(temp, ignore_errors=True)
+        _TEMPS.discard(temp)
 
 
 def stop_all(grace_s: float = GRACE_S) -> None:
@@ -148,7 +148,7 @@ def stop_all(grace_s: float = GRACE_S) -> None:
     compilers) running after the server had exited. Every descendant, not only the children ``run_bounded``
     knows: one stopped while ``Popen`` still waits for the exec is not known yet, and a compile in the process
     itself has inductor's compile workers."""
-    _end(lambda: descendants(os.getpid()), _running, grace_s)
+    _end(lambda: descendants(os.getpid()), grace_s)
     for temp in list(_TEMPS):
         shutil.rmtree(temp, ignore_errors=True)
         _TEMPS.discard(temp)
