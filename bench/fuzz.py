@@ -224,6 +224,8 @@ def http_requests(draw) -> dict:
     req = {"how": how, "topk": draw(TOPK)}
     if how == "multipart":
         req["filename"] = draw(FILENAMES)
+        # The part's name: "file" mostly; another, an empty one, or none at all (a 500 a tryout found).
+        req["part_name"] = draw(st.sampled_from(["file", "file", "file", "photo", "", None]))
     else:
         req["content_type"] = draw(st.sampled_from(["image/jpeg", "image/png", "application/octet-stream"]))
     return req
@@ -347,9 +349,16 @@ class Http:
     def send(self, data: bytes, req: dict) -> requests.Response:
         """Upload ``data`` as ``req`` says (see ``http_requests``); 60 s timeout. :raises requests.RequestException."""
         params = {} if req["topk"] is None else {"topk": req["topk"]}
-        if req["how"] == "multipart":
+        if req["how"] == "multipart" and req.get("part_name", "file") == "file":
             return self.session.post(self.url + "/api/v1/predict", params=params, timeout=60,
                                      files={"file": (req["filename"], data, "application/octet-stream")})
+        if req["how"] == "multipart":  # another part name, or none: a body requests cannot make
+            name = req["part_name"]
+            disposition = b"form-data; " + (b'name="%s"; ' % name.encode() if name is not None else b"")
+            body = (b"--fuzzXX\r\nContent-Disposition: " + disposition + b'filename="x.jpg"\r\n'
+                    b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n--fuzzXX--\r\n")
+            return self.session.post(self.url + "/api/v1/predict", params=params, data=body, timeout=60,
+                                     headers={"Content-Type": "multipart/form-data; boundary=fuzzXX"})
         return self.session.post(self.url + "/api/v1/predict", params=params, data=data, timeout=60,
                                  headers={"Content-Type": req["content_type"]})
 

@@ -204,3 +204,21 @@ def test_a_filename_never_closed_is_still_not_a_file(client):
     body = _one_part(b'form-data; name="file"; filename="a', small_png())
     resp = client.post("/api/v1/predict", data=body, content_type="multipart/form-data; boundary=XX")
     assert resp.status_code == 400 and resp.get_json()["error"]["code"] == "no_file"
+
+
+@pytest.mark.parametrize("parts, said", [
+    ([b'form-data; filename="a.jpg"'], "file fields received: (a part with no name)"),
+    ([b'form-data; filename="a.jpg"', b'form-data; name="photo"; filename="b.jpg"'],
+     "file fields received: (a part with no name), photo"),
+    ([b"form-data"], "file fields received: none"),
+])
+def test_a_part_without_a_name_is_400_no_file_not_a_500(client, parts, said):
+    """Found by a tryout: a part whose Content-Disposition has no name= (Werkzeug keys it None) made the 'no file'
+    message sort None with names: TypeError, 500 on the API and on the page. It is the client's 400 no_file."""
+    body = b"".join(b"--XX\r\nContent-Disposition: " + d + b"\r\nContent-Type: image/png\r\n\r\n" + small_png() + b"\r\n"
+                    for d in parts) + b"--XX--\r\n"
+    for url in ("/api/v1/predict", "/"):
+        resp = client.post(url, data=body, content_type="multipart/form-data; boundary=XX")
+        assert resp.status_code == 400, (url, resp.status_code, resp.get_data(as_text=True)[:300])
+    error = client.post("/api/v1/predict", data=body, content_type="multipart/form-data; boundary=XX").get_json()["error"]
+    assert error["code"] == "no_file" and said in error["message"], error

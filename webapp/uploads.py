@@ -296,7 +296,9 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
             raise NoFile("no image: the 'file' field arrived as a text field (its part has no filename); send it "
                          "as a file part, e.g. curl -F 'file=@photo.jpg', or an <input type=file>")
         if not parts:
-            other = ", ".join(sorted(request.files)) or "none"
+            # Werkzeug keys a part without name= as None (sorting None with names raised TypeError: a 500)
+            other = ", ".join(sorted(k if k is not None else "(a part with no name)" for k in request.files)) \
+                or "none"
             raise NoFile(f"no image: send it as multipart field 'file' (file fields received: {other})")
         # A browser sends every <input type=file> of the form, an unused one as a part with an empty filename and
         # no bytes (the page's camera input): nothing chosen there, so it is neither a photo nor counted as one.
