@@ -224,8 +224,7 @@ def http_requests(draw) -> dict:
     req = {"how": how, "topk": draw(TOPK)}
     if how == "multipart":
         req["filename"] = draw(FILENAMES)
-        # The part's name: "file" mostly; another, an empty one, or none at all (a 500 a tryout found).
-        req["part_name"] = draw(st.sampled_from(["file", "file", "file", "photo", "", None]))
+        req["part_name"] = draw(st.sampled_from(["file", "file", "file", "photo", "", None]))  # None: no name= (was 500)
     else:
         req["content_type"] = draw(st.sampled_from(["image/jpeg", "image/png", "application/octet-stream"]))
     return req
@@ -353,10 +352,9 @@ class Http:
             return self.session.post(self.url + "/api/v1/predict", params=params, timeout=60,
                                      files={"file": (req["filename"], data, "application/octet-stream")})
         if req["how"] == "multipart":  # another part name, or none: a body requests cannot make
-            name = req["part_name"]
-            disposition = b"form-data; " + (b'name="%s"; ' % name.encode() if name is not None else b"")
-            body = (b"--fuzzXX\r\nContent-Disposition: " + disposition + b'filename="x.jpg"\r\n'
-                    b"Content-Type: application/octet-stream\r\n\r\n" + data + b"\r\n--fuzzXX--\r\n")
+            named = b"" if req["part_name"] is None else b'name="%s"; ' % req["part_name"].encode()
+            body = (b"--fuzzXX\r\nContent-Disposition: form-data; " + named + b'filename="x.jpg"\r\n\r\n' + data
+                    + b"\r\n--fuzzXX--\r\n")
             return self.session.post(self.url + "/api/v1/predict", params=params, data=body, timeout=60,
                                      headers={"Content-Type": "multipart/form-data; boundary=fuzzXX"})
         return self.session.post(self.url + "/api/v1/predict", params=params, data=data, timeout=60,
