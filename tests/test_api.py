@@ -2,11 +2,13 @@
 
 import io
 import os
+import time
 
 import pytest
 from PIL import Image
 
 from conftest import DOG_BREEDS, png_bytes, shared_image, small_png
+from webapp import imaging
 from webapp.errors import Overloaded
 
 
@@ -326,3 +328,19 @@ def test_topk_the_query_wins_over_the_form_and_empty_means_the_default(client):
     assert labels("/api/v1/predict?topk=4&topk=9") == 4
     assert labels("/api/v1/predict?topk=") == 3
     assert labels("/api/v1/predict", topk="") == 3
+
+
+def test_a_decode_past_the_request_timeout_says_so(make_app, monkeypatch):
+    """A 504 that came while its photos were still being decoded said "the server is overloaded": wrong for one
+    slow-to-decode photo on an idle server. It says what was still going on, and both possible causes."""
+    prepare = imaging.prepare
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return prepare(*args, **kwargs)
+
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, PRECISION="fp32", REQUEST_TIMEOUT_S=0.1)
+    monkeypatch.setattr(imaging, "prepare", slow)
+    resp = app.test_client().post("/api/v1/predict", data=small_png(), content_type="image/png")
+    msg = assert_error(resp, 504, "timeout")
+    assert "still being decoded" in msg and "CLASSIFIER_REQUEST_TIMEOUT_S" in msg and "fewer or smaller" in msg

@@ -12,6 +12,7 @@ about what reaches the server and what comes back.
 
 from __future__ import annotations
 
+import base64
 import io
 import os
 import re
@@ -562,6 +563,24 @@ def test_pixel_cap_is_a_setting(srv):
     assert "10,100" in msg and "10,000" in msg and "CLASSIFIER_MAX_PIXELS" in msg
     # The same image is fine under the main server's default cap.
     assert_ok(post_file(srv, small_png(size=(100, 101)), "100x101.png"))
+
+
+def test_the_photos_of_one_request_are_bounded_together_before_any_is_decoded(srv):
+    """Each photo under MAX_PIXELS, together over MAX_REQUEST_PIXELS (default 256 MP): 413 at once, from the
+    headers. These have no pixel data (decoded, each would be a 400): the 413 shows nothing was decoded."""
+    dense = png_declaring(8000, 8000)  # 64 MP by its header, a few hundred bytes
+    files = [("file", (f"p{i}.png", dense, "image/png")) for i in range(5)]
+    start = time.perf_counter()
+    resp = requests.post(predict_url(srv), files=files, timeout=60)
+    assert time.perf_counter() - start < 1.0
+    msg = assert_error(resp, 413, "too_large")
+    assert "320,000,000" in msg and "256,000,000" in msg and "CLASSIFIER_MAX_REQUEST_PIXELS" in msg
+    assert "undecodable_image" in requests.post(predict_url(srv), files=files[:4], timeout=60).text  # 256 MP fit
+    # The same for /v2 (the protocol's JSON, photos as base64)
+    body = {"inputs": [{"name": "image", "shape": [5], "datatype": "BYTES",
+                        "data": [base64.b64encode(dense).decode()] * 5}]}
+    resp = requests.post(srv.url + "/v2/models/efficientnet_lite0/infer", json=body, timeout=60)
+    assert resp.status_code == 413 and "CLASSIFIER_MAX_REQUEST_PIXELS" in resp.text, resp.text[:300]
 
 
 BIG = 20_000_000

@@ -20,7 +20,8 @@ from PIL import EpsImagePlugin, Image, ImageFile, ImageOps
 from torchvision.transforms import InterpolationMode, v2
 
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
-from webapp.imaging import FORMATS, build_transform, center_limit, claimed_format, decode, preprocess, to_rgb
+from webapp.imaging import (FORMATS, build_transform, center_limit, check_request_pixels, claimed_format, decode,
+                            decoded_pixels, preprocess, to_rgb)
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
@@ -968,3 +969,54 @@ def test_a_32_bit_bmp_whose_alpha_is_all_zero_is_opaque_as_browsers_show_it():
     some = decode(_bmp32(photo, b"\xff" + b"\x00" * (64 * 48 - 1)), max_pixels=BIG).image
     assert some.getpixel((0, 47)) == photo.convert("RGB").getpixel((0, 47))  # the first stored pixel: bottom-left
     assert some.getpixel((10, 10)) == (255, 255, 255)
+
+
+# ----------------------------------------------------------------------------- pixels per request
+
+def _jpeg_declaring(width: int, height: int) -> bytes:
+    """A small valid JPEG whose SOF0 frame header says ``width`` x ``height`` (its pixel data is 8x8)."""
+    data = bytearray(encode(Image.new("RGB", (8, 8), (1, 2, 3)), "JPEG"))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("fmt,size", [("PNG", (300, 200)), ("JPEG", (4000, 3000)), ("JPEG", (1200, 900)),
+                                      ("JPEG", (600, 400)), ("WEBP", (640, 480)), ("GIF", (50, 40)),
+                                      ("TIFF", (1000, 10)), ("BMP", (33, 77))])
+def test_decoded_pixels_are_the_pixels_decode_makes(fmt, size):
+    """The request budget counts from the header what ``decode`` then decodes: a large JPEG at its reduced DCT
+    scale, every other format at full size."""
+    data = encode(Image.new("RGB", size, (90, 120, 30)), fmt)
+    for min_side in (None, 224, 256):
+        w, h = decode(data, max_pixels=10**9, min_side=min_side).image.size
+        assert decoded_pixels(data, min_side) == w * h, (fmt, size, min_side)
+    assert decoded_pixels(data, None) == size[0] * size[1]
+
+
+def test_decoded_pixels_read_the_header_alone():
+    assert decoded_pixels(png_declaring(8900, 8900), 256) == 8900 * 8900  # no pixel data behind it: not decoded
+    assert decoded_pixels(_jpeg_declaring(8000, 6000), 256) == 1000 * 750  # 1/8 keeps the short side >= 512
+    assert decoded_pixels(_jpeg_declaring(8000, 6000), None) == 48_000_000
+    assert decoded_pixels(b"not an image at all", 256) == 0  # decode names the fault in its turn
+    assert decoded_pixels(b"\x89PNG\r\n\x1a\n" + b"\x00" * 10, 256) == 0
+
+
+def test_a_request_is_bounded_by_its_photos_pixels_together():
+    """16 dense 80 MP PNGs of ~600 KB each passed every per-photo and byte limit and held a worker for the
+    whole request timeout decoding them; their pixels together are refused before any is decoded."""
+    dense = png_declaring(8000, 8000)  # 64 MP each by its header
+    check_request_pixels([(f"p{i}.png", dense) for i in range(4)], limit=256_000_000, min_side=256)  # = the limit
+    with pytest.raises(TooLarge) as ei:
+        check_request_pixels([(f"p{i}.png", dense) for i in range(5)], limit=256_000_000, min_side=256)
+    msg = ei.value.message
+    assert ei.value.status == 413 and ei.value.code == "too_large"
+    assert "5 photos" in msg and "320,000,000" in msg and "256,000,000" in msg
+    assert "CLASSIFIER_MAX_REQUEST_PIXELS" in msg and "several requests" in msg
+    # 16 phone JPEGs of 48 MP count at the size they are decoded at: ~12 MP together
+    check_request_pixels([(f"j{i}.jpg", _jpeg_declaring(8000, 6000)) for i in range(16)], limit=256_000_000,
+                         min_side=256)
+    with pytest.raises(TooLarge, match=r"big\.png: decodes to 64,000,000 pixels; the limit per request is "
+                                       r"1,000,000 \(CLASSIFIER_MAX_REQUEST_PIXELS\)"):
+        check_request_pixels([("big.png", dense)], limit=1_000_000, min_side=256)
+    check_request_pixels([("junk.bin", b"junk")] * 16, limit=1, min_side=256)  # unreadable: decode's to judge

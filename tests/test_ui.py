@@ -266,3 +266,20 @@ def test_static_files_are_served(client):
     resp = client.get("/static/app.js")
     assert resp.status_code == 200 and "javascript" in resp.content_type
     assert "eval(" not in resp.get_data(as_text=True) and "innerHTML" not in resp.get_data(as_text=True)
+
+
+def test_the_forms_photos_are_bounded_together(make_app):
+    """Without JavaScript the form's photos are classified one by one; their pixels together are still bounded
+    by CLASSIFIER_MAX_REQUEST_PIXELS, before any is decoded (as the API's)."""
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32",
+                      MAX_REQUEST_PIXELS=3 * 32 * 32).test_client()
+
+    def photos(n):
+        return {"file": [(io.BytesIO(png_bytes(Image.new("RGB", (32, 32), (i * 40, 0, 0)))), f"p{i}.png")
+                         for i in range(n)]}
+
+    ok = client.post("/", data=photos(3), headers={"Accept-Language": "en"})
+    assert ok.status_code == 200 and ok.get_data(as_text=True).count('<article class="result">') == 3
+    refused = client.post("/", data=photos(4), headers={"Accept-Language": "en"})
+    html = refused.get_data(as_text=True)
+    assert refused.status_code == 413 and "CLASSIFIER_MAX_REQUEST_PIXELS" in html and "4,096" in html, html[-2000:]

@@ -79,9 +79,9 @@ class Unauthorized(ServiceError):
 
 class TooLarge(ServiceError):
     status, code = 413, "too_large"
-    when = ("body over the byte limit; too many files; too many pixels (read from the header, before "
-            "decoding)")
-    settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS")
+    when = ("body over the byte limit; too many files; too many pixels in a photo or in the request's photos "
+            "together (read from the headers, before decoding)")
+    settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS", "MAX_REQUEST_PIXELS")
 
     @classmethod
     def body(cls, limit: int) -> "TooLarge":
@@ -164,6 +164,14 @@ class InferenceTimeout(ServiceError):
         """No result within ``seconds`` (``REQUEST_TIMEOUT_S``); ``where`` is overloaded (server, cluster)."""
         return cls(f"no result within {seconds:g} s (CLASSIFIER_REQUEST_TIMEOUT_S); the {where} is overloaded, "
                    f"try again later")
+
+    @classmethod
+    def decoding(cls, seconds: float) -> "InferenceTimeout":
+        """Its photos were still being decoded at ``seconds`` (``REQUEST_TIMEOUT_S``): not only an overload,
+        the photos themselves may be slow to decode (large lossless ones), so the message says both."""
+        return cls(f"no result within {seconds:g} s (CLASSIFIER_REQUEST_TIMEOUT_S): its photos were still being "
+                   f"decoded; the server is busy, or the photos are slow to decode (large PNG, TIFF or WebP "
+                   f"images): try again later, or send fewer or smaller photos per request")
 
 
 class NotFound(ServiceError):

@@ -289,7 +289,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
             "Send the image(s) as multipart field `file` (repeat it for several), or one image as the raw body "
             f"with Content-Type `image/*`. All images succeed or the request fails with the first error. "
             f"At most {settings.MAX_FILES} files and {settings.MAX_UPLOAD_BYTES:,} bytes per request, "
-            f"{settings.MAX_PIXELS:,} pixels per image."),
+            f"{settings.MAX_PIXELS:,} pixels per image and {settings.MAX_REQUEST_PIXELS:,} pixels decoded per "
+            f"request (a large JPEG counts at the reduced size it is decoded at)."),
         "tags": ["classify"],
         "parameters": [
             {"name": "topk", "in": "query", "required": False, "schema": topk,

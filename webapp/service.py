@@ -283,21 +283,24 @@ class Classifier:
 
         Called without ``admit`` (the CLI) it is not judged by time, only by the queue bound.
 
-        :raises ServiceError: the first upload that cannot be decoded (400/413/415), a full queue
+        :raises ServiceError: photos over ``MAX_REQUEST_PIXELS`` together (413, before any is decoded), the
+            first upload that cannot be decoded (400/413/415), a full queue
             (429), not ready (503), timeout (504), a failed batch (500), the client hung up before its
             photos were decoded or run (``ClientGone``, 499: logged at info, nothing more done).
         """
         start = time.perf_counter()
         ticket = _TICKET.get()
         _TICKET.set(None)
+        s, started = self.settings, self.started
         try:
             self._check_serving(len(uploads))  # a full queue answers 429 before any decoding
+            imaging.check_request_pixels([(up.name, up.data) for up in uploads], limit=s.MAX_REQUEST_PIXELS,
+                                         min_side=started.min_side(s.FAST_DECODE))  # read from the headers
         except Exception:
             if ticket is not None:
                 self.admission.release(ticket)
             raise
         gone = ticket.gone if ticket is not None else None
-        s, started = self.settings, self.started
         job = self.admission.decoding(ticket, [len(up.data) for up in uploads])
         # On their way to the queue: a batch forming meanwhile waits for them, and only while any are.
         coming = self.batcher.coming(len(uploads))
@@ -314,14 +317,14 @@ class Classifier:
                                                within=deadline - time.perf_counter())
                 except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
                     exc.when_done(self.admission.abandon(job, len(up.data)))
-                    raise InferenceTimeout.after(s.REQUEST_TIMEOUT_S) from None
+                    raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S) from None
                 self.admission.decoded(job, len(up.data), ms)
                 prepared.append(p)
             decode_ms = (time.perf_counter() - start) * 1e3
             if gone is not None and gone():
                 raise ClientGone.before("its photos were queued")
-            if (left := deadline - time.perf_counter()) <= 0:
-                raise InferenceTimeout.after(s.REQUEST_TIMEOUT_S)
+            if (left := deadline - time.perf_counter()) <= 0:  # the deadline passed while they decoded
+                raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S)
             try:
                 outcomes = self.batcher.infer([p.tensor for p in prepared], gone, coming,
                                               timeout=min(left, self.batcher.request_timeout))

@@ -251,6 +251,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024, commands=SERVERS),
     Setting("MAX_PIXELS", _int, 80_000_000, "Largest image in pixels (width x height, read from the header before "
             "decoding); larger gets 413. 80 MP admits 64 MP phone photos.", low=1, high=2**40),
+    Setting("MAX_REQUEST_PIXELS", _int, 256_000_000, "Most pixels one request's photos may decode to together "
+            "(read from their headers before any is decoded; a large JPEG counts at the reduced size FAST_DECODE "
+            "decodes it at); more gets 413. Bounds the decode work one request holds a worker for: 256 MP is 16 "
+            "PNGs of 16 MP, ~4 to 7 s of decoding here.", low=1, high=2**44, commands=SERVERS),
     Setting("BODY_TIMEOUT_S", _float, 30.0, "Longest pause (s) between bytes of a request body; a client that "
             "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on an upload).",
             low=0.1, high=3600, commands=SERVERS),

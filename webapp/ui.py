@@ -15,7 +15,7 @@ import base64
 import re
 
 from flask import Blueprint, abort, current_app, g, render_template, request
-from . import i18n
+from . import i18n, imaging
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .uploads import parse_topk, read_uploads
 
@@ -112,6 +112,9 @@ def classify():
     # arrives as a part with no name and no bytes: not a photo the person sent.
     parts = request.files.getlist("file")
     uploads = [u for u, p in zip(uploads, parts) if p.filename or u.data] or uploads
+    if len(uploads) > 1:  # classified one by one below: the request's photos are bounded together here
+        imaging.check_request_pixels([(u.name, u.data) for u in uploads], limit=clf.settings.MAX_REQUEST_PIXELS,
+                                     min_side=clf.started.min_side(clf.settings.FAST_DECODE))
     answer = clf.classify(uploads, topk=topk, keep_images=True) if len(uploads) == 1 else each(clf, uploads, topk)
     for item in answer["results"]:
         if "thumbnail" in item:

@@ -156,7 +156,8 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2InferResponse"}},
                           "application/octet-stream": {"schema": binary}}}
     limits = (f"At most {settings.MAX_FILES} photos and {settings.MAX_UPLOAD_BYTES:,} bytes of them (decoded) per "
-              f"request, {settings.MAX_PIXELS:,} pixels per photo; the body may be up to "
+              f"request, {settings.MAX_PIXELS:,} pixels per photo and {settings.MAX_REQUEST_PIXELS:,} decoded per "
+              f"request; the body may be up to "
               f"{codec.body_limit(settings.MAX_UPLOAD_BYTES):,} bytes (base64 adds a third).")
     infer = {
         "operationId": "v2Infer", "tags": [TAG], "summary": "Classify photos (Open Inference Protocol)",

@@ -73,6 +73,8 @@ class ModelReplica:
             return imaging.prepare(up.data, name=up.name, transform=started.transform, max_pixels=s.MAX_PIXELS,
                                    min_side=started.min_side(s.FAST_DECODE), thumbnail=keep_images)
 
+        imaging.check_request_pixels([(up.name, up.data) for up in uploads], limit=s.MAX_REQUEST_PIXELS,
+                                     min_side=started.min_side(s.FAST_DECODE))
         done = await asyncio.gather(*(loop.run_in_executor(self.decode_pool, prepare, up) for up in uploads),
                                     return_exceptions=True)
         for item in done:  # the first bad upload in request order, as the gunicorn app reports it
