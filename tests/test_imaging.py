@@ -20,7 +20,8 @@ from PIL import EpsImagePlugin, Image, ImageFile, ImageOps
 from torchvision.transforms import InterpolationMode, v2
 
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
-from webapp.imaging import (FORMATS, build_transform, center_limit, check_request_pixels, claimed_format, decode,
+from webapp.formats import claimed_format
+from webapp.imaging import (FORMATS, build_transform, center_limit, check_request_pixels, decode,
                             decoded_pixels, preprocess, to_rgb)
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
@@ -435,7 +436,7 @@ def test_a_jpeg_with_more_images_after_the_photo_is_decoded_as_the_jpeg_it_is(pr
         for min_side in (None, 224):
             with pytest.raises(UndecodableImage, match=match):
                 decode(multi[:int(len(plain) * kept)] + b"\xff\xd9", max_pixels=BIG, min_side=min_side)
-    with pytest.raises(UndecodableImage, match="JPEG data is damaged or incomplete"):  # cut, no EOI: as a JPEG
+    with pytest.raises(UndecodableImage, match=match):  # cut, no EOI: judged as a JPEG, the same way
         decode(multi[:len(plain) // 2], max_pixels=BIG, min_side=224)
 
 
@@ -1020,3 +1021,67 @@ def test_a_request_is_bounded_by_its_photos_pixels_together():
                                        r"1,000,000 \(CLASSIFIER_MAX_REQUEST_PIXELS\)"):
         check_request_pixels([("big.png", dense)], limit=1_000_000, min_side=256)
     check_request_pixels([("junk.bin", b"junk")] * 16, limit=1, min_side=256)  # unreadable: decode's to judge
+
+
+# ------------------------------------------------------------- whole photos Pillow refuses, and cut ones
+
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("min_side", [None, 224])
+@pytest.mark.parametrize("photo", ["dog.jpg", "eagle.jpg", "generated"])
+def test_a_whole_jpeg_without_its_end_marker_is_the_photo(photo, min_side, progressive):
+    """A JPEG whose data stops right after its last scan (no EOI: some encoders and streaming writers, a copy
+    cut just there) was refused ("image file is truncated (35 bytes not processed)") although browsers show it.
+    It is the photo: the very pixels of the file with EOI. Cut inside its image data it is still refused, and
+    the message says where the data stops, as with EOI, without quoting Pillow."""
+    if photo == "generated" or progressive:
+        whole = encode(_photo_like(1200, 900), "JPEG", quality=90, progressive=progressive)
+    else:
+        whole = shared_image(photo).read_bytes()
+    assert whole.endswith(b"\xff\xd9")
+    want = pixels(decode(whole, max_pixels=BIG, min_side=min_side).image)
+    for missing in (1, 2):  # D9 only, then FF D9
+        got = decode(whole[:-missing], max_pixels=BIG, min_side=min_side)
+        assert got.format == "JPEG" and (pixels(got.image) == want).all()
+    for kept in (0.1, 0.5):
+        with pytest.raises(UndecodableImage) as ei:
+            decode(whole[:int(len(whole) * kept)], max_pixels=BIG, min_side=min_side)
+        assert re.search(r"after about \d+% of the image and the file ends there|its data ends after \d+ scans?",
+                         ei.value.message), ei.value.message
+        assert "not processed" not in ei.value.message and "truncated" not in ei.value.message
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "GIF", "BMP", "PPM"])
+def test_a_file_cut_short_is_said_in_words(fmt):
+    """Pillow's "Truncated File Read" / "image file is truncated (N bytes not processed)" reached the 400."""
+    data = encode(Image.fromarray(np.random.default_rng(1).integers(0, 255, (120, 160, 3), dtype=np.uint8)), fmt)
+    for kept in (0.5, 0.99):
+        with pytest.raises(UndecodableImage) as ei:
+            decode(data[:int(len(data) * kept)], max_pixels=BIG, min_side=224)
+        assert ei.value.message == (f"upload: the {fmt} data is incomplete: the file ends before its image does "
+                                    f"(a file cut short); send the whole file")
+
+
+def _inflating_past_pillows_guard(kind: bytes) -> bytes:
+    """A chunk of ``kind`` whose compressed payload inflates to 2 MiB (Pillow's MAX_TEXT_CHUNK is 1 MiB)."""
+    bomb = zlib.compress(b"a" * (2 * 2**20))
+    payload = {b"zTXt": b"Comment\x00\x00", b"iTXt": b"Comment\x00\x01\x00\x00\x00",
+               b"iCCP": b"profile\x00\x00"}[kind] + bomb
+    return png_chunk(kind, payload)
+
+
+@pytest.mark.parametrize("kind", [b"zTXt", b"iTXt", b"iCCP"])
+@pytest.mark.parametrize("where", [b"IDAT", b"IEND"])
+def test_a_png_whose_metadata_pillow_will_not_inflate_is_still_the_photo(kind, where):
+    """A huge compressed comment or ICC profile (before or after the pixels) was a 400 quoting
+    "Decompressed data too large for PngImagePlugin.MAX_TEXT_CHUNK". Pillow's guard stays (nothing is
+    inflated past it); the metadata is dropped and the photo classified as it is."""
+    photo = _photo_like(160, 120)
+    whole = png_bytes(photo)
+    at = whole.index(where) - 4
+    data = whole[:at] + _inflating_past_pillows_guard(kind) + whole[at:]
+    got = decode(data, max_pixels=BIG, min_side=224)
+    assert got.format == "PNG" and (pixels(got.image) == pixels(photo.convert("RGB"))).all()
+    # Damaged elsewhere too, it is still refused (the mended file is decoded once, and judged as it is)
+    broken = data[:-30]
+    with pytest.raises(UndecodableImage):
+        decode(broken, max_pixels=BIG, min_side=224)

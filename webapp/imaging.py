@@ -23,9 +23,10 @@ import torch
 from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
-from . import exif, incomplete, pnm
+from . import exif, incomplete, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
+from .formats import article, claimed_format, sniff_format
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
@@ -35,24 +36,6 @@ from .models import Preprocessing
 
 silence_pillow_warnings()  # exif.py's (torch-free, for the CLI's client too): process-wide, once
 pnm.install()  # numpy decoders for the PNM data Pillow decodes in Python (~30x slower per byte): process-wide
-
-# Leading bytes of formats we cannot decode, so the 415 can name them.
-_SIGNATURES = (
-    (b"%PDF", "PDF"), (b"%!PS", "PostScript"), (b"PK\x03\x04", "ZIP"), (b"\x1f\x8b", "gzip"),
-    (b"8BPS", "PSD"), (b"<svg", "SVG"), (b"<?xml", "XML/SVG"), (b"<!doctype html", "HTML"), (b"<html", "HTML"),
-    (b"\x00\x00\x01\x00", "ICO"), (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"),
-    (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"), (b"\xff\x0a", "JPEG XL"),
-    (b"qoif", "QOI"), (b"v/1\x01", "OpenEXR"), (b"DDS ", "DDS"), (b"#?RADIANCE", "Radiance HDR"),
-    (b"#?RGBE", "Radiance HDR"),
-)  # compared case-blind (HTML's doctype is written either way); TGA has no magic bytes
-# Leading bytes of formats we do decode: a file that starts like one but that Pillow cannot even
-# identify claims that format and is broken (400 undecodable), not an unknown format (415).
-# Every format of FORMATS has its magic here (WebP and AVIF, in RIFF and ISO media boxes, in claimed_format).
-_DECODABLE = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
-              (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
-              *((b"P%d" % i, "PPM") for i in range(1, 7)))
-_FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF",
-                b"avif": "AVIF", b"avis": "AVIF"}
 
 # When the long side exceeds this many times the short side, only the center of the long side is
 # ever seen by the center crop; cropping it first keeps a 10000x10 strip from becoming a
@@ -71,46 +54,6 @@ class Decoded:
     size: tuple[int, int]
     format: str
     decode_ms: float
-
-
-def claimed_format(data: bytes) -> str | None:
-    """The decodable format ``data`` starts like (one of ``FORMATS``, by its magic bytes, or by the start of them
-    where the file is shorter), or None."""
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "WebP"
-    if data[4:8] == b"ftyp" and {b"avif", b"avis"} & set(_ftyp_brands(data)):
-        return "AVIF"
-    for magic, name in _DECODABLE:
-        if data.startswith(magic):
-            return name
-    for magic, name in _DECODABLE:  # cut inside its signature (a 2-byte FF D8): the format it began as, where
-        # the bytes say so (2 of them not ASCII, or 3 or more; "GI" or "P" alone is as likely a text file)
-        if 2 <= len(data) < len(magic) and magic.startswith(data) and (len(data) >= 3 or not data.isascii()):
-            return name
-    return None
-
-
-def _ftyp_brands(data: bytes) -> list[bytes]:
-    """An ISO media file's brands: its major brand, then the compatible ones of its ``ftyp`` box (an AVIF
-    may say ``mif1`` first and ``avif`` among the compatible ones)."""
-    size = min(int.from_bytes(data[:4], "big"), len(data), 256)
-    return [data[8:12]] + [data[i:i + 4] for i in range(16, size - 3, 4)]
-
-
-def sniff_format(data: bytes) -> str | None:
-    """Name the format of bytes Pillow cannot open (HEIC, PDF...), for the 415 message; None if unknown."""
-    if data[4:8] == b"ftyp":
-        return _FTYP_BRANDS.get(data[8:12], "ISO media (" + data[8:12].decode("latin-1") + ")")
-    head = data[:64].lstrip().lower()
-    for magic, name in _SIGNATURES:
-        if head.startswith(magic.lower()):
-            return name
-    return None
-
-
-def _article(name: str) -> str:
-    """"a" or "an" before a format's name as it is said: letter by letter for the acronyms (an HTML, an SVG)."""
-    return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG") else "a"
 
 
 _BAND = 256  # rows converted at a time from 16-bit and float images (an 8000 px wide band: ~16 MB in float64)
@@ -175,7 +118,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
         raise UndecodableImage(f"cannot convert colour mode {mode} to RGB: {exc}") from None
 
 
-def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int | None = None) -> Decoded:
+def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int | None = None,
+           _repaired: bool = False) -> Decoded:
     """Decode image bytes into an upright RGB PIL image.
 
     ``max_pixels`` bounds width x height, checked from the header before pixels are decoded.
@@ -196,6 +140,10 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     :raises NotAnImage: not a supported image format (415), naming it where recognisable.
     :raises TooLarge: more than ``max_pixels`` pixels (413).
     :raises UndecodableImage: a known format with broken data, e.g. a truncated JPEG (400).
+
+    A whole photo Pillow refuses for a fault outside its pixels (a JPEG without its end marker, a PNG whose
+    metadata inflates past Pillow's guard) is decoded again once, mended (``webapp/repair.py``;
+    ``_repaired``: this is that second time), and judged as any other.
     """
     start = time.perf_counter()
     if not data:
@@ -215,10 +163,12 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
                                    f"cannot be read)") from None
         fmt = sniff_format(data)
-        what = (f"{_article(fmt)} {fmt} file, which this server cannot decode" if fmt
+        what = (f"{article(fmt)} {fmt} file, which this server cannot decode" if fmt
                 else "not an image format this server can decode")
         raise NotAnImage(f"{name}: {what}; send {FORMAT_NAMES}") from None
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
+        if not _repaired and (fixed := repair.png_without_text(data, exc)):  # metadata too large to inflate
+            return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
         if cut := incomplete.container_cut(data):  # e.g. WebP: "could not create decoder object"
             raise _cut_short(name, claimed_format(data) or "image", *cut) from None
         raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
@@ -231,18 +181,20 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     fmt, data = incomplete.primary_jpeg(img, data)  # a JPEG with more images after the photo (MPO) is a JPEG
     try:
         orientation = exif.orientation(img)  # read before any conversion drops img.info
+        ends = "the file ends there" if _repaired else "a marker closes it early"  # (repaired: EOI added)
         if min_side and fmt == "JPEG":
             _draft(img, min_side)
         img.load()
         if fmt == "JPEG" and (kept := incomplete.jpeg_rows_decoded(
                 img, data, height, lambda im: _draft(im, min_side) if min_side else None)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
-                                   f"{kept:.0%} of the image and a marker closes it early, so the rest would be "
+                                   f"{kept:.0%} of the image and {ends}, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
         if fmt == "JPEG" and ("progressive" in img.info or "progression" in img.info) and (
                 scans := incomplete.jpeg_scans_cut(data)) is not None:
-            raise UndecodableImage(f"{name}: the JPEG data is incomplete: it is progressive and a marker closes it "
-                                   f"after {scans} scan{'s' if scans != 1 else ''}, before every part of the "
+            raise UndecodableImage(f"{name}: the JPEG data is incomplete: it is progressive and "
+                                   f"{'its data ends' if _repaired else 'a marker closes it'} after {scans} "
+                                   f"scan{'s' if scans != 1 else ''}, before every part of the "
                                    f"image has arrived, so it would decode blurred (a file cut short); send the "
                                    f"whole file")
         if fmt == "BMP" and img.mode == "RGBA" and img.getchannel("A").getextrema() == (0, 0):
@@ -262,10 +214,24 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     except UndecodableImage:
         raise
     except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
+        fixed = None if _repaired else (repair.jpeg_with_eoi(data, exc) if fmt == "JPEG" else
+                                        repair.png_without_text(data, exc) if fmt == "PNG" else None)
+        if fixed:  # a whole photo without its end marker, or with metadata too large: judged again as it is
+            return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
         if cut := incomplete.container_cut(data):
             raise _cut_short(name, fmt, *cut) from None
+        if repair.cut_short(exc):  # in words, not Pillow's ("image file is truncated (35 bytes not processed)")
+            raise UndecodableImage(f"{name}: the {fmt} data is incomplete: the file ends before its image does "
+                                   f"(a file cut short); send the whole file") from None
         raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
+
+
+def _again(fixed: bytes, start: float, **kwargs) -> Decoded:
+    """``decode`` of ``repair``'s fixed bytes (once: never repaired twice), timed from the first attempt."""
+    d = decode(fixed, _repaired=True, **kwargs)
+    d.decode_ms = (time.perf_counter() - start) * 1e3
+    return d
 
 
 def decoded_pixels(data: bytes, min_side: int | None) -> int:

@@ -1,0 +1,64 @@
+"""What an upload is, from its first bytes: the photo format it starts like (``claimed_format``: a file that
+does and that Pillow cannot open is a damaged photo, 400) or the format it is that this service does not
+decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...). Pure bytes, no Pillow, no torch.
+"""
+
+from __future__ import annotations
+
+# Leading bytes of formats we cannot decode, so the 415 can name them.
+_SIGNATURES = (
+    (b"%PDF", "PDF"), (b"%!PS", "PostScript"), (b"PK\x03\x04", "ZIP"), (b"\x1f\x8b", "gzip"),
+    (b"8BPS", "PSD"), (b"<svg", "SVG"), (b"<?xml", "XML/SVG"), (b"<!doctype html", "HTML"), (b"<html", "HTML"),
+    (b"\x00\x00\x01\x00", "ICO"), (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"),
+    (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"), (b"\xff\x0a", "JPEG XL"),
+    (b"qoif", "QOI"), (b"v/1\x01", "OpenEXR"), (b"DDS ", "DDS"), (b"#?RADIANCE", "Radiance HDR"),
+    (b"#?RGBE", "Radiance HDR"),
+)  # compared case-blind (HTML's doctype is written either way); TGA has no magic bytes
+# Leading bytes of formats we do decode: a file that starts like one but that Pillow cannot even
+# identify claims that format and is broken (400 undecodable), not an unknown format (415).
+# Every format of FORMATS has its magic here (WebP and AVIF, in RIFF and ISO media boxes, in claimed_format).
+_DECODABLE = ((b"\xff\xd8\xff", "JPEG"), (b"\x89PNG\r\n\x1a\n", "PNG"), (b"GIF87a", "GIF"), (b"GIF89a", "GIF"),
+              (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"BM", "BMP"),
+              *((b"P%d" % i, "PPM") for i in range(1, 7)))
+_FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEIF", b"msf1": "HEIF",
+                b"avif": "AVIF", b"avis": "AVIF"}
+
+
+def claimed_format(data: bytes) -> str | None:
+    """The decodable format ``data`` starts like (one of ``FORMATS``, by its magic bytes, or by the start of them
+    where the file is shorter), or None."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WebP"
+    if data[4:8] == b"ftyp" and {b"avif", b"avis"} & set(_ftyp_brands(data)):
+        return "AVIF"
+    for magic, name in _DECODABLE:
+        if data.startswith(magic):
+            return name
+    for magic, name in _DECODABLE:  # cut inside its signature (a 2-byte FF D8): the format it began as, where
+        # the bytes say so (2 of them not ASCII, or 3 or more; "GI" or "P" alone is as likely a text file)
+        if 2 <= len(data) < len(magic) and magic.startswith(data) and (len(data) >= 3 or not data.isascii()):
+            return name
+    return None
+
+
+def _ftyp_brands(data: bytes) -> list[bytes]:
+    """An ISO media file's brands: its major brand, then the compatible ones of its ``ftyp`` box (an AVIF
+    may say ``mif1`` first and ``avif`` among the compatible ones)."""
+    size = min(int.from_bytes(data[:4], "big"), len(data), 256)
+    return [data[8:12]] + [data[i:i + 4] for i in range(16, size - 3, 4)]
+
+
+def sniff_format(data: bytes) -> str | None:
+    """Name the format of bytes Pillow cannot open (HEIC, PDF...), for the 415 message; None if unknown."""
+    if data[4:8] == b"ftyp":
+        return _FTYP_BRANDS.get(data[8:12], "ISO media (" + data[8:12].decode("latin-1") + ")")
+    head = data[:64].lstrip().lower()
+    for magic, name in _SIGNATURES:
+        if head.startswith(magic.lower()):
+            return name
+    return None
+
+
+def article(name: str) -> str:
+    """"a" or "an" before a format's name as it is said: letter by letter for the acronyms (an HTML, an SVG)."""
+    return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG") else "a"

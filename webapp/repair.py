@@ -1,0 +1,66 @@
+"""Whole photos that Pillow refuses for a fault outside their pixels, made decodable; and cut-short files said
+in words.
+
+- ``jpeg_with_eoi``: a JPEG whose data stops without the EOI marker (FF D9) that closes it. Some encoders and
+  streaming writers leave it out, and so does a copy cut exactly after its last scan byte; browsers show such a
+  file. Pillow refuses it ("image file is truncated (35 bytes not processed)": libjpeg waits for the marker).
+  With the marker added it decodes, and ``webapp/incomplete.py`` then judges it as any JPEG closed by EOI:
+  one cut inside its image data (grey fill, or a progressive one blurred) is still refused.
+- ``png_without_text``: a PNG whose compressed metadata (``zTXt``, ``iTXt``, ``iCCP``) inflates past Pillow's
+  guard (``PngImagePlugin.MAX_TEXT_CHUNK``, 1 MiB per chunk, 64 MiB in all: decompression bombs in metadata).
+  The guard is kept; the metadata is dropped and the pixels decoded (the ICC profile is not used anyway:
+  see the README's decoding notes).
+- ``cut_short``: whether a Pillow error means the data ended early ("Truncated File Read", "image file is
+  truncated"), so that the 400 says so in words instead of quoting Pillow.
+
+Pillow-only, no torch. Each runs only after Pillow refused a file, so whole photos pay nothing.
+"""
+
+from __future__ import annotations
+
+import struct
+
+_EOI = b"\xff\xd9"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Ancillary chunks whose compressed payloads Pillow inflates under MAX_TEXT_CHUNK / MAX_TEXT_MEMORY
+# (PngImagePlugin.chunk_zTXt, chunk_iTXt, chunk_iCCP; tEXt is counted in MAX_TEXT_MEMORY too).
+_TEXT_CHUNKS = {b"tEXt", b"zTXt", b"iTXt", b"iCCP"}
+_PILLOW_TEXT_GUARD = ("MAX_TEXT_CHUNK", "MAX_TEXT_MEMORY")
+_PILLOW_CUT = ("Truncated File Read", "image file is truncated")
+
+
+def cut_short(exc: BaseException) -> bool:
+    """Pillow's error ``exc`` says the data ended before the image did."""
+    return any(text in str(exc) for text in _PILLOW_CUT)
+
+
+def jpeg_with_eoi(data: bytes, exc: BaseException) -> bytes | None:
+    """``data`` with the EOI marker appended, where Pillow refused it as truncated (``exc``) and it does not end
+    in EOI already; else None. ``decode`` then decodes it and judges it with ``webapp/incomplete.py``'s checks."""
+    if not cut_short(exc) or data.endswith(_EOI) or not data.startswith(b"\xff\xd8"):
+        return None
+    return data + _EOI
+
+
+def png_without_text(data: bytes, exc: BaseException) -> bytes | None:
+    """``data`` without its text and ICC chunks (``tEXt``, ``zTXt``, ``iTXt``, ``iCCP``), where Pillow refused it
+    for their inflated size (``exc``); else None (also when none was there to drop). Every other chunk,
+    and any bytes after a chunk whose length runs past the end, are kept as they are: a PNG damaged
+    elsewhere stays damaged, and says so when decoded again."""
+    if not any(text in str(exc) for text in _PILLOW_TEXT_GUARD) or not data.startswith(_PNG_SIGNATURE):
+        return None
+    out, pos, dropped = [_PNG_SIGNATURE], len(_PNG_SIGNATURE), False
+    while pos + 12 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        end = pos + 12 + length  # length, type, payload, CRC
+        if end > len(data):
+            break
+        if kind in _TEXT_CHUNKS:
+            dropped = True
+        else:
+            out.append(data[pos:end])
+        pos = end
+        if kind == b"IEND":
+            break
+    out.append(data[pos:])
+    return b"".join(out) if dropped else None
