@@ -290,6 +290,26 @@ def test_an_http_1_0_client_never_gets_100_continue(srv):
         assert status == 200 and b"100 Continue" not in data, data[:200]
 
 
+@pytest.mark.parametrize("path, ctype", [("/api/v1/predict", "image/png"), ("/api/v1/predict", "multipart/form-data; "
+                                          "boundary=b"), ("/", "multipart/form-data; boundary=b"),
+                                          ("/v2/models/resnet18_seeded/infer", "application/json")])
+def test_an_http_1_0_body_without_content_length_is_411(srv, path, ctype):
+    """HTTP/1.0 has no chunked encoding: a body it sends without Content-Length cannot be delimited, and gunicorn
+    reads it as none. The photo that client did send was answered "the file is empty (0 bytes)"; now 411 says
+    what to send. With Content-Length the same request is answered."""
+    body = small_png()
+    request = f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: {ctype}\r\n{AUTH}\r\n".encode()
+    with connect(srv) as sock:
+        sock.sendall(request + body)
+        status, data = read_status(sock)
+        data += sock.recv(65536) if b"\r\n\r\n{" not in data else b""
+        assert status == 411, data[:300]
+        assert b"length_required" in data and b"Content-Length" in data, data[:600]
+    with connect(srv) as sock:
+        sock.sendall(head(length=len(body)).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1) + body)
+        assert read_status(sock)[0] == 200
+
+
 def test_chunked_body_over_the_limit_gets_a_413_the_client_receives(srv):
     with connect(srv) as sock:
         sock.sendall(head(chunked=True))

@@ -49,7 +49,7 @@ def test_served_document_is_the_one_checked(st_app):
     assert {p for p in served["paths"] if not p.startswith("/v2")} == {"/api/v1/predict", "/api/v1/models", "/healthz", "/readyz", "/metrics",
                                     "/openapi.json"}
     predict = served["paths"]["/api/v1/predict"]["post"]
-    assert set(predict["responses"]) == {"200", "400", "405", "408", "413", "415", "429", "500", "503", "504"}
+    assert set(predict["responses"]) == {"200", "400", "405", "408", "411", "413", "415", "429", "500", "503", "504"}
     body = predict["requestBody"]["content"]
     assert body["multipart/form-data"]["schema"]["properties"]["file"]["items"]["format"] == "binary"
     assert body["multipart/form-data"]["schema"]["properties"]["file"]["maxItems"] == CONFIG["MAX_FILES"]

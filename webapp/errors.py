@@ -77,6 +77,18 @@ class Unauthorized(ServiceError):
         super().__init__(message, headers={"WWW-Authenticate": self.CHALLENGE, **(headers or {})})
 
 
+class LengthRequired(ServiceError):
+    status, code = 411, "length_required"
+    when = ("an HTTP/1.0 POST without Content-Length: its body's length cannot be known (RFC 1945 8.3; HTTP/1.1 "
+            "may send `Transfer-Encoding: chunked` instead)")
+
+    @classmethod
+    def http10(cls) -> "LengthRequired":
+        """An HTTP/1.0 request that may carry a body the server cannot delimit (gunicorn reads it as none)."""
+        return cls("an HTTP/1.0 request with a body needs a Content-Length header (without one its length cannot "
+                   "be known); send Content-Length, or use HTTP/1.1")
+
+
 class TooLarge(ServiceError):
     status, code = 413, "too_large"
     when = ("body over the byte limit; too many files; too many pixels in a photo or in the request's photos "
@@ -196,7 +208,8 @@ class InternalError(ServiceError):
 
 # The table, in the README's order.
 ERRORS: tuple[type[ServiceError], ...] = (
-    NoFile, UndecodableImage, BadRequest, Unauthorized, BodyTimeout, TooLarge, NotAnImage, Overloaded, RateLimited,
+    NoFile, UndecodableImage, BadRequest, Unauthorized, BodyTimeout, LengthRequired, TooLarge, NotAnImage, Overloaded,
+    RateLimited,
     NotReady, InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
 )
 for _cls in ERRORS:  # each row's docstring is its own words, not a second copy of them

@@ -279,7 +279,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     metrics = settings.METRICS if metrics is None else metrics
     token = bool(settings.API_TOKEN)
     metrics_token = bool(settings.METRICS_TOKEN or settings.API_TOKEN)
-    errors = (400, 401, 405, 408, 413, 415, 429, 500, 503, 504) if token else (400, 405, 408, 413, 415, 429, 500, 503, 504)
+    errors = (400, 401, 405, 408, 411, 413, 415, 429, 500, 503, 504) if token else (400, 405, 408, 411, 413, 415, 429,
+                                                                                    500, 503, 504)
     image_body = {"type": "string", "format": "binary"}
     topk = {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}
     predict = {

@@ -16,7 +16,7 @@ from werkzeug import formparser
 from werkzeug.sansio.multipart import MultipartDecoder
 from werkzeug.exceptions import HTTPException
 
-from .errors import BadRequest, NoFile, NotAnImage, TooLarge
+from .errors import BadRequest, LengthRequired, NoFile, NotAnImage, TooLarge
 from .contract import ORIGINAL_FORMATS, Original, Upload
 
 RAW_TYPES = ("application/octet-stream",)
@@ -251,6 +251,17 @@ def _header_text(value: str | None) -> str | None:
         return value
 
 
+def require_length(request: Request) -> None:
+    """Refuse an HTTP/1.0 request without Content-Length before reading it: HTTP/1.0 has no chunked encoding, so
+    its body (if it sent one) can only be delimited by its length. gunicorn reads it as no body at all, and the
+    photo the client did send was answered "the file is empty (0 bytes)" (or "no body").
+
+    :raises LengthRequired: HTTP/1.0 and no Content-Length (411).
+    """
+    if request.environ.get("SERVER_PROTOCOL") == "HTTP/1.0" and request.content_length is None:
+        raise LengthRequired.http10()
+
+
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     """The uploads in ``request``, in order.
 
@@ -261,7 +272,9 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         one of ``TEXT_FIELDS`` sent as a file part (a part with a filename).
     :raises NoFile: no body at all (400), whatever its Content-Type.
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
+    :raises LengthRequired: HTTP/1.0 without Content-Length (411, ``require_length``).
     """
+    require_length(request)
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
         boundary = request.mimetype_params.get("boundary")

@@ -168,7 +168,7 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
         "parameters": [header, _ID],
         "requestBody": {"required": True, "content": {"application/json": {"schema": _infer_request(settings)},
                                                       "application/octet-stream": {"schema": binary}}},
-        "responses": {"200": answer, **_errors(400, *((401,) if token else ()), 404, 405, 408, 413, 415, 429, 500,
+        "responses": {"200": answer, **_errors(400, *((401,) if token else ()), 404, 405, 408, 411, 413, 415, 429, 500,
                                                 503, 504)},
         "security": [{"bearerAuth": []}] if token else [{}, {"bearerAuth": []}],
     }
