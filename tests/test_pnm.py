@@ -35,7 +35,7 @@ def _binary_cases():
     for magic, bands in ((b"P5", 1), (b"P6", 3)):
         for maxval in (1, 7, 100, 254, 256, 1000, 4095, 65534, 65535):
             w, h = 37, 300  # over one band of rows
-            values = RNG.integers(0, min(maxval + 3, 65535) + 1, (h, w, bands))  # some over maxval: clamped
+            values = RNG.integers(0, maxval + 1, (h, w, bands))  # over maxval: refused (below), Pillow clamps
             body = values.astype(">u2" if maxval > 255 else "u1").tobytes()
             head = magic + b"\n%d %d\n%d\n" % (w, h, maxval)
             yield f"{magic.decode()}-{maxval}", head + body
@@ -66,6 +66,25 @@ def test_same_bytes_and_errors_as_pillows_own_decoders(name, data):
     ours, pillows = _decode(data, ours=True), _decode(data, ours=False)
     assert ours == pillows, (name, ours if isinstance(ours, str) else ours[:2],
                              pillows if isinstance(pillows, str) else pillows[:2])
+
+
+@pytest.mark.parametrize("magic, maxval", [(b"P5", 100), (b"P6", 100), (b"P6", 4095), (b"P5", 1000), (b"P6", 1)])
+def test_a_binary_sample_over_maxval_is_refused_not_clamped(magic, maxval):
+    """Pillow's Python loop clamped a sample over maxval to white: a damaged or mislabelled file (a 16-bit body
+    under maxval 4095, an 8-bit photo saying 100) was classified as a clipped photo. Netpbm's own tools and the
+    plain decoder refuse it; so does the binary one now, and the service answers 400 naming the sample."""
+    bands = 1 if magic == b"P5" else 3
+    values = RNG.integers(0, maxval + 1, (40, 30, bands))
+    values[39, 29, 0] = maxval + 1  # the very last sample: the whole image is read before it
+    body = values.astype(">u2" if maxval > 255 else "u1").tobytes()
+    data = magic + b"\n30 40\n%d\n" % maxval + body
+    assert _decode(data, ours=True) == "ValueError"
+    with pytest.raises(imaging.UndecodableImage, match=rf"the PPM data is damaged .*a sample is {maxval + 1}, "
+                                                        rf"above the file's maxval {maxval}"):
+        imaging.decode(data, max_pixels=10**6)
+    values[39, 29, 0] = maxval
+    ok = magic + b"\n30 40\n%d\n" % maxval + values.astype(">u2" if maxval > 255 else "u1").tobytes()
+    assert _decode(ok, ours=True) == _decode(ok, ours=False)
 
 
 def test_a_plain_file_read_in_several_chunks(monkeypatch):

@@ -6,8 +6,8 @@ plain (ASCII: P2, P3) file, go through Python loops in ``PpmImagePlugin`` that h
 measured on the 2-core box, a 16-bit PPM decoded at ~0.44 s per MB and a plain PPM at ~0.28 s per MB, against
 ~0.015 s per MB for a JPEG. One 32 MiB upload inside every limit (a 5.6 MP 16-bit PPM) then held a decode
 thread for 15-20 s (tryout, 2026-12-04). These decoders give the same bytes as Pillow's (same rounding:
-``round(value / maxval * out_max)`` in float64, half to even; the same errors for out-of-range values) at
-numpy speed, in bands of rows so a big image never needs more than a few MB at once. Plain PBM (P1) stays
+``round(value / maxval * out_max)`` in float64, half to even; the same errors for out-of-range values, and
+an error where Pillow's binary loop clamped a sample over maxval) at numpy speed, in bands of rows so a big image never needs more than a few MB at once. Plain PBM (P1) stays
 with Pillow: its loop works on whole blocks and is fast.
 
 ``install()`` registers them with Pillow under its own decoder names (``ppm``, ``ppm_plain``), so
@@ -34,10 +34,18 @@ def _scale(values: np.ndarray, maxval: int, mode: str) -> bytes:
     return scaled.astype(dtype).tobytes()
 
 
+def _within(values: np.ndarray, maxval: int) -> None:
+    """:raises ValueError: a sample over the file's maxval (Netpbm: every sample is 0..maxval)."""
+    if values.size and (top := int(values.max())) > maxval:
+        raise ValueError(f"a sample is {top}, above the file's maxval {maxval}")
+
+
 class BinaryDecoder(ImageFile.PyDecoder):
     """Pillow's ``ppm`` decoder (binary P5/P6 whose maxval is not 255) in numpy: 1 or 2 big-endian bytes a
-    sample, scaled to 0..255 (0..65535 for mode ``I``), values over maxval clamped; a short file decodes
-    whole pixels only and Pillow then raises ``ValueError("not enough image data")``, as before."""
+    sample, scaled to 0..255 (0..65535 for mode ``I``); a short file decodes whole pixels only and Pillow then
+    raises ``ValueError("not enough image data")``, as before. A sample over maxval raises ``ValueError``, as
+    the plain decoder (and Netpbm's own tools) do: Pillow's Python loop clamped it, so a damaged or
+    mislabelled file (a 16-bit body under an 8-bit maxval) was classified as a white-clipped photo."""
 
     _pulls_fd = True
 
@@ -51,7 +59,9 @@ class BinaryDecoder(ImageFile.PyDecoder):
             want = min(_ROWS, self.state.ysize - top) * row
             raw = self.fd.read(want * dtype.itemsize)
             count = len(raw) // (dtype.itemsize * bands) * bands
-            out += _scale(np.frombuffer(raw, dtype, count), maxval, self.mode)
+            values = np.frombuffer(raw, dtype, count)
+            _within(values, maxval)
+            out += _scale(values, maxval, self.mode)
             if count < want:
                 break
         self.set_as_raw(bytes(out), "I;32" if self.mode == "I" else self.mode)
@@ -78,8 +88,7 @@ class PlainDecoder(PpmImagePlugin.PpmPlainDecoder):
                 if hash_at >= 0 and not re.search(rb"[\r\n]", text[hash_at:]):
                     text, carry = text[:hash_at], text[hash_at:] + carry  # a comment still open
             values = _tokens(_COMMENT.sub(b"", text), need - got)
-            if values.size and values.max() > maxval:
-                raise ValueError(f"Channel value too large for this mode: {int(values.max())}")
+            _within(values, maxval)
             out += _scale(values, maxval, self.mode)
             got += values.size
             if not block:
