@@ -22,7 +22,8 @@ from torchvision.transforms import InterpolationMode, v2
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
 from webapp.formats import claimed_format
 from webapp.imaging import (FORMATS, build_transform, center_limit, check_request_pixels, decode,
-                            decoded_pixels, preprocess, to_rgb)
+                            decoded_pixels, preprocess)
+from webapp.modes import to_rgb
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
@@ -1085,3 +1086,82 @@ def test_a_png_whose_metadata_pillow_will_not_inflate_is_still_the_photo(kind, w
     broken = data[:-30]
     with pytest.raises(UndecodableImage):
         decode(broken, max_pixels=BIG, min_side=224)
+
+
+# ---------------------------------------------------------------- sample ranges a file declares
+
+def _grey_tiff(samples: np.ndarray, bits: int, sample_format: int) -> bytes:
+    """An uncompressed little-endian one-band TIFF of ``samples`` (2-D), written by hand: Pillow cannot write
+    unsigned 32-bit or signed 16-bit samples. ``sample_format``: TIFF tag 339 (1 unsigned, 2 signed, 3 float)."""
+    h, w = samples.shape
+    dtype = {(32, 1): "<u4", (32, 2): "<i4", (16, 2): "<i2", (16, 1): "<u2", (32, 3): "<f4"}[bits, sample_format]
+    pixels_ = samples.astype(dtype).tobytes()
+    tags = [(256, 4, w), (257, 4, h), (258, 3, bits), (259, 3, 1), (262, 3, 1), (273, 4, 0), (277, 3, 1),
+            (278, 4, h), (279, 4, len(pixels_)), (339, 3, sample_format)]
+    ifd_at = 8
+    data_at = ifd_at + 2 + 12 * len(tags) + 4
+    entries = b"".join(struct.pack("<HHI", tag, kind, 1) + (struct.pack("<I", data_at if tag == 273 else value)
+                                                             if kind == 4 else struct.pack("<HH", value, 0))
+                       for tag, kind, value in tags)
+    return b"II*\x00" + struct.pack("<I", ifd_at) + struct.pack("<H", len(tags)) + entries + b"\x00" * 4 + pixels_
+
+
+@pytest.mark.parametrize("bits, sample_format, top, white", [
+    (32, 2, 2**31 - 1, 2**31 - 1), (32, 1, 2**32 - 1, 2**32 - 1),  # full range (unsigned: over 2**31 too)
+    (32, 2, 1_000_000, 1_000_000),  # a 20-bit sensor's data: from 0 to its maximum
+    (32, 2, 65535, 65535), (32, 1, 40000, 65535),  # 16-bit data in a 32-bit file (Pillow writes mode I so)
+    (16, 2, 32767, 32767), (16, 1, 65535, 65535)])
+def test_integer_greys_are_scaled_from_the_range_they_use(bits, sample_format, top, white):
+    """A 32-bit integer TIFF was read as 16-bit: every sample over 65535 clipped white. 16-bit data in a 32-bit
+    file stays 16-bit; wider data is scaled from 0 to its maximum; negatives are black."""
+    levels = np.array([0, 0.25, 0.5, 0.75, 1.0])
+    samples = np.repeat(np.rint(levels * top)[None, :], 4, axis=0)
+    if sample_format == 2:
+        samples[0, 0] = -top  # a negative sample: black
+    got = pixels(decode(_grey_tiff(samples, bits, sample_format), max_pixels=BIG).image)
+    assert got.shape == (4, 5, 3) and (got == got[..., :1]).all()
+    want = np.rint(np.rint(levels * top) * 255 / white).astype(int).tolist()
+    assert got[1, :, 0].tolist() == want, (bits, sample_format, got[1, :, 0])
+    assert got[0, 0, 0] == 0
+
+
+@pytest.mark.parametrize("top, white", [(1.0, 1.0), (200.0, 255.0), (255.0, 255.0), (4095.0, 4095.0),
+                                        (65535.0, 65535.0), (1e6, 1e6)])
+def test_float_greys_are_scaled_from_a_range_that_holds_them(top, white):
+    """A float TIFF declares no range: [0, 1] or [0, 255] where its maximum fits (a photo's conventions), else
+    [0, maximum]. One holding 16-bit data (0..65535) came out clipped white, every sample over 255."""
+    samples = np.repeat((np.array([0, 0.25, 0.5, 1.0]) * top)[None, :], 3, axis=0)
+    got = pixels(decode(_grey_tiff(samples, 32, 3), max_pixels=BIG).image)[1, :, 0]
+    assert got.tolist() == np.rint(np.array([0, 0.25, 0.5, 1.0]) * top * 255 / white).astype(int).tolist()
+
+
+# ----------------------------------------------------------------------------- animations
+
+@pytest.mark.parametrize("fmt", ["GIF", "PNG", "WEBP"])
+@pytest.mark.parametrize("blank_frames", [0, 1, 3])
+def test_an_animation_is_classified_by_its_first_frame_that_shows(fmt, blank_frames):
+    """An animation fading in from a transparent first frame (GIF, APNG, WebP) was classified as that frame
+    composited on white: a blank page. The first frame at least half visible is the photo; an animation whose
+    first frame shows is taken as it is (its later frames are never decoded)."""
+    clear = Image.new("RGBA", (64, 48), (0, 0, 0, 0))
+    photo = _photo_like(64, 48).convert("RGBA")
+    later = Image.new("RGBA", (64, 48), (20, 200, 40, 255))
+    frames = [clear] * blank_frames + [photo, later]
+    buf = io.BytesIO()
+    kwargs = {"disposal": 2} if fmt == "GIF" else {"lossless": True} if fmt == "WEBP" else {}
+    frames[0].save(buf, fmt, save_all=True, append_images=frames[1:], duration=100, loop=0, **kwargs)
+    data = buf.getvalue()
+    made = Image.open(io.BytesIO(data))  # (Pillow's writers merge equal consecutive frames: 3 blank ones are 1)
+    assert made.n_frames >= 2 and (made.convert("RGBA").getchannel("A").getextrema() == (0, 0)) == (blank_frames > 0)
+    got = pixels(decode(data, max_pixels=BIG).image).astype(int)
+    want = pixels(photo.convert("RGB")).astype(int)
+    tolerance = 40 if fmt == "GIF" else 0  # GIF's 256-colour palette
+    assert np.abs(got - want).mean() <= tolerance / 4 and got.std() > 20, (fmt, blank_frames)
+
+
+def test_an_animation_that_never_shows_much_uses_its_most_visible_frame():
+    faint = [Image.new("RGBA", (32, 32), (200, 0, 0, a)) for a in (0, 10, 60, 30)]
+    buf = io.BytesIO()
+    faint[0].save(buf, "PNG", save_all=True, append_images=faint[1:], duration=100)
+    got = pixels(decode(buf.getvalue(), max_pixels=BIG).image)
+    assert tuple(got[0, 0]) == tuple(round(255 - (255 - c) * 60 / 255) for c in (200, 0, 0))  # alpha 60 on white

@@ -18,7 +18,6 @@ import re
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
@@ -27,6 +26,7 @@ from . import exif, incomplete, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
 from .formats import article, claimed_format, sniff_format
+from .modes import to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
@@ -54,68 +54,6 @@ class Decoded:
     size: tuple[int, int]
     format: str
     decode_ms: float
-
-
-_BAND = 256  # rows converted at a time from 16-bit and float images (an 8000 px wide band: ~16 MB in float64)
-
-
-def _bands(img: Image.Image):
-    """``img``'s rows as numpy arrays ``(<= _BAND, W)``, top to bottom (``np.asarray`` of the whole image
-    would copy it twice: its bytes, then the array)."""
-    for top in range(0, img.height, _BAND):
-        yield np.asarray(img.crop((0, top, img.width, min(img.height, top + _BAND))))
-
-
-def _to_l(img: Image.Image, convert) -> Image.Image:
-    """A one-band ``img`` to an RGB image of its grey levels, ``convert`` (a band of rows -> uint8) run a band of
-    ``_BAND`` rows at a time, so no whole-image intermediate is ever made."""
-    out = np.empty((img.height, img.width), np.uint8)
-    for i, band in zip(range(0, img.height, _BAND), _bands(img)):
-        out[i:i + _BAND] = convert(band)
-    return Image.fromarray(out, "L").convert("RGB")
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> RGB, deterministically.
-
-    Alpha (RGBA, LA, PA, P or RGB/L with a transparency key) is composited on white; 16-bit
-    grayscale (I;16*, I) is scaled by 1/257 so mid-grey stays mid-grey; float (F) is taken as
-    [0, 1] when its maximum is <= 1 else as [0, 255]; 1, L, P, CMYK, YCbCr, ... use Pillow's
-    conversion (CMYK JPEGs are normalised to plain CMYK in ``decode`` first).
-
-    :raises UndecodableImage: for a mode Pillow cannot convert to RGB.
-    """
-    mode = img.mode
-    if mode == "RGB" and "transparency" not in img.info:
-        return img
-    if mode.startswith("I;16") or mode == "I":
-        # rint(v / 257) clipped to 0..255, as (v + 128) // 257 on v clipped to 0..65535 (equal: 257 is odd,
-        # so v / 257 is never a half), a band of rows at a time: a whole-image float64 copy cost ~1.6 GB
-        # for an 80 MP 16-bit PNG of 155 KB.
-        return _to_l(img, lambda band: ((np.clip(band, 0, 65535).astype(np.uint32) + 128) // 257).astype(np.uint8))
-    if mode == "F":
-        def finite(band):
-            # A signalling NaN (any bit pattern a file may hold) raises numpy's "invalid value" on the cast:
-            # it becomes 0 like every NaN, without the warning.
-            with np.errstate(invalid="ignore"):
-                return np.nan_to_num(band.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
-
-        peak = max((float(finite(band).max()) for band in _bands(img) if band.size), default=0.0)
-        scale = 255.0 if img.width * img.height and peak <= 1.0 else 1.0
-        return _to_l(img, lambda band: np.clip(np.rint(finite(band) * scale), 0, 255).astype(np.uint8))
-    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
-    try:
-        if has_alpha:
-            rgba = img if mode == "RGBA" else img.convert("RGBA")
-            alpha = rgba.getchannel("A")
-            if alpha.getextrema()[0] == 255:  # fully opaque: skip the composite (and its copies)
-                return rgba.convert("RGB")
-            out = Image.new("RGB", rgba.size, (255, 255, 255))
-            out.paste(rgba, mask=alpha)  # rgb * a + white * (1 - a)
-            return out
-        return img.convert("RGB")
-    except (ValueError, OSError) as exc:
-        raise UndecodableImage(f"cannot convert colour mode {mode} to RGB: {exc}") from None
 
 
 def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int | None = None,
@@ -197,6 +135,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                                    f"scan{'s' if scans != 1 else ''}, before every part of the "
                                    f"image has arrived, so it would decode blurred (a file cut short); send the "
                                    f"whole file")
+        visible_frame(img)
         if fmt == "BMP" and img.mode == "RGBA" and img.getchannel("A").getextrema() == (0, 0):
             # A 32-bit BMP whose alpha bytes are all 0: writers that leave the 4th byte unset (or mark it
             # as alpha without filling it). Browsers show it opaque (Chromium's BMPImageReader and

@@ -1,0 +1,123 @@
+"""Any decoded Pillow image to the RGB picture a person sees: the frame of an animation that shows
+(``visible_frame``), and every mode to RGB (``to_rgb``: alpha on white, 16-bit, 32-bit and float samples
+scaled from the range they use, CMYK converted). ``webapp/imaging.py``'s ``decode`` calls both; numpy
+and Pillow only, no torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from .errors import UndecodableImage
+
+_FRAMES_JUDGED = 8  # an animation's first frames looked at for a visible one
+
+
+def _visible(img: Image.Image) -> float:
+    """How much of the loaded frame shows: its mean alpha (0..255; 255 for a frame without transparency)."""
+    if img.mode not in ("RGBA", "LA", "PA", "RGBa", "La") and "transparency" not in img.info:
+        return 255.0
+    return float(np.asarray(img.convert("RGBA").getchannel("A"), np.float32).mean())
+
+
+def visible_frame(img: Image.Image) -> None:
+    """Move an animation whose first frame is mostly transparent (under half: mean alpha < 128, the start of a
+    fade-in) to its first frame that is at least half visible, among its first ``_FRAMES_JUDGED``, else to
+    the most visible of them. Composited on white, a transparent first frame was classified as a blank
+    page. A still image, or an animation whose first frame shows, stays as it is (nothing else decoded)."""
+    if not getattr(img, "is_animated", False) or (best := (_visible(img), 0))[0] >= 128:
+        return
+    for i in range(1, min(img.n_frames, _FRAMES_JUDGED)):
+        img.seek(i)
+        img.load()
+        if (seen := _visible(img)) >= 128:
+            return
+        best = max(best, (seen, i))
+    img.seek(best[1])
+    img.load()
+
+
+_BAND = 256  # rows converted at a time from 16-bit and float images (an 8000 px wide band: ~16 MB in float64)
+
+
+def _bands(img: Image.Image):
+    """``img``'s rows as numpy arrays ``(<= _BAND, W)``, top to bottom (``np.asarray`` of the whole image
+    would copy it twice: its bytes, then the array)."""
+    for top in range(0, img.height, _BAND):
+        yield np.asarray(img.crop((0, top, img.width, min(img.height, top + _BAND))))
+
+
+def _to_l(img: Image.Image, convert) -> Image.Image:
+    """A one-band ``img`` to an RGB image of its grey levels, ``convert`` (a band of rows -> uint8) run a band of
+    ``_BAND`` rows at a time, so no whole-image intermediate is ever made."""
+    out = np.empty((img.height, img.width), np.uint8)
+    for i, band in zip(range(0, img.height, _BAND), _bands(img)):
+        out[i:i + _BAND] = convert(band)
+    return Image.fromarray(out, "L").convert("RGB")
+
+
+def _declared(img: Image.Image) -> tuple[int, bool]:
+    """(bits, signed) of a mode-I image's samples, as its TIFF declares them (tags 258 BitsPerSample, 339
+    SampleFormat); (16, False) for every other file (16-bit PNG, PGM/PPM)."""
+    tags = getattr(img, "tag_v2", None)
+    if tags is None:
+        return 16, False
+    bits, fmt = tags.get(258, (16,)), tags.get(339, (1,))
+    bits, fmt = (bits[0] if isinstance(bits, tuple) else bits), (fmt[0] if isinstance(fmt, tuple) else fmt)
+    return (bits, fmt == 2) if bits in (16, 32) else (16, False)
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode -> RGB, deterministically.
+
+    Alpha (RGBA, LA, PA, P or RGB/L with a transparency key) is composited on white; 16-bit
+    grayscale (I;16*, I) is scaled by 1/257 so mid-grey stays mid-grey (signed 16-bit from 0..32767); a
+    32-bit integer TIFF as 16-bit where its samples fit (what Pillow writes for a mode-I image), else from
+    0 to its maximum (samples over 65535 were clipped white); negatives are black;
+    float (F, which declares no range) from [0, 1] or [0, 255] where its maximum fits, else from [0, maximum]
+    (a 32-bit float TIFF of 16-bit data was clipped white); 1, L, P, CMYK,
+    YCbCr, ... use Pillow's conversion (CMYK JPEGs are normalised to plain CMYK in ``decode`` first).
+
+    :raises UndecodableImage: for a mode Pillow cannot convert to RGB.
+    """
+    mode = img.mode
+    if mode == "RGB" and "transparency" not in img.info:
+        return img
+    if mode.startswith("I;16") or mode == "I":
+        bits, signed = _declared(img)
+        if bits == 32 or signed:
+            def wide(band):  # uint32 samples arrive in Pillow's int32: read their bits back as unsigned
+                return band.astype(np.int64) & 0xFFFFFFFF if bits == 32 and not signed else band.astype(np.int64)
+
+            peak = max((int(wide(band).max()) for band in _bands(img) if band.size), default=0)
+            white = 32767 if bits == 16 else 65535 if peak <= 65535 else peak
+            return _to_l(img, lambda band: np.rint(np.clip(wide(band), 0, white) * (255 / white)).astype(np.uint8))
+        # rint(v / 257) clipped to 0..255, as (v + 128) // 257 on v clipped to 0..65535 (equal: 257 is odd,
+        # so v / 257 is never a half), a band of rows at a time: a whole-image float64 copy cost ~1.6 GB
+        # for an 80 MP 16-bit PNG of 155 KB.
+        return _to_l(img, lambda band: ((np.clip(band, 0, 65535).astype(np.uint32) + 128) // 257).astype(np.uint8))
+    if mode == "F":
+        def finite(band):
+            # A signalling NaN (any bit pattern a file may hold) raises numpy's "invalid value" on the cast:
+            # it becomes 0 like every NaN, without the warning.
+            with np.errstate(invalid="ignore"):
+                return np.nan_to_num(band.astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+
+        peak = max((float(finite(band).max()) for band in _bands(img) if band.size), default=0.0)
+        white = 1.0 if peak <= 1.0 else 255.0 if peak <= 255.0 else peak
+        scale = 255.0 / white
+        return _to_l(img, lambda band: np.clip(np.rint(finite(band) * scale), 0, 255).astype(np.uint8))
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
+    try:
+        if has_alpha:
+            rgba = img if mode == "RGBA" else img.convert("RGBA")
+            alpha = rgba.getchannel("A")
+            if alpha.getextrema()[0] == 255:  # fully opaque: skip the composite (and its copies)
+                return rgba.convert("RGB")
+            out = Image.new("RGB", rgba.size, (255, 255, 255))
+            out.paste(rgba, mask=alpha)  # rgb * a + white * (1 - a)
+            return out
+        return img.convert("RGB")
+    except (ValueError, OSError) as exc:
+        raise UndecodableImage(f"cannot convert colour mode {mode} to RGB: {exc}") from None
