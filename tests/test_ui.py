@@ -283,3 +283,13 @@ def test_the_forms_photos_are_bounded_together(make_app):
     refused = client.post("/", data=photos(4), headers={"Accept-Language": "en"})
     html = refused.get_data(as_text=True)
     assert refused.status_code == 413 and "CLASSIFIER_MAX_REQUEST_PIXELS" in html and "4,096" in html, html[-2000:]
+
+
+def test_an_empty_file_is_said_to_be_empty_not_unchosen(client):
+    """A chosen file of 0 bytes was told "choose a photo first": the person had chosen one."""
+    resp = client.post("/", data={"file": [(io.BytesIO(b""), "empty.jpg")]}, headers={"Accept-Language": "en"})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 400 and "empty.jpg" in html and "0 bytes" in html, html[-1500:]
+    assert "choose a photo first" not in html
+    zh = client.post("/", data={"file": [(io.BytesIO(b""), "empty.jpg")]}, headers={"Accept-Language": "zh"})
+    assert "0 字节" in zh.get_data(as_text=True)

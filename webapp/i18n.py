@@ -77,7 +77,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "timing_label": "Time taken",
         "error_title": "Could not classify that",
         "error_title_no_page": "No such page",
-        "err_no_file": "No photo was received: choose a photo first.",
+        "err_no_file": "No photo was received: the file is empty (0 bytes), or none was chosen.",
         "err_length_required": "The browser sent the photo without saying its size: try another browser.",
         "err_too_large": "Too large: this photo (or this many photos at once) is more than the server accepts.",
         "err_unsupported_media_type": "Not a photo: the server cannot read this kind of file "
@@ -147,7 +147,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "timing_label": "耗时",
         "error_title": "无法识别",
         "error_title_no_page": "没有这个页面",
-        "err_no_file": "没有收到照片：请先选择一张照片。",
+        "err_no_file": "没有收到照片：文件是空的（0 字节），或者没有选择文件。",
         "err_length_required": "浏览器发送照片时没有说明其大小：请换一个浏览器再试。",
         "err_too_large": "文件太大：这张照片（或一次上传的照片数量）超出了服务器的限制。",
         "err_unsupported_media_type": "这不是照片：服务器无法读取这种文件（支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF、PPM）。",
