@@ -526,7 +526,14 @@ def test_a_progressive_jpeg_with_markers_inside_its_exif_thumbnail_and_restart_m
     (b"\x00\x00\x00\x0cJXL \r\n\x87\n" + b"\x00" * 64, "a JPEG XL file"),
     (b"v/1\x01\x02\x00\x00\x00channels" + b"\x00" * 64, "an OpenEXR file"),
     (b"#?RADIANCE\nFORMAT=32-bit_rle_rgbe\n\n-Y 2 +X 2\n" + b"\x80" * 16, "a Radiance HDR file"),
-    (encode(Image.new("RGB", (16, 16)), "TGA"), None),  # no magic bytes to name it by (and never taken for CUR)
+    (encode(Image.new("RGB", (16, 16)), "TGA"), "a TGA file"),  # by its 2.0 footer (no leading magic; never a CUR)
+    (encode(Image.new("RGB", (16, 16)), "TGA")[:-26], None),  # a TGA 1.0 (no footer): nothing to name it by
+    (encode(Image.new("RGB", (16, 16)), "PCX"), "a PCX file"),
+    (encode(Image.new("RGB", (16, 16)), "SGI"), "an SGI file"),
+    (encode(Image.new("1", (16, 16)), "XBM"), "an XBM file"),
+    (b"P7\nWIDTH 2\nHEIGHT 2\nDEPTH 3\nMAXVAL 255\nTUPLTYPE RGB\nENDHDR\n" + b"\x00" * 12, "a PAM file"),
+    (b"RIFF\x00\x10\x00\x00AVI LIST" + b"\x00" * 64, "an AVI video file"),
+    (b"\x1a\x45\xdf\xa3" + b"\x00" * 64, "a Matroska/WebM video file"),
 ])
 def test_non_images_are_415_and_named(data, named):
     """The 415 names what was sent where its leading bytes say (with the article as the name is said)."""

@@ -12,7 +12,9 @@ _SIGNATURES = (
     (b"\x00\x00\x01\x00", "ICO"), (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "JPEG 2000"),
     (b"\xff\x4f\xff\x51", "JPEG 2000"), (b"\x00\x00\x00\x0cJXL \r\n\x87\n", "JPEG XL"), (b"\xff\x0a", "JPEG XL"),
     (b"qoif", "QOI"), (b"v/1\x01", "OpenEXR"), (b"DDS ", "DDS"), (b"#?RADIANCE", "Radiance HDR"),
-    (b"#?RGBE", "Radiance HDR"),
+    (b"#?RGBE", "Radiance HDR"), (b"P7\n", "PAM"), (b"\x01\xda", "SGI"), (b"\x59\xa6\x6a\x95", "Sun raster"),
+    (b"#define ", "XBM"), (b"/* XPM */", "XPM"), (b"SIMPLE  =", "FITS"), (b"\x1a\x45\xdf\xa3", "Matroska/WebM video"),
+    (b"OggS", "Ogg"), (b"ID3", "MP3"), (b"{\\rtf", "RTF"), (b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1", "Microsoft Office"),
 )  # compared case-blind (HTML's doctype is written either way); TGA has no magic bytes
 # Leading bytes of formats we do decode: a file that starts like one but that Pillow cannot even
 # identify claims that format and is broken (400 undecodable), not an unknown format (415).
@@ -56,9 +58,16 @@ def sniff_format(data: bytes) -> str | None:
     for magic, name in _SIGNATURES:
         if head.startswith(magic.lower()):
             return name
+    if data[:4] == b"RIFF":  # WebP is decoded (claimed_format); other RIFF files are audio or video
+        return {b"AVI ": "AVI video", b"WAVE": "WAV audio"}.get(data[8:12], "RIFF")
+    if data.endswith(b"TRUEVISION-XFILE.\x00"):  # TGA 2.0's footer: TGA has no leading magic
+        return "TGA"
+    if len(data) >= 128 and data[0] == 0x0A and data[1] in (0, 2, 3, 4, 5) and data[2] in (0, 1) and \
+            data[3] in (1, 2, 4, 8):  # PCX: manufacturer 10, version, RLE flag, bits per pixel (no real magic)
+        return "PCX"
     return None
 
 
 def article(name: str) -> str:
     """"a" or "an" before a format's name as it is said: letter by letter for the acronyms (an HTML, an SVG)."""
-    return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG") else "a"
+    return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG", "SGI", "XBM", "XPM", "MP3", "RTF") else "a"
