@@ -344,3 +344,16 @@ def test_a_decode_past_the_request_timeout_says_so(make_app, monkeypatch):
     resp = app.test_client().post("/api/v1/predict", data=small_png(), content_type="image/png")
     msg = assert_error(resp, 504, "timeout")
     assert "still being decoded" in msg and "CLASSIFIER_REQUEST_TIMEOUT_S" in msg and "fewer or smaller" in msg
+
+
+@pytest.mark.parametrize("how", ["raw", "multipart"])
+def test_original_fields_in_the_query_string_are_refused_not_ignored(client, how):
+    """``?original_width=4032&...`` beside a raw body was ignored without a word: the answer described the copy
+    sent, while the client believed it described the original."""
+    query = "original_width=4032&original_height=3024&original_format=JPEG&original_bytes=3000000"
+    if how == "raw":
+        resp = client.post(f"/api/v1/predict?{query}", data=small_png(), content_type="image/png")
+    else:
+        resp = client.post(f"/api/v1/predict?{query}", data={"file": (io.BytesIO(small_png()), "a.png")})
+    msg = assert_error(resp, 400, "bad_request")
+    assert "original_width" in msg and "query" in msg and "multipart form field" in msg

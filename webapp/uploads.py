@@ -268,13 +268,19 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises NoFile: multipart without a ``file`` part, or with only empty ones (400).
     :raises TooLarge: more than ``max_files`` files, or a body over ``MAX_CONTENT_LENGTH`` (413;
         Werkzeug raises its own 413 when Content-Length already says so).
-    :raises BadRequest: a malformed multipart body, bad ``original_*`` fields (400; see ``read_originals``), or
+    :raises BadRequest: a malformed multipart body, bad ``original_*`` fields (400; see ``read_originals``) or any
+        in the query string (read from the form only, they were ignored there), or
         one of ``TEXT_FIELDS`` sent as a file part (a part with a filename).
     :raises NoFile: no body at all (400), whatever its Content-Type.
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
     :raises LengthRequired: HTTP/1.0 without Content-Length (411, ``require_length``).
     """
     require_length(request)
+    if in_query := [f for f in ORIGINAL_FIELDS if f in request.args]:  # read only beside their files: was ignored
+        raise BadRequest(f"{in_query[0]} is a multipart form field, one per file part, not a query parameter (the "
+                         f"answer would have described the photo sent, not its original); send the photo as "
+                         f"multipart field 'file' with original_width, original_height, original_format and "
+                         f"original_bytes beside it")
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
         boundary = request.mimetype_params.get("boundary")
