@@ -46,7 +46,8 @@ SERVERS = {
     "queue": ("wsgi:app", 1, [], {}, dict(MODEL="resnet18_seeded", WORKERS=1, THREADS=1, QUEUE_SIZE=2,
                                           MAX_BATCH_SIZE=1)),
     "timeout": ("wsgi:app", 1, [], {}, dict(MODEL="resnet18_seeded", WORKERS=1, MAX_BATCH_SIZE=4,
-                                            REQUEST_TIMEOUT_S=0.05, QUEUE_SIZE=256, MAX_WAIT_MS=NO_TIME_LIMIT)),  # no 429
+                                            REQUEST_TIMEOUT_S=0.05, QUEUE_SIZE=256, MAX_WAIT_MS=NO_TIME_LIMIT,
+                                            MAX_REQUEST_PIXELS=2**40)),  # no 429; 8 x 80 MP PNGs decoded, not 413
     "drain": ("wsgi:app", 2, [], {}, dict(MODEL="resnet18_seeded", WORKERS=2, MAX_BATCH_SIZE=4,
                                           MAX_WAIT_MS=NO_TIME_LIMIT)),
     "faulty": ("faulty_wsgi:app", 1, [], {
