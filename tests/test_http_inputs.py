@@ -372,6 +372,22 @@ def test_truncated_jpeg_is_undecodable(srv):
     assert "half.jpg" in msg
 
 
+def test_whole_photos_pillow_refused_get_the_photos_answer(srv, small_dog):
+    """A JPEG without its final EOI marker, a PNG whose zTXt comment inflates past Pillow's 1 MiB guard, an
+    APNG fading in from a transparent frame: each was a 400 (or a blank page's labels); each now gets the answer
+    of the photo it holds, the same as the plain file's."""
+    whole = shared_image("dog.jpg").read_bytes()
+    assert predictions(classify(srv, whole[:-2], "no-eoi.jpg")) == predictions(classify(srv, whole, "dog.jpg"))
+    plain = png_bytes(small_dog)
+    at = plain.index(b"IDAT") - 4
+    comment = png_chunk(b"zTXt", b"Comment\x00\x00" + zlib.compress(b"a" * (2 * 2**20)))
+    assert predictions(classify(srv, plain[:at] + comment + plain[at:], "ztxt.png")) == \
+        predictions(classify(srv, plain, "plain.png"))
+    clear = Image.new("RGBA", small_dog.size, (0, 0, 0, 0))
+    fade = encode(clear, "PNG", save_all=True, append_images=[small_dog.convert("RGBA")], duration=100)
+    assert predictions(classify(srv, fade, "fade-in.png")) == predictions(classify(srv, plain, "plain.png"))
+
+
 @pytest.mark.parametrize("data, named", [
     (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<< /Type /Catalog >>\nendobj\n" + b"\x00" * 200, "PDF"),
     (b"hello, this is a text file and not a photo\n" * 20, None),
