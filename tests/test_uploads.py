@@ -1,6 +1,6 @@
 """Reading uploads (webapp/uploads.py): the optional ``original_*`` fields a client sends with a photo
 it scaled before upload (the page does, in the browser), validated, carried through ``Upload.original``
-and reported by ``service.answer`` as the photo's, with ``scaled_by_client`` saying what arrived."""
+and reported by ``answers.answer`` as the photo's, with ``scaled_by_client`` saying what arrived."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_limits_are_inclusive_and_every_format_is_known():
 
 
 def test_the_shared_answer_reports_the_original(app):
-    """``service.answer`` (the gunicorn worker's and the Ray replica's) reads ``Upload.original``."""
+    """``answers.answer`` (the gunicorn worker's and the Ray replica's) reads ``Upload.original``."""
     clf = app.extensions["classifier"]
     up = Upload("p.jpg", SCALED, Original(4032, 3024, "HEIC", 2_500_000))
     scaled, plain = clf.classify([up, Upload("q.jpg", SCALED)], topk=1)["results"]
@@ -222,3 +222,18 @@ def test_a_part_without_a_name_is_400_no_file_not_a_500(client, parts, said):
         assert resp.status_code == 400, (url, resp.status_code, resp.get_data(as_text=True)[:300])
     error = client.post("/api/v1/predict", data=body, content_type="multipart/form-data; boundary=XX").get_json()["error"]
     assert error["code"] == "no_file" and said in error["message"], error
+
+
+@pytest.mark.parametrize("width, height, ok", [(80, 60, True), (81, 61, True), (79, 60, True), (78, 60, False),
+                                               (80, 58, False), (10, 10, False), (65535, 65535, True)])
+def test_an_original_smaller_than_the_copy_received_is_refused(client, width, height, ok):
+    """``original_width=10`` beside an 80x60 copy was reported as the photo's size: a scaled copy is never
+    larger than its original (one pixel of rounding allowed), so such fields are a client's bug, said as one."""
+    fields = {**ORIGINAL, "original_width": str(width), "original_height": str(height)}
+    resp = post(client, [("c.jpg", SCALED)], **fields)
+    if ok:
+        assert resp.status_code == 200 and resp.get_json()["results"][0]["width"] == width
+    else:
+        body = resp.get_json()["error"]
+        assert resp.status_code == 400 and body["code"] == "bad_request", body
+        assert f"{width}x{height}" in body["message"] and "80x60" in body["message"] and "c.jpg" in body["message"]

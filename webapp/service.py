@@ -21,10 +21,11 @@ import torch
 
 from . import balance, cpu, imaging, preload, startup
 from .admission import Admission, Ticket
-from .batcher import InferenceBatcher, Result
+from .batcher import InferenceBatcher
 from .concurrency import Offloader, StillRunning, keep_alive, lower_this_thread, peer_closed, peer_sending
 from .contract import Upload
 from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, StartupError
+from .answers import answer, check_originals
 from .imaging import Prepared
 from .models import encode
 
@@ -37,41 +38,6 @@ __all__ = ["Classifier", "Upload", "answer", "encode"]
 _TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("admission_ticket", default=None)
 # Whether this request counts as in progress for webapp/balance.py (from admit to end_request).
 _COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("counted_in_progress", default=False)
-
-
-def answer(model: dict, categories: list[str], uploads: list[Upload], prepared: list[Prepared],
-           outcomes: list[Result], *, topk: int, start: float, decode_ms: float) -> dict:
-    """The JSON answer of one request from each upload's ``Prepared`` and its batcher ``Result``.
-
-    ``model`` is the answers' ``model`` object; ``start`` the request's ``time.perf_counter()`` at
-    arrival; times in the answer are ms. Shared by the Ray Serve replica, so both paths answer alike.
-    Each result's ``width``, ``height`` (px), ``format`` and ``bytes`` describe the photo: the upload,
-    or, where the client scaled it before sending (``Upload.original``), the original it describes;
-    ``scaled_by_client`` then gives the same four of what was actually received and decoded.
-    """
-    results = []
-    for up, p, out in zip(uploads, prepared, outcomes, strict=True):
-        received = {"width": p.size[0], "height": p.size[1], "format": p.format, "bytes": len(up.data)}
-        o = up.original
-        photo = received if o is None else {"width": o.width, "height": o.height, "format": o.format,
-                                            "bytes": o.bytes}
-        item = {"filename": up.name, **photo,
-                "predictions": encode(out.logits, categories, topk), "batch_size": out.batch_size}
-        if o is not None:
-            item["scaled_by_client"] = received
-        if p.thumbnail is not None:
-            item["thumbnail"] = p.thumbnail
-        results.append(item)
-    return {
-        "model": model,
-        "results": results,
-        "timing_ms": {
-            "decode": round(decode_ms, 2),
-            "queue": round(max(o.queue_ms for o in outcomes), 2),
-            "inference": round(max(o.inference_ms for o in outcomes), 2),
-            "total": round((time.perf_counter() - start) * 1e3, 2),
-        },
-    }
 
 
 class Classifier:
@@ -320,6 +286,7 @@ class Classifier:
                     raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S) from None
                 self.admission.decoded(job, len(up.data), ms)
                 prepared.append(p)
+            check_originals(uploads, prepared)  # a client's impossible original_*: 400 before the forward pass
             decode_ms = (time.perf_counter() - start) * 1e3
             if gone is not None and gone():
                 raise ClientGone.before("its photos were queued")

@@ -3,7 +3,7 @@
 The only package that imports Ray (``pip install -r requirements-cluster.txt``); one box with
 gunicorn needs none of it. Everything a photo meets is the code gunicorn runs: the settings
 table, start-up (``webapp/startup.py``: model, weights, precision, compile, warm-up, self-test),
-decode and preprocess (``imaging.prepare``), the engine and the answer (``service.answer``); only
+decode and preprocess (``imaging.prepare``), the engine and the answer (``answers.answer``); only
 who forms the batches changes.
 
 Ray Serve (``deploy.build_app``; ``python -m webapp serve --cluster``, or ``serve run/deploy`` with

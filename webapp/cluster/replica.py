@@ -14,7 +14,7 @@ from ..batcher import checked_predict, results
 from ..concurrency import decode_executor, inference_executor
 from ..contract import Upload
 from ..errors import InferenceTimeout, ServiceError
-from ..service import answer
+from ..answers import answer, check_originals
 from .config import load_values, replica_id
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,7 @@ class ModelReplica:
         for item in done:  # the first bad upload in request order, as the gunicorn app reports it
             if isinstance(item, BaseException):
                 raise item
+        check_originals(uploads, list(done))
         decode_ms = (time.perf_counter() - start) * 1e3
         try:
             outcomes = await asyncio.wait_for(

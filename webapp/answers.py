@@ -1,0 +1,65 @@
+"""The JSON answer of one request, from its uploads, their decoded ``Prepared`` and their batcher results; and
+the check that a client's ``original_*`` fields can describe the copy it sent. Shared by the gunicorn worker
+(``webapp/service.py``) and the Ray Serve replica (``webapp/cluster/replica.py``), so both answer alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .batcher import Result
+from .contract import Upload
+from .errors import BadRequest
+from .imaging import Prepared
+from .models import encode
+
+
+def answer(model: dict, categories: list[str], uploads: list[Upload], prepared: list[Prepared],
+           outcomes: list[Result], *, topk: int, start: float, decode_ms: float) -> dict:
+    """The JSON answer of one request from each upload's ``Prepared`` and its batcher ``Result``.
+
+    ``model`` is the answers' ``model`` object; ``start`` the request's ``time.perf_counter()`` at
+    arrival; times in the answer are ms. Shared by the Ray Serve replica, so both paths answer alike.
+    Each result's ``width``, ``height`` (px), ``format`` and ``bytes`` describe the photo: the upload,
+    or, where the client scaled it before sending (``Upload.original``), the original it describes;
+    ``scaled_by_client`` then gives the same four of what was actually received and decoded.
+    """
+    results = []
+    for up, p, out in zip(uploads, prepared, outcomes, strict=True):
+        received = {"width": p.size[0], "height": p.size[1], "format": p.format, "bytes": len(up.data)}
+        o = up.original
+        photo = received if o is None else {"width": o.width, "height": o.height, "format": o.format,
+                                            "bytes": o.bytes}
+        item = {"filename": up.name, **photo,
+                "predictions": encode(out.logits, categories, topk), "batch_size": out.batch_size}
+        if o is not None:
+            item["scaled_by_client"] = received
+        if p.thumbnail is not None:
+            item["thumbnail"] = p.thumbnail
+        results.append(item)
+    return {
+        "model": model,
+        "results": results,
+        "timing_ms": {
+            "decode": round(decode_ms, 2),
+            "queue": round(max(o.queue_ms for o in outcomes), 2),
+            "inference": round(max(o.inference_ms for o in outcomes), 2),
+            "total": round((time.perf_counter() - start) * 1e3, 2),
+        },
+    }
+
+
+def check_originals(uploads: list[Upload], prepared: list[Prepared]) -> None:
+    """Refuse ``original_*`` fields that cannot describe the copy received: a client scales a photo down before
+    upload (``static/scale.js``, ``classify --server``: the short side to ``send_short_side``, of a strip over 2:1
+    its central 2:1 only), so the copy is never wider or taller than its original (both upright, px; one pixel
+    of rounding allowed). Such values were reported as the photo's without a word.
+
+    :raises BadRequest: the first upload whose original is smaller than what arrived (400, naming it).
+    """
+    for up, p in zip(uploads, prepared, strict=True):
+        o = up.original
+        if o is not None and (p.size[0] > o.width + 1 or p.size[1] > o.height + 1):
+            raise BadRequest(f"{up.name}: original_width x original_height is {o.width}x{o.height}, smaller than "
+                             f"the {p.size[0]}x{p.size[1]} photo received; a scaled copy is never larger than its "
+                             f"original (both upright, in px)")
