@@ -1029,6 +1029,12 @@ def test_a_request_is_bounded_by_its_photos_pixels_together():
                                        r"1,000,000 \(CLASSIFIER_MAX_REQUEST_PIXELS\)"):
         check_request_pixels([("big.png", dense)], limit=1_000_000, min_side=256)
     check_request_pixels([("junk.bin", b"junk")] * 16, limit=1, min_side=256)  # unreadable: decode's to judge
+    # a PNG that decode mends (metadata past Pillow's guard) counts as the pixels it will decode
+    at = dense.index(b"IDAT") - 4
+    mended = dense[:at] + _inflating_past_pillows_guard(b"zTXt") + dense[at:]
+    assert decoded_pixels(mended, 256) == 64_000_000
+    with pytest.raises(TooLarge):
+        check_request_pixels([(f"m{i}.png", mended) for i in range(5)], limit=256_000_000, min_side=256)
 
 
 # ------------------------------------------------------------- whole photos Pillow refuses, and cut ones

@@ -181,10 +181,14 @@ def decoded_pixels(data: bytes, min_side: int | None) -> int:
     per MP, 16-bit ~27, lossless WebP ~10; a JPEG at 1/4 scale ~1 ms per full-size MP)."""
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
+    except Exception as exc:  # noqa: BLE001 -- unreadable: decode raises the right error for it, or mends it
+        fixed = repair.png_without_text(data, exc)  # as decode will: its pixels count
+        return decoded_pixels(fixed, min_side) if fixed else 0
+    try:
         if min_side and img.format in ("JPEG", "MPO"):
             _draft(img, min_side)  # sets the size it will decode at; decodes nothing
         return img.size[0] * img.size[1]
-    except Exception:  # noqa: BLE001 -- unreadable: decode raises the right error for it
+    except Exception:  # noqa: BLE001
         return 0
 
 
