@@ -125,6 +125,10 @@ class GuardedInput:
         if self.ended:
             return True
         if self.closing:
+            try:  # half-close (RFC 9112 9.6): a client that reads to the end of the connection gets it now,
+                self.sock.shutdown(socket.SHUT_WR)  # and closes its side, which ends the drain
+            except OSError:
+                pass
             cap = max_bytes if self.left is None else min(max_bytes, self.left)
             closed, read = drain_socket(self.sock, cap, max_seconds)
             return closed or (self.left is not None and read >= self.left)
@@ -210,8 +214,12 @@ def guard_bodies(wsgi_app, *, idle_s: float):
         # RFC 9110 10.1.1: an HTTP/1.0 request's 100-continue is ignored (a 1.0 client would take 100 as its answer).
         expect = environ.get("HTTP_EXPECT", "").lower() == "100-continue" and \
             environ.get("SERVER_PROTOCOL", "HTTP/1.1") not in ("HTTP/1.0", "HTTP/0.9")
+        # An HTTP/1.0 POST without Content-Length may carry a body gunicorn reads as none (411, uploads.py): its
+        # length is unknown, so that after the refusal what the client sent is drained, not reset.
+        unknown = not length and not chunked and environ.get("SERVER_PROTOCOL") == "HTTP/1.0" and \
+            environ.get("REQUEST_METHOD") in ("POST", "PUT", "PATCH")
         guarded = GuardedInput(environ["wsgi.input"], sock=sock, expect_continue=expect,
-                               content_length=None if chunked else int(length or 0), idle_s=idle_s)
+                               content_length=None if chunked or unknown else int(length or 0), idle_s=idle_s)
         environ["wsgi.input"] = guarded
 
         def start(status: str, headers: list, exc_info=None):
