@@ -7,7 +7,7 @@ and Pillow only, no torch.
 from __future__ import annotations
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageStat
 
 from .errors import UndecodableImage
 
@@ -16,9 +16,11 @@ _FRAMES_JUDGED = 8  # an animation's first frames looked at for a visible one
 
 def _visible(img: Image.Image) -> float:
     """How much of the loaded frame shows: its mean alpha (0..255; 255 for a frame without transparency)."""
-    if img.mode not in ("RGBA", "LA", "PA", "RGBa", "La") and "transparency" not in img.info:
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):  # its own alpha band, read by histogram: no copy of it
+        return ImageStat.Stat(img.getchannel(img.getbands()[-1])).mean[0]
+    if "transparency" not in img.info:
         return 255.0
-    return float(np.asarray(img.convert("RGBA").getchannel("A"), np.float32).mean())
+    return ImageStat.Stat(img.convert("RGBA").getchannel("A")).mean[0]
 
 
 def visible_frame(img: Image.Image) -> None:
