@@ -5,7 +5,8 @@ in words.
   streaming writers leave it out, and so does a copy cut exactly after its last scan byte; browsers show such a
   file. Pillow refuses it ("image file is truncated (35 bytes not processed)": libjpeg waits for the marker).
   With the marker added it decodes, and ``webapp/incomplete.py`` then judges it as any JPEG closed by EOI:
-  one cut inside its image data (grey fill, or a progressive one blurred) is still refused.
+  one cut inside its image data (grey fill, or a progressive one blurred) is still refused, and as there a
+  cut in its last few rows (or inside a progressive one's last scan) is let through.
 - ``png_without_text``: a PNG whose compressed metadata (``zTXt``, ``iTXt``, ``iCCP``) inflates past Pillow's
   guard (``PngImagePlugin.MAX_TEXT_CHUNK``, 1 MiB per chunk, 64 MiB in all: decompression bombs in metadata).
   The guard is kept; the metadata is dropped and the pixels decoded (the ICC profile is not used anyway:
