@@ -62,11 +62,26 @@ def test_several_files_keep_their_order_and_names(client):
         assert [p["index"] for p in r["predictions"]] == [p["index"] for p in single["results"][0]["predictions"]]
 
 
-@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5", "%203", "3_0", "\u0663", "\uff13", "+3", "9" * 5000,
+@pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5", "%203x", "3_0", "\u0663", "\uff13", "%2B3", "9" * 5000,
                                   "-" + "9" * 5000, "0" * 5000 + "11"])
 def test_bad_topk_is_400(client, topk):
     resp = client.post(f"/api/v1/predict?topk={topk}", data=small_png(), content_type="image/png")
     assert "topk" in assert_error(resp, 400, "bad_request")
+
+
+def test_whitespace_around_a_number_field_is_dropped(client):
+    """curl -F 'topk=<k.txt' (the way the 400 for a file part says to send a field from a file) sends the file's
+    final newline: "5\n" was a 400, while original_format's spaces were already dropped."""
+    photo = (io.BytesIO(small_png()), "a.png")
+    resp = client.post("/api/v1/predict", data={"file": photo, "topk": "5\n"})
+    assert resp.status_code == 200 and len(resp.get_json()["results"][0]["predictions"]) == 5
+    assert len(client.post("/api/v1/predict?topk=%202%20", data=small_png(), content_type="image/png")
+               .get_json()["results"][0]["predictions"]) == 2
+    fields = {"original_width": " 4032\n", "original_height": "3024\r\n", "original_format": "JPEG\n",
+              "original_bytes": "\t3000000"}
+    body = client.post("/api/v1/predict", data={"file": (io.BytesIO(small_png()), "b.png"), **fields}).get_json()
+    assert (body["results"][0]["width"], body["results"][0]["height"], body["results"][0]["bytes"]) == \
+        (4032, 3024, 3000000)
 
 
 def test_no_file_part_is_400(client):

@@ -105,14 +105,19 @@ def lenient_multipart_headers() -> None:
     formparser.MultipartDecoder = LenientHeadersDecoder
 
 
+_SPACE = " \t\r\n"  # ASCII whitespace around a text field's value, dropped
+
+
 def parse_topk(raw: str | None, default: int) -> int:
     """``topk`` query/form value -> int in 1..10.
 
     :raises BadRequest: not an integer in 1..10 (400).
     """
+    if raw is not None:  # a file's final newline (curl -F 'topk=<file'), spaces around it: as _int_field
+        raw = raw.strip(_SPACE)
     if raw is None or raw == "":
         return default
-    # ASCII digits only: int() would also take " 3", "3_0" and other scripts' digits ("٣").
+    # ASCII digits only: int() would also take "3_0" and other scripts' digits ("٣").
     if not (raw.isascii() and raw.isdigit() or raw.startswith("-") and raw[1:].isascii() and raw[1:].isdigit()):
         raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
     digits = raw.lstrip("-").lstrip("0") or "0"
@@ -136,8 +141,10 @@ def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
 
     :raises BadRequest: not plain ASCII digits, or out of range (400, naming ``field``).
     """
-    # ASCII digits only, and few of them: int() takes " 3", "3_0", other scripts' digits, and
-    # refuses over 4300 digits with a ValueError.
+    # ASCII digits only, and few of them: int() takes "3_0", other scripts' digits, and refuses over 4300
+    # digits with a ValueError. Around them, ASCII whitespace is dropped, as original_format's is: curl's
+    # -F 'original_width=<file' sends the file's final newline.
+    raw = raw.strip(_SPACE)
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 20):
         raise BadRequest(f"{field} must be an integer from {lo} to {hi}, got {raw[:40]!r}")
     value = int(raw)
@@ -170,7 +177,7 @@ def read_originals(form, files: int) -> list[Original | None]:
         if not any(v.strip() for v in (width, height, fmt, size)):  # all four empty: this part is not a copy
             out.append(None)
             continue
-        name = fmt.strip().upper()
+        name = fmt.strip(_SPACE).upper()
         if name not in ORIGINAL_FORMATS:
             raise BadRequest(f"original_format must be one of {', '.join(ORIGINAL_FORMATS)}, got {fmt[:40]!r}")
         out.append(Original(width=_int_field("original_width", width, 1, Original.MAX_SIDE),
