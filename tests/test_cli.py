@@ -429,6 +429,25 @@ def test_paths_are_shown_as_given_never_resolved(tmp_path):
     assert [shown for shown, _, _ in items] == [str(tmp_path / "link" / "sub" / "x.png")]
 
 
+def test_every_symlink_is_its_own_row_and_a_path_found_twice_is_one(tmp_path):
+    """A dataset's class folders of symlinks into one pool: 45 links to 9 photos gave 9 rows, the other paths
+    left out without a word (the files were de-duplicated by their resolved target)."""
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    for i in range(3):
+        (pool / f"p{i}.png").write_bytes(b"x")
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+        for i in range(3):
+            (tmp_path / split / f"p{i}.png").symlink_to(pool / f"p{i}.png")
+    items, _ = files.collect_files([str(tmp_path / "train"), str(tmp_path / "val"), str(pool / "p0.png")])
+    assert [shown for shown, _, _ in items] == [str(tmp_path / s / f"p{i}.png") for s in ("train", "val")
+                                                for i in range(3)] + [str(pool / "p0.png")]
+    # the same path twice (a folder, then a file in it, then the folder again): one row
+    items, _ = files.collect_files([str(pool), str(pool / "p1.png"), f"{pool}/"])
+    assert [shown for shown, _, _ in items] == [str(pool / f"p{i}.png") for i in range(3)]
+
+
 def test_cluster_rows_name_paths_as_local_classify_does(no_classifier_env, tmp_path, monkeypatch, capsys):
     """--cluster hands Ray absolute paths (symlinks kept) and maps each row back to the path as given."""
     pytest.importorskip("ray", reason="the Ray path needs requirements-cluster.txt")

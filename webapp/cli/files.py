@@ -46,14 +46,18 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
     unreadable folder; in a folder, too, for an entry it would take. Each skipped file is ``(shown path,
     why)``: ``why`` is set for photos in a format the service cannot read (HEIC, RAW), None for other
     regular files (what ``all_files`` would try; other entries are left out). Paths are shown by
-    ``shown_path``'s rule. Raises nothing for a bad path (one that cannot be looked at either).
+    ``shown_path``'s rule. A path found twice is one item; symlinks to one file are one item each. Raises
+    nothing for a bad path (one that cannot be looked at either).
     """
     items: list[Item] = []
-    seen: set[Path] = set()
+    seen: set[str] = set()
     skipped: list[Skipped] = []
 
     def add(shown: str, path: Path) -> None:
-        key = path.resolve()
+        # One row per path, not per file: the same path found twice (a folder and a file in it both named)
+        # is one row, but each symlink is its own (a dataset's class folders of links into one pool of photos
+        # lost all but one row per photo, without a word, when this resolved them).
+        key = os.path.abspath(path)
         if key not in seen:
             seen.add(key)
             items.append((shown, path, None))
