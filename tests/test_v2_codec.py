@@ -97,9 +97,12 @@ def test_json_request_with_parameters_and_outputs():
     (lambda d: d["inputs"][0].update(shape=[1, 1]), "input 'image' has shape [1, 1]; it takes [N], N photos"),
     (lambda d: d["inputs"][0].update(shape=[True]), "input 'image' has shape [true]; it takes [N], N photos"),
     (lambda d: d["inputs"][0].update(shape=[2]), "input 'image' has shape [2] but 1 data element(s)"),
-    (lambda d: d["inputs"][0].update(data=[7]), "element 0 of input 'image' is int: send each photo as a base64 "
+    (lambda d: d["inputs"][0].update(data=[7]), "element 0 of input 'image' is a number: send each photo as a base64 "
                                                 "string"),
     (lambda d: d["inputs"][0].pop("data"), "input 'image' has no data: send 'data'"),
+    (lambda d: d["inputs"][0].update(data=[None]), "element 0 of input 'image' is null: send each photo"),  # not NoneType
+    (lambda d: d["inputs"][0].update(data="aGk="), "input 'image': 'data' must be a list (one base64 string per "
+                                                   "photo), got a string"),  # data was sent: not "has no data"
     (lambda d: d.update(id=5), "'id' must be a string, got 5"),
     (lambda d: d.update(parameters={"topk": 0}), "topk must be an integer from 1 to 10, got 0"),
     (lambda d: d.update(parameters={"topk": 2.0}), "topk must be an integer from 1 to 10, got 2.0"),
@@ -111,8 +114,8 @@ def test_json_request_with_parameters_and_outputs():
      "classification applies to the 'probabilities' output, not 'labels'"),
     (lambda d: d.update(outputs=[{"name": "probabilities", "parameters": {"classification": 1001}}]),
      "output 'probabilities' classification must be an integer from 1 to 1000, got 1001"),
-    (lambda d: d.update(outputs="labels"), "'outputs' must be a list, got str"),
-    (lambda d: d.update(parameters=[1]), "the request's parameters must be a JSON object, got list"),
+    (lambda d: d.update(outputs="labels"), "'outputs' must be a list, got a string"),
+    (lambda d: d.update(parameters=[1]), "the request's parameters must be a JSON object, got a list"),
     (lambda d: d.update(parameters={"content_type": 5}), "the request's content_type must be a string such as "
                                                          '"base64" or "str", got 5'),
     (lambda d: d["inputs"][0].update(parameters={"content_type": ["base64"]}),

@@ -91,11 +91,17 @@ class InferRequest:
 
 
 # -- reading -------------------------------------------------------------------------------------------------
+def _json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words (the messages go to protocol clients, not Python readers)."""
+    return {dict: "an object", list: "a list", str: "a string", bool: "true/false",
+            type(None): "null"}.get(type(value), "a number")
+
+
 def _dict(value, what: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise BadRequest(f"{what} must be a JSON object, got {type(value).__name__}")
+        raise BadRequest(f"{what} must be a JSON object, got {_json_kind(value)}")
     return value
 
 
@@ -230,10 +236,8 @@ def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_ty
             got = f"{len(inputs)} inputs"
         elif "inputs" not in doc:
             got = "no 'inputs' list"
-        else:  # JSON names: an object, a string, a number, true/false, null
-            kind = {dict: "an object", str: "a string", bool: "true/false", type(None): "null"}.get(
-                type(inputs), "a number")
-            got = f"'inputs' as {kind}, not a list"
+        else:
+            got = f"'inputs' as {_json_kind(inputs)}, not a list"
         raise BadRequest(f"this model takes one input, '{INPUT}' (BYTES, shape [N]: N encoded photos); got {got}")
     tensor = _dict(inputs[0], "an input")
     name = tensor.get("name")
@@ -267,7 +271,10 @@ def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_ty
             raise BadRequest(f"{len(rest):,} bytes follow the JSON header, but input '{INPUT}' has no "
                              f"binary_data_size")
         data = tensor.get("data")
-        if not isinstance(data, list):
+        if data is not None and not isinstance(data, list):
+            raise BadRequest(f"input '{INPUT}': 'data' must be a list (one base64 string per photo), got "
+                             f"{_json_kind(data)}")
+        if data is None:
             raise BadRequest(f"input '{INPUT}' has no data: send 'data' (one base64 string per photo) or the binary "
                              f"tensor data extension (binary_data_size)")
         items = _flatten(data)
@@ -275,7 +282,7 @@ def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_ty
             raise BadRequest(f"input '{INPUT}' has shape [{n}] but {len(items)} data element(s)")
         for i, item in enumerate(items):
             if not isinstance(item, str):
-                raise BadRequest(f"element {i} of input '{INPUT}' is {type(item).__name__}: send each photo as a "
+                raise BadRequest(f"element {i} of input '{INPUT}' is {_json_kind(item)}: send each photo as a "
                                  f"base64 string")
         encoded = sum(len(s) for s in items)
         if encoded // 4 * 3 > max_bytes + 3 * len(items):  # over the limit however it decodes: do not decode
@@ -293,7 +300,7 @@ def _outputs(doc: dict, *, binary_default: bool, categories: int) -> list[Wanted
     if asked is None or asked == []:
         return [Wanted(name, binary_default) for name in OUTPUTS]
     if not isinstance(asked, list):
-        raise BadRequest(f"'outputs' must be a list, got {type(asked).__name__}")
+        raise BadRequest(f"'outputs' must be a list, got {_json_kind(asked)}")
     wanted: list[Wanted] = []
     for item in asked:
         out = _dict(item, "an output")

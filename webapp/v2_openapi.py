@@ -134,10 +134,11 @@ def _infer_request(settings) -> dict:
             "properties": {"id": {"type": "string"},
                            "parameters": {"type": "object", "properties": {
                                "topk": {"oneOf": [{"type": "integer", "minimum": 1, "maximum": 10},
-                                                  {"type": "string", "pattern": "^(0*([1-9]|10))?$"}],
+                                                  {"type": "string", "pattern": r"^[ \t\r\n]*(0*([1-9]|10))?[ \t\r\n]*$"}],
                                         "description": f"Labels per photo (default {settings.TOP_K}): an integer "
                                                        f"from 1 to 10, or one as a string (as clients that send "
-                                                       f"every parameter as a string do; \"\": the default)."},
+                                                       f"every parameter as a string do; \"\": the default; "
+                                                       f"spaces around it dropped)."},
                                "binary_data_output": {"type": "boolean"},
                                "content_type": content_type}},
                            "inputs": {"type": "array", "minItems": 1, "maxItems": 1, "items": image},
