@@ -304,3 +304,20 @@ def test_the_topk_form_field_is_documented_as_the_server_reads_it(client, app):
     data = {"file": (io.BytesIO(small_png()), "a.png"), "topk": "5"}
     answer = client.post("/api/v1/predict?topk=2", data=data, content_type="multipart/form-data").get_json()
     assert len(answer["results"][0]["predictions"]) == 2  # the query parameter wins
+
+
+def test_the_document_lists_the_rate_limit_headers_and_the_starting_503_everywhere_they_come():
+    """Found by a tryout: with CLASSIFIER_RATE_LIMIT set, /v2 infer's 200 and every error answer of a classify
+    request carry X-RateLimit-*, which the document named only on /api/v1/predict's 200; and GET /v2 and
+    /v2/health/live answer 503 while the server starts (the master's answer to every path), undocumented."""
+    limited = json.loads(json.dumps(build_spec(settings_mod.load(overrides={"RATE_LIMIT": "5/second"}))))
+    plain = json.loads(json.dumps(build_spec(settings_mod.load(overrides={}))))
+    names = {"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
+    infer = limited["paths"]["/v2/models/{name}/infer"]["post"]["responses"]["200"]
+    assert names <= set(infer["headers"])
+    for key in ("E429", "E400", "E413", "V2E429", "V2E400"):
+        assert names <= set(limited["components"]["responses"][key]["headers"]), key
+        assert not names & set(plain["components"]["responses"][key]["headers"]), key
+    assert not names & set(limited["components"]["responses"]["E401"]["headers"])  # a 401 counts against no one
+    for path in ("/v2", "/v2/health/live"):
+        assert "503" in plain["paths"][path]["get"]["responses"], path

@@ -40,9 +40,10 @@ _REQUEST_ID = {
 _RETRY_AFTER = {"description": "Seconds to wait before trying again.", "schema": {"type": "string", "pattern": r"^\d+$"}}
 
 
-def _error_response(status: int) -> dict:
+def _error_response(status: int, rate_limited: bool) -> dict:
     codes, when = ERRORS[status]
-    headers: dict[str, Any] = {"X-Request-ID": {"$ref": "#/components/headers/RequestId"}}
+    headers: dict[str, Any] = {"X-Request-ID": {"$ref": "#/components/headers/RequestId"},
+                               **(v2_openapi.RATE_LIMIT_HEADERS if rate_limited and status != 401 else {})}
     if status in (429, 503):
         headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
     if status == 401:
@@ -318,10 +319,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
             "200": {
                 **_json("PredictResponse", "Top-k labels for every image."),
                 **({"headers": {"X-Request-ID": {"$ref": "#/components/headers/RequestId"},
-                                "X-RateLimit-Limit": {"schema": {"type": "string"}},
-                                "X-RateLimit-Remaining": {"schema": {"type": "string"}},
-                                "X-RateLimit-Reset": {"schema": {"type": "string"}}}}
-                   if settings.RATE_LIMIT else {}),
+                                **v2_openapi.RATE_LIMIT_HEADERS}} if settings.RATE_LIMIT else {}),
             },
             **{str(status): {"$ref": f"#/components/responses/E{status}"} for status in errors},
         },
@@ -381,8 +379,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
         "paths": {**paths, **v2_openapi.paths(settings, token=token)},  # the Open Inference Protocol's (/v2)
         "components": {
             "schemas": {**SCHEMAS, **v2_openapi.SCHEMAS},
-            "responses": {**{f"E{status}": _error_response(status) for status in ERRORS},
-                          **v2_openapi.responses(ERRORS)},
+            "responses": {**{f"E{status}": _error_response(status, bool(settings.RATE_LIMIT)) for status in ERRORS},
+                          **v2_openapi.responses(ERRORS, rate_limited=bool(settings.RATE_LIMIT))},
             "headers": {"RequestId": _REQUEST_ID, "RetryAfter": _RETRY_AFTER},
             "parameters": {"RequestId": {
                 "name": "X-Request-ID", "in": "header", "required": False,

@@ -74,11 +74,19 @@ WWW_AUTHENTICATE = {"description": f"`{Unauthorized.CHALLENGE}`, with `error=\"i
                     "required": True, "schema": {"type": "string", "pattern": "^Bearer realm=\"classifier\""}}
 
 
-def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]]) -> dict[str, Any]:
-    """``V2E<status>``: each error status of the table in the protocol's shape, with its headers."""
+# With CLASSIFIER_RATE_LIMIT set, every answer of a classify request (the page's, /api/v1/predict's, /v2 infer's:
+# 200 and errors alike, but a 401) carries these (webapp/rate_limits.py); optional here, as other paths lack them.
+RATE_LIMIT_HEADERS = {f"X-RateLimit-{k}": {"description": d, "schema": {"type": "string"}} for k, d in (
+    ("Limit", "Requests allowed per window."), ("Remaining", "Requests left in this window."),
+    ("Reset", "When the window resets (Unix time, s)."))}
+
+
+def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]], *, rate_limited: bool = False) -> dict:
+    """``V2E<status>``: each error status of the table in the protocol's shape, with its headers (``rate_limited``:
+    the rate-limit headers, ``CLASSIFIER_RATE_LIMIT`` being set)."""
     out = {}
     for status, (_codes, when) in errors_by_status.items():
-        headers: dict[str, Any] = dict(_ID_HEADER)
+        headers: dict[str, Any] = {**_ID_HEADER, **(RATE_LIMIT_HEADERS if rate_limited and status != 401 else {})}
         if status in (429, 503):
             headers["Retry-After"] = {"$ref": "#/components/headers/RetryAfter"}
         if status == 401:
@@ -153,7 +161,8 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
                              "the body; the input's bytes follow it."}
     answer = {"description": "The outputs asked for (all three when none is named): JSON, or, where any is "
                              f"binary, the JSON header then their bytes with `{codec.HEADER}`.",
-              "headers": {**_ID_HEADER, codec.HEADER: {"schema": {"type": "integer", "minimum": 1}}},
+              "headers": {**_ID_HEADER, codec.HEADER: {"schema": {"type": "integer", "minimum": 1}},
+                          **(RATE_LIMIT_HEADERS if settings.RATE_LIMIT else {})},
               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2InferResponse"}},
                           "application/octet-stream": {"schema": binary}}}
     limits = (f"At most {settings.MAX_FILES} photos and {settings.MAX_UPLOAD_BYTES:,} bytes of them (decoded) per "
@@ -185,8 +194,8 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
     meta = _json("V2ModelMetadata", "The model's versions, platform and tensors (`-1`: a variable dimension).")
     out = {
         "/v2": get("v2ServerMetadata", "Server metadata and the extensions supported", [],
-                   _json("V2ServerMetadata", "Name, version, extensions.")),
-        "/v2/health/live": get("v2Live", "Liveness", [], _json("V2Live", "`{\"live\": true}`.")),
+                   _json("V2ServerMetadata", "Name, version, extensions."), 503),  # 503: the master, while starting
+        "/v2/health/live": get("v2Live", "Liveness", [], _json("V2Live", "`{\"live\": true}`."), 503),
         "/v2/health/ready": get("v2Ready", "Readiness (as `/readyz`)", [], ready),
         "/v2/models/{name}": get("v2ModelMetadata", "Model metadata", model, meta, 404, 405),
         "/v2/models/{name}/versions/{version}": get("v2ModelVersionMetadata", "Model metadata", versioned, meta,
