@@ -293,3 +293,22 @@ def test_an_empty_file_is_said_to_be_empty_not_unchosen(client):
     assert "choose a photo first" not in html
     zh = client.post("/", data={"file": [(io.BytesIO(b""), "empty.jpg")]}, headers={"Accept-Language": "zh"})
     assert "0 字节" in zh.get_data(as_text=True)
+
+
+def test_the_forms_photos_on_a_classifier_that_decodes_elsewhere_are_answered(make_app, monkeypatch):
+    """The page serves a cluster's RemoteClassifier too, which has no ``started`` (its replicas decode and bound
+    each request): the form's several photos must still be answered there, not fail on the budget's check."""
+    class Elsewhere:  # the local classifier, seen as a cluster's: everything but ``started``
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            if name == "started":
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32")
+    monkeypatch.setitem(app.extensions, "classifier", Elsewhere(app.extensions["classifier"]))
+    files = [(io.BytesIO(png_bytes(Image.new("RGB", (32, 32), (i * 40, 0, 0)))), f"p{i}.png") for i in range(2)]
+    resp = app.test_client().post("/", data={"file": files}, headers={"Accept-Language": "en"})
+    assert resp.status_code == 200 and resp.get_data(as_text=True).count('<article class="result">') == 2

@@ -209,8 +209,7 @@ class InternalError(ServiceError):
 # The table, in the README's order.
 ERRORS: tuple[type[ServiceError], ...] = (
     NoFile, UndecodableImage, BadRequest, Unauthorized, BodyTimeout, LengthRequired, TooLarge, NotAnImage, Overloaded,
-    RateLimited,
-    NotReady, InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
+    RateLimited, NotReady, InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
 )
 for _cls in ERRORS:  # each row's docstring is its own words, not a second copy of them
     _cls.__doc__ = f"{_cls.status} ``{_cls.code}``: {_cls.when}."

@@ -112,9 +112,11 @@ def classify():
     # arrives as a part with no name and no bytes: not a photo the person sent.
     parts = request.files.getlist("file")
     uploads = [u for u, p in zip(uploads, parts) if p.filename or u.data] or uploads
-    if len(uploads) > 1:  # classified one by one below: the request's photos are bounded together here
+    # Classified one by one below: the request's photos are bounded together here, where this process decodes
+    # them (a cluster's RemoteClassifier has no ``started``: its replicas decode, and bound, each request's own).
+    if len(uploads) > 1 and (started := getattr(clf, "started", None)) is not None:
         imaging.check_request_pixels([(u.name, u.data) for u in uploads], limit=clf.settings.MAX_REQUEST_PIXELS,
-                                     min_side=clf.started.min_side(clf.settings.FAST_DECODE))
+                                     min_side=started.min_side(clf.settings.FAST_DECODE))
     answer = clf.classify(uploads, topk=topk, keep_images=True) if len(uploads) == 1 else each(clf, uploads, topk)
     for item in answer["results"]:
         if "thumbnail" in item:
