@@ -915,44 +915,6 @@ def test_a_tiff_cut_short_says_so_not_that_its_header_is_unreadable(save, kept):
     assert decode(whole, max_pixels=BIG).size == (300, 200)
 
 
-def _tiff(entries: list[tuple[int, int, int, bytes]], tail: bytes = b"") -> bytes:
-    """A little-endian classic TIFF: header, IFD at 8 with ``(tag, type, count, 4-byte value)`` entries, ``tail``."""
-    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHI", t, k, n) + v for t, k, n, v in entries)
-    return b"II*\x00" + struct.pack("<I", 8) + ifd + b"\x00" * 4 + tail
-
-
-def test_tiff_structures_that_make_no_sense_are_not_called_a_cut():
-    from webapp.incomplete import container_cut
-
-    tile = 8 + 2 + 2 * 12 + 4  # where the pixel data starts in these files
-    one_strip = [(273, 4, 1, struct.pack("<I", tile)), (279, 4, 1, struct.pack("<I", 100))]
-    assert container_cut(_tiff(one_strip, b"x" * 100)) is None
-    assert container_cut(_tiff(one_strip, b"x" * 40)) == (tile + 100, tile + 40)
-    tiles = [(324, 3, 2, struct.pack("<HH", tile, tile + 10)), (325, 3, 2, struct.pack("<HH", 10, 10))]
-    assert container_cut(_tiff(tiles, b"x" * 20)) is None and container_cut(_tiff(tiles, b"x" * 15)) == (tile + 20, tile + 15)
-    assert container_cut(b"II*\x00" + struct.pack("<I", 4) + b"\x00" * 20) is None  # IFD inside the header: damage
-    assert container_cut(b"II*\x00" + struct.pack("<I", 10**6)) == (10**6 + 2, 8)  # IFD written last, then cut
-    assert container_cut(b"MM\x00*\x00\x00\x00\x08\x00\x05") == (8 + 2 + 5 * 12 + 4, 10)  # big-endian, IFD cut
-    assert container_cut(_tiff([(273, 2, 1, b"abcd"), (279, 4, 1, b"\0\0\0\1")])) is None  # offsets as ASCII
-    assert container_cut(_tiff([(273, 4, 1, struct.pack("<I", 10**9)), (279, 4, 2, b"\0" * 4)])) is None  # 1 vs 2
-    for n in range(60):  # every cut of a small whole one, and garbage after its header: never an exception
-        whole = _tiff(one_strip, b"x" * 100)
-        container_cut(whole[:n]), container_cut(whole[:8] + bytes(range(n, n + 60)))
-
-
-def test_container_sizes_that_make_no_sense_are_not_called_a_cut():
-    from webapp.incomplete import container_cut
-
-    webp = encode(_photo_like(40, 30), "WEBP")
-    assert container_cut(webp) is None and container_cut(webp + b"trailing") is None
-    assert container_cut(b"RIFF" + struct.pack("<I", 10**6) + b"WEBPVP8 ") == (10**6 + 8, 16)
-    ftyp = struct.pack(">I", 16) + b"ftypavif" + b"\0" * 4
-    assert container_cut(ftyp + struct.pack(">I", 3) + b"mdat") is None  # a box smaller than its header: damage
-    assert container_cut(ftyp + struct.pack(">I", 0) + b"mdat" + b"x" * 10) is None  # size 0: to the end
-    assert container_cut(ftyp + struct.pack(">I", 1) + b"mdat" + struct.pack(">Q", 10**9)) == (16 + 10**9, 32)
-    assert container_cut(b"\x89PNG\r\n\x1a\n" + b"\0" * 20) is None
-
-
 def _bmp32(img: Image.Image, alpha: bytes) -> bytes:
     """A 32-bit BMP (BITMAPV5HEADER, BI_BITFIELDS with an alpha mask, bottom-up) of ``img``'s pixels, every
     pixel's 4th byte ``alpha`` (one byte, or one per pixel in stored order)."""

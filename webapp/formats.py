@@ -53,7 +53,10 @@ def _ftyp_brands(data: bytes) -> list[bytes]:
 def sniff_format(data: bytes) -> str | None:
     """Name the format of bytes Pillow cannot open (HEIC, PDF...), for the 415 message; None if unknown."""
     if data[4:8] == b"ftyp":
-        return _FTYP_BRANDS.get(data[8:12], "ISO media (" + data[8:12].decode("latin-1") + ")")
+        brand = data[8:12]
+        if len(brand) < 4 or not all(0x20 < c < 0x7F for c in brand):  # cut inside it, or not a brand
+            return "ISO media (HEIC, AVIF, MP4...)"
+        return _FTYP_BRANDS.get(brand, "ISO media (" + brand.decode("ascii") + ")")
     head = data[:64].lstrip().lower()
     for magic, name in _SIGNATURES:
         if head.startswith(magic.lower()):

@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
-from . import exif, incomplete, pnm, repair
+from . import cuts, exif, incomplete, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
 from .formats import article, claimed_format, sniff_format
@@ -95,7 +95,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                        f"(CLASSIFIER_MAX_PIXELS)") from None
     except UnidentifiedImageError:
         claimed = claimed_format(data)
-        if claimed and (cut := incomplete.container_cut(data)):
+        if claimed and (cut := _cut(data)):
             raise _cut_short(name, claimed, *cut) from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
@@ -107,8 +107,11 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
         if not _repaired and (fixed := repair.png_without_text(data, exc)):  # metadata too large to inflate
             return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
-        if cut := incomplete.container_cut(data):  # e.g. WebP: "could not create decoder object"
+        if cut := _cut(data):  # e.g. WebP: "could not create decoder object"; JPEG: "Truncated File Read"
             raise _cut_short(name, claimed_format(data) or "image", *cut) from None
+        if repair.cut_short(exc):  # Pillow says the data ended, where no structure holds together to say it was cut
+            raise UndecodableImage(f"{name}: the {claimed_format(data) or 'image'} header cannot be read: the data "
+                                   f"ends inside it (a damaged file, or one cut short); send the whole file") from None
         raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
     width, height = img.size
     if width * height > max_pixels:
@@ -153,12 +156,12 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     except UndecodableImage:
         raise
     except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
-        fixed = None if _repaired else (repair.jpeg_with_eoi(data, exc) if fmt == "JPEG" else
+        if cut := _cut(data):  # a PPM cut inside its maxval opens, and so does a JPEG cut right after SOS
+            raise _cut_short(name, fmt, *cut) from None
+        fixed = None if _repaired else (repair.jpeg_with_eoi(data) if fmt == "JPEG" else
                                         repair.png_without_text(data, exc) if fmt == "PNG" else None)
         if fixed:  # a whole photo without its end marker, or with metadata too large: judged again as it is
             return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
-        if cut := incomplete.container_cut(data):
-            raise _cut_short(name, fmt, *cut) from None
         if repair.cut_short(exc):  # in words, not Pillow's ("image file is truncated (35 bytes not processed)")
             raise UndecodableImage(f"{name}: the {fmt} data is incomplete: the file ends before its image does "
                                    f"(a file cut short); send the whole file") from None
@@ -213,9 +216,19 @@ def check_request_pixels(uploads: list[tuple[str, bytes]], *, limit: int, min_si
                        f"(CLASSIFIER_MAX_REQUEST_PIXELS)")
 
 
-def _cut_short(name: str, fmt: str, need: int, got: int) -> UndecodableImage:
-    """The 400 for a file shorter than its own structure says (``incomplete.container_cut``'s bytes)."""
-    return UndecodableImage(f"{name}: the {fmt} data is incomplete: its container needs at least {need:,} bytes, "
+def _cut(data: bytes) -> tuple[str, int, int] | None:
+    """``(part, bytes needed, bytes there are)`` where ``data`` is shorter than its container or the header Pillow
+    opens says (``webapp/cuts.py``); ``part`` is "container" or "header". None otherwise."""
+    if cut := cuts.container_cut(data):
+        return ("container", *cut)
+    if cut := cuts.header_cut(data):
+        return ("header", *cut)
+    return None
+
+
+def _cut_short(name: str, fmt: str, part: str, need: int, got: int) -> UndecodableImage:
+    """The 400 for a file shorter than its own structure says (``_cut``'s part and bytes)."""
+    return UndecodableImage(f"{name}: the {fmt} data is incomplete: its {part} needs at least {need:,} bytes, "
                             f"{got:,} arrived (a file cut short); send the whole file")
 
 

@@ -3,10 +3,9 @@
 - ``jpeg_rows_decoded``: a baseline JPEG whose scan data was cut and then closed by a marker (EOI),
   which libjpeg decodes without an error, filling the rest with grey;
 - ``jpeg_scans_cut``: a progressive JPEG closed by EOI before its scans completed every coefficient, which
-  libjpeg decodes without an error as a blurred (or colourless) image;
-- ``container_cut``: a WebP (RIFF), AVIF (ISO BMFF boxes) or TIFF (its first IFD and the strips or tiles it
-  points to) shorter than its own structure says, which Pillow reports only as a header it cannot read
-  ("could not create decoder object"; a TIFF whose IFD is written last, as libtiff does, "cannot identify").
+  libjpeg decodes without an error as a blurred (or colourless) image.
+
+Files shorter than their own structure says, which Pillow refuses, are ``webapp/cuts.py``'s.
 
 ``webapp/imaging.py``'s ``decode`` turns a finding into ``400 undecodable_image`` saying the file was
 cut short. Pillow-only (no torch), cheap for a whole photo: one row looked at, a few header bytes read.
@@ -169,85 +168,3 @@ def jpeg_scans_cut(data: bytes) -> int | None:
         return None if all(al == 0 for c in frame for al in precision[c]) else scans
     except (IndexError, ValueError, struct.error):  # a damaged header: the decoder judges it
         return None
-
-
-def container_cut(data: bytes) -> tuple[int, int] | None:
-    """``(bytes the container needs at least, bytes there are)`` for a RIFF (WebP), ISO BMFF (AVIF, HEIF) or TIFF file
-    shorter than its own sizes say: RIFF's size field (RIFF + 8 bytes); the top-level boxes' sizes in turn (a
-    box of size 1 has a 64-bit size, of size 0 runs to the end); TIFF's first IFD and the last byte of the
-    strips or tiles it lists (``_tiff_cut``; an IFD past the end gives only that IFD's offset). None for a
-    whole file, another format, or sizes that make no sense (a damaged header, not a cut one)."""
-    if data[:4] in (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+"):
-        try:
-            return _tiff_cut(data)
-        except (struct.error, ValueError, OverflowError, MemoryError):  # asked on a failure path: never raise there
-            return None
-    if data[:4] == b"RIFF" and len(data) >= 8:
-        need = 8 + struct.unpack_from("<I", data, 4)[0]
-        return (need, len(data)) if len(data) < need else None
-    if data[4:8] != b"ftyp":
-        return None
-    pos = 0
-    while pos + 8 <= len(data):
-        size, head = struct.unpack_from(">I", data, pos)[0], 8
-        if size == 1:
-            if pos + 16 > len(data):
-                return (pos + 16, len(data))
-            size, head = struct.unpack_from(">Q", data, pos + 8)[0], 16
-        if size == 0:
-            return None  # the last box runs to the end of the file
-        if size < head:
-            return None
-        if pos + size > len(data):
-            return (pos + size, len(data))
-        pos += size
-    return (pos + 8, len(data)) if 0 < len(data) - pos < 8 else None
-
-
-# TIFF 6.0 section 2 and BigTIFF: field types that offsets and byte counts come in (SHORT, LONG, LONG8), and
-# the (offsets, byte counts) tag pairs of strips (273, 279) and tiles (324, 325).
-_TIFF_TYPES = {3: "H", 4: "I", 16: "Q"}
-_TIFF_DATA = ((273, 279), (324, 325))
-
-
-def _tiff_cut(data: bytes) -> tuple[int, int] | None:
-    """``(bytes needed, bytes there are)`` for a classic or Big TIFF cut short: its first IFD past the end (libtiff
-    writes the IFD after the pixel data, so a cut loses it first), or a strip or tile it lists running past the
-    end. None for a whole file or one whose IFD makes no sense (damage, judged by the decoder)."""
-    order = "<" if data[:2] == b"II" else ">"
-    big = data[2:4] in (b"+\x00", b"\x00+")
-    if len(data) < (16 if big else 8):
-        return (16 if big else 8), len(data)
-    word, n_size, entry = ("Q", 8, 20) if big else ("I", 2, 12)
-    ifd = struct.unpack_from(order + word, data, 8 if big else 4)[0]
-    if ifd < (16 if big else 8):
-        return None
-    if ifd + n_size > len(data):
-        return ifd + n_size, len(data)
-    count = struct.unpack_from(order + ("Q" if big else "H"), data, ifd)[0]
-    end = ifd + n_size + count * entry + (8 if big else 4)
-    if count > 4096:
-        return None
-    if end > len(data):
-        return end, len(data)
-    values: dict[int, tuple[int, ...]] = {}
-    for pos in range(ifd + n_size, ifd + n_size + count * entry, entry):
-        tag, kind = struct.unpack_from(order + "HH", data, pos)
-        if not any(tag in pair for pair in _TIFF_DATA):
-            continue
-        n = struct.unpack_from(order + word, data, pos + 4)[0]
-        char = _TIFF_TYPES.get(kind)
-        if char is None or not 0 < n <= 1 << 20:
-            return None
-        size = n * struct.calcsize(char)
-        field = pos + (12 if big else 8)
-        at = field if size <= (8 if big else 4) else struct.unpack_from(order + word, data, field)[0]
-        if at + size > len(data):
-            return at + size, len(data)
-        values[tag] = struct.unpack_from(f"{order}{n}{char}", data, at)
-    need = 0
-    for offsets, counts in _TIFF_DATA:  # a pair of unequal lengths makes no sense: damage, not judged
-        starts, sizes = values.get(offsets, ()), values.get(counts, ())
-        if len(starts) == len(sizes):
-            need = max([need, *(start + size for start, size in zip(starts, sizes))])
-    return (need, len(data)) if need > len(data) else None

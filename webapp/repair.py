@@ -12,7 +12,7 @@ in words.
   The guard is kept; the metadata is dropped and the pixels decoded (the ICC profile is not used anyway:
   see the README's decoding notes).
 - ``cut_short``: whether a Pillow error means the data ended early ("Truncated File Read", "image file is
-  truncated"), so that the 400 says so in words instead of quoting Pillow.
+  truncated", "not enough image data": a PNM), so that the 400 says so in words instead of quoting Pillow.
 
 Pillow-only, no torch. Each runs only after Pillow refused a file, so whole photos pay nothing.
 """
@@ -27,7 +27,7 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # (PngImagePlugin.chunk_zTXt, chunk_iTXt, chunk_iCCP; tEXt is counted in MAX_TEXT_MEMORY too).
 _TEXT_CHUNKS = {b"tEXt", b"zTXt", b"iTXt", b"iCCP"}
 _PILLOW_TEXT_GUARD = ("MAX_TEXT_CHUNK", "MAX_TEXT_MEMORY")
-_PILLOW_CUT = ("Truncated File Read", "image file is truncated")
+_PILLOW_CUT = ("Truncated File Read", "image file is truncated", "not enough image data")
 
 
 def cut_short(exc: BaseException) -> bool:
@@ -35,10 +35,14 @@ def cut_short(exc: BaseException) -> bool:
     return any(text in str(exc) for text in _PILLOW_CUT)
 
 
-def jpeg_with_eoi(data: bytes, exc: BaseException) -> bytes | None:
-    """``data`` with the EOI marker appended, where Pillow refused it as truncated (``exc``) and it does not end
-    in EOI already; else None. ``decode`` then decodes it and judges it with ``webapp/incomplete.py``'s checks."""
-    if not cut_short(exc) or data.endswith(_EOI) or not data.startswith(b"\xff\xd8"):
+def jpeg_with_eoi(data: bytes) -> bytes | None:
+    """``data`` with the EOI marker appended, for a JPEG Pillow refused that does not end in EOI already;
+    else None. ``decode`` then decodes it and judges it with ``webapp/incomplete.py``'s checks.
+
+    Whatever Pillow said: a baseline JPEG cut short is "image file is truncated", but a progressive one cut inside
+    its early scans can be "broken data stream when reading image file". Closed by EOI, the cut is told for what
+    it is (its scans counted), and a JPEG damaged elsewhere fails again and says so."""
+    if data.endswith(_EOI) or not data.startswith(b"\xff\xd8"):
         return None
     return data + _EOI
 
