@@ -267,6 +267,23 @@ def test_a_body_type_no_photo_comes_in_is_415_before_the_body(srv, path, ctype):
         assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.parametrize("path, ctype", [("/api/v1/predict", "image/jpeg"), ("/api/v1/predict", "multipart/form-data; "
+                                          "boundary=b"), ("/", "multipart/form-data; boundary=b")])
+def test_a_compressed_upload_is_415_before_the_body_naming_what_is_taken(srv, path, ctype):
+    """``Content-Encoding: gzip`` on an upload: the gzip bytes were read as the photo ("a gzip file") or as a
+    malformed multipart body, and a client that labels a plain body gzip was answered as if it had not. Decidable
+    from the headers: 415 at once, ``Accept-Encoding: identity`` (RFC 9110 15.5.16), the message saying to send
+    the photo as it is. (/v2's JSON, which compresses, takes gzip and deflate: tests/test_v2.py.)"""
+    with connect(srv) as sock:
+        started = time.monotonic()
+        sock.sendall(head(path, length=100_000, ctype=ctype, extra=AUTH + "Content-Encoding: gzip\r\n", expect=True))
+        status, data = read_status(sock)
+        data += sock.recv(65536)
+        assert status == 415 and b"100 Continue" not in data, data[:300]
+        assert time.monotonic() - started < 0.5
+        assert b"Accept-Encoding: identity" in data and b"Content-Encoding gzip is not accepted" in data, data[:600]
+
+
 def test_expect_100_continue_gets_100_when_the_body_is_wanted(srv):
     body = small_png()
     with connect(srv) as sock:

@@ -17,7 +17,7 @@ import re
 from flask import Blueprint, abort, current_app, g, render_template, request
 from . import i18n, imaging
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
-from .uploads import parse_topk, read_uploads
+from .uploads import parse_topk, read_uploads, require_identity
 
 bp = Blueprint("ui", __name__)
 
@@ -104,6 +104,7 @@ def classify():
     """Classify the form's photo(s) and show them with their top-k labels and percentages."""
     clf = current_app.extensions["classifier"]
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
+    require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
     # the form's topk field; only a multipart body is read for it (any other type is refused by its headers)
     topk = parse_topk(request.form.get("topk") if request.mimetype == "multipart/form-data" else None,
                       clf.settings.TOP_K)

@@ -269,6 +269,20 @@ def require_length(request: Request) -> None:
         raise LengthRequired.http10()
 
 
+def require_identity(request: Request) -> None:
+    """Refuse a body sent with a ``Content-Encoding`` (gzip, br...) before reading it: it would be read as the
+    photo's own bytes and answered as "a gzip file" or a malformed multipart body. Photos are compressed already;
+    ``/v2``'s JSON, which is not, takes gzip and deflate (``webapp/v2.py``). RFC 9110 15.5.16 and 12.5.3: 415,
+    with ``Accept-Encoding`` naming what is accepted.
+
+    :raises NotAnImage: a Content-Encoding other than identity (415).
+    """
+    coding = request.headers.get("Content-Encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise NotAnImage(f"Content-Encoding {coding[:40]} is not accepted here: send the photo as it is, uncompressed "
+                         f"(JPEG, PNG and WebP are compressed already)", headers={"Accept-Encoding": "identity"})
+
+
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     """The uploads in ``request``, in order.
 
@@ -281,8 +295,10 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises NoFile: no body at all (400), whatever its Content-Type.
     :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
     :raises LengthRequired: HTTP/1.0 without Content-Length (411, ``require_length``).
+    :raises NotAnImage: a body with a Content-Encoding (415, ``require_identity``).
     """
     require_length(request)
+    require_identity(request)
     if in_query := [f for f in ORIGINAL_FIELDS if f in request.args]:  # read only beside their files: was ignored
         raise BadRequest(f"{in_query[0]} is a multipart form field, one per file part, not a query parameter (the "
                          f"answer would have described the photo sent, not its original); send the photo as "
