@@ -284,6 +284,17 @@ def test_a_compressed_upload_is_415_before_the_body_naming_what_is_taken(srv, pa
         assert b"Accept-Encoding: identity" in data and b"Content-Encoding gzip is not accepted" in data, data[:600]
 
 
+def test_a_body_gzipped_as_its_transfer_coding_is_415_not_read_as_the_photo(srv):
+    """gunicorn takes ``Transfer-Encoding: gzip, chunked`` and undoes the chunking only: the gzip bytes were read as
+    the photo (a plain body so labelled was classified). 415 from the headers, saying what to send."""
+    with connect(srv) as sock:
+        gzipped = head(chunked=True).replace(b"Transfer-Encoding: chunked", b"Transfer-Encoding: gzip, chunked")
+        sock.sendall(gzipped + b"5\r\nhello\r\n0\r\n\r\n")
+        status, data = read_status(sock)
+        data += sock.recv(65536)
+        assert status == 415 and b"Transfer-Encoding gzip, chunked is not accepted here" in data, data[:600]
+
+
 def test_expect_100_continue_gets_100_when_the_body_is_wanted(srv):
     body = small_png()
     with connect(srv) as sock:

@@ -270,17 +270,23 @@ def require_length(request: Request) -> None:
 
 
 def require_identity(request: Request) -> None:
-    """Refuse a body sent with a ``Content-Encoding`` (gzip, br...) before reading it: it would be read as the
+    """Refuse a body sent with a ``Content-Encoding`` (gzip, br...), or a transfer coding besides chunked, before
+    reading it: it would be read as the
     photo's own bytes and answered as "a gzip file" or a malformed multipart body. Photos are compressed already;
     ``/v2``'s JSON, which is not, takes gzip and deflate (``webapp/v2.py``). RFC 9110 15.5.16 and 12.5.3: 415,
     with ``Accept-Encoding`` naming what is accepted.
 
-    :raises NotAnImage: a Content-Encoding other than identity (415).
+    :raises NotAnImage: a Content-Encoding other than identity, a Transfer-Encoding other than chunked (415).
     """
     coding = request.headers.get("Content-Encoding", "").strip().lower()
     if coding not in ("", "identity"):
         raise NotAnImage(f"Content-Encoding {coding[:40]} is not accepted here: send the photo as it is, uncompressed "
                          f"(JPEG, PNG and WebP are compressed already)", headers={"Accept-Encoding": "identity"})
+    # gunicorn takes "Transfer-Encoding: gzip, chunked" and undoes only the chunking: the gzip bytes were the photo.
+    transfer = [c.strip() for c in request.headers.get("Transfer-Encoding", "").lower().split(",") if c.strip()]
+    if [c for c in transfer if c not in ("chunked", "identity")]:
+        raise NotAnImage(f"Transfer-Encoding {', '.join(transfer)[:60]} is not accepted here: send the photo "
+                         f"uncompressed, with Content-Length or Transfer-Encoding: chunked alone")
 
 
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
