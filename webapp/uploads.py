@@ -282,10 +282,18 @@ def require_identity(request: Request) -> None:
     if coding not in ("", "identity"):
         raise NotAnImage(f"Content-Encoding {coding[:40]} is not accepted here: send the photo as it is, uncompressed "
                          f"(JPEG, PNG and WebP are compressed already)", headers={"Accept-Encoding": "identity"})
-    # gunicorn takes "Transfer-Encoding: gzip, chunked" and undoes only the chunking: the gzip bytes were the photo.
+    require_plain_transfer(request)
+
+
+def require_plain_transfer(request: Request) -> None:
+    """Refuse a transfer coding besides chunked before reading the body: gunicorn takes "Transfer-Encoding: gzip,
+    chunked" and undoes only the chunking, so the gzip bytes were read as the photo (or /v2's JSON).
+
+    :raises NotAnImage: a Transfer-Encoding other than chunked (415).
+    """
     transfer = [c.strip() for c in request.headers.get("Transfer-Encoding", "").lower().split(",") if c.strip()]
     if [c for c in transfer if c not in ("chunked", "identity")]:
-        raise NotAnImage(f"Transfer-Encoding {', '.join(transfer)[:60]} is not accepted here: send the photo "
+        raise NotAnImage(f"Transfer-Encoding {', '.join(transfer)[:60]} is not accepted here: send the body "
                          f"uncompressed, with Content-Length or Transfer-Encoding: chunked alone")
 
 

@@ -23,7 +23,7 @@ from . import v2_codec as codec
 from .contract import Upload
 from .errors import BadRequest, NotAnImage, NotFound, TooLarge
 from .logs import current_request_id
-from .uploads import require_length
+from .uploads import require_length, require_plain_transfer
 
 bp = Blueprint("v2", __name__)
 
@@ -91,11 +91,13 @@ def _body(limit: int) -> bytes:
     """The request body (decompressed where ``Content-Encoding`` is gzip or deflate), at most ``limit`` bytes.
 
     :raises TooLarge: over ``limit`` (413; Werkzeug raises its own 413 when Content-Length says so).
-    :raises NotAnImage: a ``Content-Encoding`` other than identity, gzip and deflate (415).
+    :raises NotAnImage: a ``Content-Encoding`` other than identity, gzip and deflate, or a transfer coding
+        besides chunked (415).
     :raises BadRequest: a compressed body that does not decompress (400).
     :raises LengthRequired: HTTP/1.0 without Content-Length (411).
     """
     require_length(request)
+    require_plain_transfer(request)
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding not in ("identity", "", *_ENCODINGS):
         raise NotAnImage(f"Content-Encoding {encoding[:40]} is not supported: send the body as it is, or gzip "
