@@ -131,7 +131,8 @@ class NotAnImage(ServiceError):
     status, code = 415, "unsupported_media_type"
     when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message), a raw body "
             "whose Content-Type is not `image/*` or `application/octet-stream`, or an upload with a "
-            "`Content-Encoding` (gzip...: `Accept-Encoding: identity` says what is taken; `/v2` takes gzip and deflate)")
+            "`Content-Encoding` (gzip...: `Accept-Encoding: identity` says what is taken; `/v2` takes gzip and deflate) "
+            "or a `Transfer-Encoding` besides chunked")
 
 
 class Overloaded(ServiceError):
