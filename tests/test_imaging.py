@@ -1140,3 +1140,39 @@ def test_an_animation_that_never_shows_much_uses_its_most_visible_frame():
     faint[0].save(buf, "PNG", save_all=True, append_images=faint[1:], duration=100)
     got = pixels(decode(buf.getvalue(), max_pixels=BIG).image)
     assert tuple(got[0, 0]) == tuple(round(255 - (255 - c) * 60 / 255) for c in (200, 0, 0))  # alpha 60 on white
+
+
+def _jpegtran(data: bytes, *args: str) -> bytes:
+    import subprocess
+
+    return subprocess.run(["jpegtran", *args], input=data, capture_output=True, check=True).stdout
+
+
+@pytest.mark.skipif(__import__("shutil").which("jpegtran") is None,
+                    reason="jpegtran (Debian: libjpeg-turbo-progs; .ci/run installs it) makes arithmetic-coded JPEGs")
+@pytest.mark.parametrize("progressive", [False, True])
+def test_an_arithmetic_coded_jpeg_is_the_same_photo(progressive):
+    """``jpegtran -arithmetic`` (lossless: the same coefficients, ~8% fewer bytes) was "damaged or incomplete (broken
+    data stream when reading image file)": Pillow's libjpeg has no arithmetic decoder. torchvision's decodes it to
+    the very pixels Pillow gives the Huffman-coded original, so the answer is the original's."""
+    whole = shared_image("dog.jpg").read_bytes()
+    arith = _jpegtran(whole, "-arithmetic", *(["-progressive"] if progressive else []))
+    assert arith[:2] == b"\xff\xd8" and arith != whole
+    for min_side in (None, 224):
+        want, got = decode(whole, max_pixels=BIG, min_side=min_side), decode(arith, max_pixels=BIG, min_side=min_side)
+        assert got.format == "JPEG" and got.size == want.size and (pixels(got.image) == pixels(want.image)).all()
+    for n in (len(arith) // 2, len(arith) - 2):  # cut short (its EOI missing too): refused, never grey-filled
+        with pytest.raises(UndecodableImage, match="a file cut short"):
+            decode(arith[:n], max_pixels=BIG)
+    turned = _jpegtran(encode(Image.open(io.BytesIO(whole)).convert("L"), "JPEG", exif=_exif_orientation(6)),
+                       "-arithmetic", "-copy", "all")
+    assert decode(turned, max_pixels=BIG).size == (576, 768)  # grey, and its EXIF orientation applied
+    cmyk = _jpegtran(encode(Image.open(io.BytesIO(whole)).convert("CMYK"), "JPEG"), "-arithmetic")
+    with pytest.raises(UndecodableImage, match="arithmetic-coded CMYK JPEG"):
+        decode(cmyk, max_pixels=BIG)
+
+
+def _exif_orientation(value: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = value
+    return exif.tobytes()

@@ -74,3 +74,26 @@ def sniff_format(data: bytes) -> str | None:
 def article(name: str) -> str:
     """"a" or "an" before a format's name as it is said: letter by letter for the acronyms (an HTML, an SVG)."""
     return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG", "SGI", "XBM", "XPM", "MP3", "RTF") else "a"
+
+
+# SOF markers of arithmetic-coded JPEG frames (ITU T.81 table B.1: SOF9-11, SOF13-15).
+_ARITHMETIC_SOF = {0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+
+
+def jpeg_arithmetic(data: bytes) -> bool:
+    """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D): its marker segments are walked by their
+    lengths up to the first SOF marker. False for Huffman-coded frames, other formats and damaged headers."""
+    pos = 2
+    while pos + 4 <= len(data) and data[:2] == b"\xff\xd8":
+        if data[pos] != 0xFF:
+            return False
+        marker = data[pos + 1]
+        if marker == 0xFF or marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:
+            pos += 1 if marker == 0xFF else 2
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a SOF (not DHT, JPG, DAC)
+            return marker in _ARITHMETIC_SOF
+        if marker in (0xD9, 0xDA):
+            return False
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+    return False

@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from . import cuts, exif, incomplete, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
-from .formats import article, claimed_format, sniff_format
+from .formats import article, claimed_format, jpeg_arithmetic, sniff_format
 from .modes import to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -123,15 +123,18 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     try:
         orientation = exif.orientation(img)  # read before any conversion drops img.info
         ends = "the file ends there" if _repaired else "a marker closes it early"  # (repaired: EOI added)
-        if min_side and fmt == "JPEG":
+        arithmetic = fmt == "JPEG" and jpeg_arithmetic(data)
+        if arithmetic:  # Pillow's libjpeg has no arithmetic decoder; torchvision's does (same coefficients, same IDCT)
+            img = _decode_arithmetic(name, data, img.mode)
+        elif min_side and fmt == "JPEG":
             _draft(img, min_side)
         img.load()
-        if fmt == "JPEG" and (kept := incomplete.jpeg_rows_decoded(
+        if fmt == "JPEG" and not arithmetic and (kept := incomplete.jpeg_rows_decoded(
                 img, data, height, lambda im: _draft(im, min_side) if min_side else None)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and {ends}, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
-        if fmt == "JPEG" and ("progressive" in img.info or "progression" in img.info) and (
+        if fmt == "JPEG" and not arithmetic and ("progressive" in img.info or "progression" in img.info) and (
                 scans := incomplete.jpeg_scans_cut(data)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: it is progressive and "
                                    f"{'its data ends' if _repaired else 'a marker closes it'} after {scans} "
@@ -167,6 +170,33 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                                    f"(a file cut short); send the whole file") from None
         raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
+
+
+def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
+    """An arithmetic-coded JPEG (``jpegtran -arithmetic``: ~8% smaller, lossless) decoded with torchvision's
+    libjpeg-turbo, which has the arithmetic decoder Pillow's lacks: pixel for pixel what Pillow gives the same
+    photo Huffman-coded (the shared dog.jpg: identical). At full size (no DCT-scaled ``draft``); strict where
+    Pillow is lenient: a file cut short (its EOI missing too) raises. One cut and then closed by EOI decodes
+    grey-filled, as libjpeg decodes it, and is not caught: ``incomplete``'s checks decode again with Pillow.
+
+    :raises UndecodableImage: a colour model other than grey and YCbCr/RGB (CMYK), or data torchvision refuses
+        (cut short or damaged) (400).
+    """
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    if mode not in ("L", "RGB"):
+        raise UndecodableImage(f"{name}: an arithmetic-coded {mode} JPEG, which this server cannot decode; save it "
+                               f"Huffman-coded (jpegtran -optimize) or as RGB")
+    try:
+        pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
+                             mode=ImageReadMode.GRAY if mode == "L" else ImageReadMode.RGB)
+    except RuntimeError as exc:
+        if "truncated" in str(exc) or "incomplete" in str(exc):
+            raise UndecodableImage(f"{name}: the JPEG data is incomplete: the file ends before its image does (a "
+                                   f"file cut short); send the whole file") from None
+        raise UndecodableImage(f"{name}: the JPEG data (arithmetic-coded) is damaged "
+                               f"({str(exc).splitlines()[-1][-120:]})") from None
+    return Image.fromarray(pixels.permute(1, 2, 0).squeeze(-1).numpy(), mode)
 
 
 def _again(fixed: bytes, start: float, **kwargs) -> Decoded:
