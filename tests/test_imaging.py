@@ -1176,3 +1176,21 @@ def _exif_orientation(value: int) -> bytes:
     exif = Image.Exif()
     exif[0x0112] = value
     return exif.tobytes()
+
+
+@pytest.mark.parametrize("change, said", [("precision 12", "a 12-bit JPEG"), ("precision 16", "a 16-bit JPEG"),
+                                          ("SOF3", "a lossless 8-bit JPEG"), ("SOF11", "a lossless 8-bit JPEG")])
+def test_a_jpeg_no_decoder_here_reads_is_415_naming_its_kind(change, said):
+    """12-bit and lossless JPEGs (medical and scientific exports) were "damaged (starts like JPEG, but its header
+    cannot be read)" or "broken data stream": whole files, of a kind neither Pillow's nor torchvision's libjpeg-turbo
+    decodes. 415, naming the kind and what to send instead. (The frame header is what tells: it is edited here.)"""
+    data = bytearray(shared_image("dog.jpg").read_bytes())
+    sof = data.index(b"\xff\xc0")
+    if change.startswith("precision"):
+        data[sof + 4] = int(change.split()[1])
+    else:
+        data[sof + 1] = {"SOF3": 0xC3, "SOF11": 0xCB}[change]
+    with pytest.raises(NotAnImage) as ei:
+        decode(bytes(data), max_pixels=BIG, min_side=224)
+    assert ei.value.message.startswith(f"upload: {said}, which this server cannot decode (it reads 8-bit lossy "
+                                       f"JPEGs); send it as PNG"), ei.value.message

@@ -76,24 +76,42 @@ def article(name: str) -> str:
     return "an" if name[:1] in "AEIOU" or name in ("HTML", "SVG", "XML/SVG", "SGI", "XBM", "XPM", "MP3", "RTF") else "a"
 
 
-# SOF markers of arithmetic-coded JPEG frames (ITU T.81 table B.1: SOF9-11, SOF13-15).
+# SOF markers of arithmetic-coded and of lossless JPEG frames (ITU T.81 table B.1).
 _ARITHMETIC_SOF = {0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_LOSSLESS_SOF = {0xC3, 0xC7, 0xCB, 0xCF}
 
 
-def jpeg_arithmetic(data: bytes) -> bool:
-    """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D): its marker segments are walked by their
-    lengths up to the first SOF marker. False for Huffman-coded frames, other formats and damaged headers."""
+def jpeg_frame(data: bytes) -> tuple[int, int] | None:
+    """``(SOF marker, sample precision in bits)`` of JPEG ``data``'s frame: its marker segments walked by their
+    lengths up to the first SOF (T.81 B.2.2). None for another format, a damaged header or one with no frame."""
     pos = 2
-    while pos + 4 <= len(data) and data[:2] == b"\xff\xd8":
+    while pos + 5 <= len(data) and data[:2] == b"\xff\xd8":
         if data[pos] != 0xFF:
-            return False
+            return None
         marker = data[pos + 1]
         if marker == 0xFF or marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:
             pos += 1 if marker == 0xFF else 2
             continue
         if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a SOF (not DHT, JPG, DAC)
-            return marker in _ARITHMETIC_SOF
+            return marker, data[pos + 4]
         if marker in (0xD9, 0xDA):
-            return False
+            return None
         pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
-    return False
+    return None
+
+
+def jpeg_arithmetic(data: bytes) -> bool:
+    """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D)."""
+    frame = jpeg_frame(data)
+    return frame is not None and frame[0] in _ARITHMETIC_SOF
+
+
+def jpeg_undecodable(data: bytes) -> str | None:
+    """What makes JPEG ``data`` one no decoder here reads, as words ("a lossless JPEG", "a 12-bit JPEG": medical
+    and scientific exports), or None: Pillow's and torchvision's libjpeg-turbo decode 8-bit lossy frames only."""
+    frame = jpeg_frame(data)
+    if frame is None:
+        return None
+    if frame[0] in _LOSSLESS_SOF:
+        return f"a lossless {frame[1]}-bit JPEG"
+    return f"a {frame[1]}-bit JPEG" if frame[1] != 8 else None

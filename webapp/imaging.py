@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from . import cuts, exif, incomplete, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
-from .formats import article, claimed_format, jpeg_arithmetic, sniff_format
+from .formats import article, claimed_format, jpeg_arithmetic, jpeg_undecodable, sniff_format
 from .modes import to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -97,6 +97,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         claimed = claimed_format(data)
         if claimed and (cut := _cut(data)):
             raise _cut_short(name, claimed, *cut) from None
+        if claimed == "JPEG" and (kind := jpeg_undecodable(data)):
+            raise _undecodable_jpeg(name, kind) from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
                                    f"cannot be read)") from None
@@ -120,6 +122,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     if width < 1 or height < 1:
         raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
     fmt, data = incomplete.primary_jpeg(img, data)  # a JPEG with more images after the photo (MPO) is a JPEG
+    if fmt == "JPEG" and (kind := jpeg_undecodable(data)):
+        raise _undecodable_jpeg(name, kind)
     try:
         orientation = exif.orientation(img)  # read before any conversion drops img.info
         ends = "the file ends there" if _repaired else "a marker closes it early"  # (repaired: EOI added)
@@ -172,6 +176,12 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
 
 
+def _undecodable_jpeg(name: str, kind: str) -> NotAnImage:
+    """The 415 for a JPEG of a kind no decoder here reads (``formats.jpeg_undecodable``'s words)."""
+    return NotAnImage(f"{name}: {kind}, which this server cannot decode (it reads 8-bit lossy JPEGs); send it as "
+                      f"PNG or TIFF (16 bits kept to the model's input), or as an 8-bit JPEG")
+
+
 def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
     """An arithmetic-coded JPEG (``jpegtran -arithmetic``: ~8% smaller, lossless) decoded with torchvision's
     libjpeg-turbo, which has the arithmetic decoder Pillow's lacks: pixel for pixel what Pillow gives the same
@@ -194,8 +204,9 @@ def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
         if "truncated" in str(exc) or "incomplete" in str(exc):
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: the file ends before its image does (a "
                                    f"file cut short); send the whole file") from None
+        said = re.search(r"\.cpp:\d+, (.+)", str(exc))  # "decode_jpeg, /path/decode_jpeg.cpp:171, <libjpeg's words>"
         raise UndecodableImage(f"{name}: the JPEG data (arithmetic-coded) is damaged "
-                               f"({str(exc).splitlines()[-1][-120:]})") from None
+                               f"({(said.group(1) if said else str(exc)).strip()[:120]})") from None
     return Image.fromarray(pixels.permute(1, 2, 0).squeeze(-1).numpy(), mode)
 
 
