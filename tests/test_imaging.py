@@ -1194,3 +1194,27 @@ def test_a_jpeg_no_decoder_here_reads_is_415_naming_its_kind(change, said):
         decode(bytes(data), max_pixels=BIG, min_side=224)
     assert ei.value.message.startswith(f"upload: {said}, which this server cannot decode (it reads 8-bit lossy "
                                        f"JPEGs); send it as PNG"), ei.value.message
+
+
+@pytest.mark.parametrize("kind", [b"tEXt", b"zTXt", b"iTXt", b"tIME", b"pHYs", b"gAMA"])
+@pytest.mark.parametrize("where", [b"IDAT", b"IEND"])
+def test_a_png_whose_ancillary_chunk_has_a_wrong_crc_is_still_the_photo(kind, where):
+    """One flipped bit in a text or other ancillary chunk's CRC (a copy over a bad link, a tool that edits the text
+    and not the CRC): Pillow refused the whole file ("cannot identify image file"), said as "damaged"; libpng,
+    and so every browser, drops the chunk and shows the photo. So does the server now. A critical chunk's (IHDR)
+    bad CRC stays an error, as in libpng."""
+    photo = _photo_like(160, 120)
+    whole = png_bytes(photo)
+    payload = {b"tEXt": b"Comment\x00hello", b"zTXt": b"Comment\x00\x00" + zlib.compress(b"hello"),
+               b"iTXt": b"Comment\x00\x00\x00\x00\x00hello", b"tIME": bytes(7), b"pHYs": bytes(9),
+               b"gAMA": struct.pack(">I", 45455)}[kind]
+    bad = bytearray(png_chunk(kind, payload))
+    bad[-1] ^= 0x01
+    at = whole.index(where) - 4
+    data = whole[:at] + bytes(bad) + whole[at:]
+    got = decode(data, max_pixels=BIG)
+    assert got.format == "PNG" and (pixels(got.image) == pixels(photo)).all()
+    ihdr = bytearray(whole)
+    ihdr[8 + 8 + 13 + 3] ^= 0x01  # IHDR's CRC
+    with pytest.raises(UndecodableImage, match="damaged"):
+        decode(bytes(ihdr), max_pixels=BIG)

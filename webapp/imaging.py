@@ -93,7 +93,9 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         size = f"{int(found.group(1)):,} pixels" if found else f"more than {2 * Image.MAX_IMAGE_PIXELS:,} pixels"
         raise TooLarge(f"{name}: the image is {size}; the limit is {max_pixels:,} "
                        f"(CLASSIFIER_MAX_PIXELS)") from None
-    except UnidentifiedImageError:
+    except UnidentifiedImageError as exc:
+        if not _repaired and (fixed := repair.png_mended(data, exc)):  # an ancillary chunk's CRC is wrong
+            return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
         claimed = claimed_format(data)
         if claimed and (cut := _cut(data)):
             raise _cut_short(name, claimed, *cut) from None
@@ -107,7 +109,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                 else "not an image format this server can decode")
         raise NotAnImage(f"{name}: {what}; send {FORMAT_NAMES}") from None
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
-        if not _repaired and (fixed := repair.png_without_text(data, exc)):  # metadata too large to inflate
+        if not _repaired and (fixed := repair.png_mended(data, exc)):  # metadata too large to inflate, a bad CRC
             return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
         if cut := _cut(data):  # e.g. WebP: "could not create decoder object"; JPEG: "Truncated File Read"
             raise _cut_short(name, claimed_format(data) or "image", *cut) from None
@@ -166,7 +168,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if cut := _cut(data):  # a PPM cut inside its maxval opens, and so does a JPEG cut right after SOS
             raise _cut_short(name, fmt, *cut) from None
         fixed = None if _repaired else (repair.jpeg_with_eoi(data) if fmt == "JPEG" else
-                                        repair.png_without_text(data, exc) if fmt == "PNG" else None)
+                                        repair.png_mended(data, exc) if fmt == "PNG" else None)
         if fixed:  # a whole photo without its end marker, or with metadata too large: judged again as it is
             return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
         if repair.cut_short(exc):  # in words, not Pillow's ("image file is truncated (35 bytes not processed)")
@@ -226,7 +228,7 @@ def decoded_pixels(data: bytes, min_side: int | None) -> int:
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
     except Exception as exc:  # noqa: BLE001 -- unreadable: decode raises the right error for it, or mends it
-        fixed = repair.png_without_text(data, exc)  # as decode will: its pixels count
+        fixed = repair.png_mended(data, exc)  # as decode will: its pixels count
         return decoded_pixels(fixed, min_side) if fixed else 0
     try:
         if min_side and img.format in ("JPEG", "MPO"):

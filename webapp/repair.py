@@ -7,10 +7,11 @@ in words.
   With the marker added it decodes, and ``webapp/incomplete.py`` then judges it as any JPEG closed by EOI:
   one cut inside its image data (grey fill, or a progressive one blurred) is still refused, and as there a
   cut in its last few rows (or inside a progressive one's last scan) is let through.
-- ``png_without_text``: a PNG whose compressed metadata (``zTXt``, ``iTXt``, ``iCCP``) inflates past Pillow's
+- ``png_mended``: a PNG whose compressed metadata (``zTXt``, ``iTXt``, ``iCCP``) inflates past Pillow's
   guard (``PngImagePlugin.MAX_TEXT_CHUNK``, 1 MiB per chunk, 64 MiB in all: decompression bombs in metadata).
   The guard is kept; the metadata is dropped and the pixels decoded (the ICC profile is not used anyway:
-  see the README's decoding notes).
+  see the README's decoding notes). And one with an ancillary chunk whose CRC is wrong (a flipped bit in a
+  text chunk): the chunk is dropped, as libpng drops it.
 - ``cut_short``: whether a Pillow error means the data ended early ("Truncated File Read", "image file is
   truncated", "not enough image data": a PNM), so that the 400 says so in words instead of quoting Pillow.
 
@@ -20,6 +21,7 @@ Pillow-only, no torch. Each runs only after Pillow refused a file, so whole phot
 from __future__ import annotations
 
 import struct
+import zlib
 
 _EOI = b"\xff\xd9"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -47,20 +49,29 @@ def jpeg_with_eoi(data: bytes) -> bytes | None:
     return data + _EOI
 
 
-def png_without_text(data: bytes, exc: BaseException) -> bytes | None:
-    """``data`` without its text and ICC chunks (``tEXt``, ``zTXt``, ``iTXt``, ``iCCP``), where Pillow refused it
-    for their inflated size (``exc``); else None (also when none was there to drop). Every other chunk,
-    and any bytes after a chunk whose length runs past the end, are kept as they are: a PNG damaged
-    elsewhere stays damaged, and says so when decoded again."""
-    if not any(text in str(exc) for text in _PILLOW_TEXT_GUARD) or not data.startswith(_PNG_SIGNATURE):
+def png_mended(data: bytes, exc: BaseException) -> bytes | None:
+    """``data`` without the chunks Pillow refused it for (``exc``), where they are outside the pixels; else None
+    (also when there was none to drop):
+
+    - its text and ICC chunks (``tEXt``, ``zTXt``, ``iTXt``, ``iCCP``), where they inflate past Pillow's guard;
+    - every ancillary chunk whose CRC is wrong: Pillow refuses the file ("broken PNG file (bad header checksum in
+      b'tEXt')", seen only as "cannot identify image file"); libpng, and so browsers, drop such a chunk and show
+      the photo. A critical chunk's (IHDR, PLTE, IDAT) stays an error there and here.
+
+    Every other chunk, and any bytes after a chunk whose length runs past the end, are kept as they are: a PNG
+    damaged elsewhere stays damaged, and says so when decoded again."""
+    if not data.startswith(_PNG_SIGNATURE):
         return None
+    guard = any(text in str(exc) for text in _PILLOW_TEXT_GUARD)
     out, pos, dropped = [_PNG_SIGNATURE], len(_PNG_SIGNATURE), False
     while pos + 12 <= len(data):
         length, kind = struct.unpack(">I4s", data[pos:pos + 8])
         end = pos + 12 + length  # length, type, payload, CRC
         if end > len(data):
             break
-        if kind in _TEXT_CHUNKS:
+        ancillary = bool(kind[0] & 0x20)  # bit 5 of the type's first byte (PNG spec 5.4)
+        if (guard and kind in _TEXT_CHUNKS) or (
+                ancillary and zlib.crc32(data[pos + 4:end - 4]) != struct.unpack(">I", data[end - 4:end])[0]):
             dropped = True
         else:
             out.append(data[pos:end])
