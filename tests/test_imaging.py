@@ -1218,3 +1218,23 @@ def test_a_png_whose_ancillary_chunk_has_a_wrong_crc_is_still_the_photo(kind, wh
     ihdr[8 + 8 + 13 + 3] ^= 0x01  # IHDR's CRC
     with pytest.raises(UndecodableImage, match="damaged"):
         decode(bytes(ihdr), max_pixels=BIG)
+
+
+@pytest.mark.parametrize("segment", [
+    b"\xff\xe0\x00\x07JFIF\x00", b"\xff\xe0\x00\x0cJFIF\x00\x01\x02\x00\x00\x01", b"\xff\xee\x00\x07Adobe",
+    b"\xff\xee\x00\x0aAdobe\x00\x64\x00", b"\xff\xe2\x00\x0eICC_PROFILE\x00"])
+def test_a_jpeg_metadata_segment_too_short_for_its_fields_is_skipped_as_libjpeg_skips_it(segment):
+    """A JFIF APP0, Adobe APP14 or ICC APP2 cut shorter than its own fields: libjpeg (and so browsers) skips it and
+    shows the photo; Pillow's header parser read past its end and the photo was "damaged (starts like JPEG, but its
+    header cannot be read)". The segment is dropped; the photo is decoded as it is, and counted so in the pixel
+    budget. A long-enough segment is kept (an Adobe transform flag says what the colours are)."""
+    from webapp.imaging import decoded_pixels
+
+    whole = shared_image("dog.jpg").read_bytes()
+    data = whole[:2] + segment + whole[2:]
+    got = decode(data, max_pixels=BIG)
+    assert got.format == "JPEG" and (pixels(got.image) == pixels(decode(whole, max_pixels=BIG).image)).all()
+    assert decoded_pixels(data, None) == 768 * 576
+    from webapp import repair
+
+    assert repair.jpeg_mended(whole) is None and repair.jpeg_mended(data) == whole

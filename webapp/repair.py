@@ -7,6 +7,8 @@ in words.
   With the marker added it decodes, and ``webapp/incomplete.py`` then judges it as any JPEG closed by EOI:
   one cut inside its image data (grey fill, or a progressive one blurred) is still refused, and as there a
   cut in its last few rows (or inside a progressive one's last scan) is let through.
+- ``jpeg_mended``: a JPEG whose JFIF, Adobe or ICC segment is too short for its own fields, which libjpeg (and
+  so browsers) skips and Pillow's header parser raises on: the segment is dropped.
 - ``png_mended``: a PNG whose compressed metadata (``zTXt``, ``iTXt``, ``iCCP``) inflates past Pillow's
   guard (``PngImagePlugin.MAX_TEXT_CHUNK``, 1 MiB per chunk, 64 MiB in all: decompression bombs in metadata).
   The guard is kept; the metadata is dropped and the pixels decoded (the ICC profile is not used anyway:
@@ -47,6 +49,42 @@ def jpeg_with_eoi(data: bytes) -> bytes | None:
     if data.endswith(_EOI) or not data.startswith(b"\xff\xd8"):
         return None
     return data + _EOI
+
+
+# Metadata segments libjpeg itself ignores when shorter than their fixed fields (jdmarker.c: a JFIF APP0 under 14
+# bytes, an Adobe APP14 under 12) and an ICC APP2 without its sequence bytes (ICC.1 B.4: 14), whose identifier
+# Pillow's parser reads past the end of, refusing the photo: (marker, identifier, shortest payload).
+_SHORT_APPS = ((0xE0, b"JFIF\x00", 14), (0xEE, b"Adobe", 12), (0xE2, b"ICC_PROFILE\x00", 14))
+
+
+def jpeg_mended(data: bytes) -> bytes | None:
+    """``data`` without the metadata segments too short for their own fields (``_SHORT_APPS``), for a JPEG Pillow
+    refused; else None (none there). libjpeg skips such a segment and decodes the photo, and so do browsers;
+    Pillow's header parser raised on it ("cannot identify image file", said as damaged). Segments are walked by
+    their lengths up to SOS; everything else is kept as it is."""
+    if not data.startswith(b"\xff\xd8"):
+        return None
+    out, pos, dropped = [data[:2]], 2, False
+    while pos + 4 <= len(data) and data[pos] == 0xFF:
+        marker = data[pos + 1]
+        if marker == 0xFF or marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:
+            step = 1 if marker == 0xFF else 2
+            out.append(data[pos:pos + step])
+            pos += step
+            continue
+        if marker == 0xDA:
+            break
+        end = pos + 2 + struct.unpack(">H", data[pos + 2:pos + 4])[0]
+        payload = data[pos + 4:end]
+        # its identifier (or as much of it as there is, two bytes at least), and too short for its fields
+        if any(marker == m and len(payload) < n and payload[:2] == ident[:2] and ident.startswith(payload[:len(ident)])
+               for m, ident, n in _SHORT_APPS):
+            dropped = True
+        else:
+            out.append(data[pos:end])
+        pos = end
+    out.append(data[pos:])
+    return b"".join(out) if dropped else None
 
 
 def png_mended(data: bytes, exc: BaseException) -> bytes | None:
