@@ -82,6 +82,20 @@ def test_unknown_variable_is_an_error_not_ignored():
         settings.load(environ={}, overrides={"MAX_BATCHSIZE": 4})
 
 
+@pytest.mark.parametrize("typo, meant", [("CLASSIFIER_MODLE", "CLASSIFIER_MODEL"), ("CLASSIFIER_WORKER", "CLASSIFIER_WORKERS"),
+                                         ("CLASSIFIER_MAX_WAIT", "CLASSIFIER_MAX_WAIT_MS"),
+                                         ("CLASSIFIER_PRECISON", "CLASSIFIER_PRECISION"), ("CLASSIFIER_XYZ", None)])
+def test_a_typo_is_told_the_setting_it_is_near(typo, meant):
+    """The message listed all 60-odd settings; the one meant is named first where it is near (not by the shared
+    CLASSIFIER_ prefix alone: CLASSIFIER_XYZ is near none)."""
+    with pytest.raises(SettingsError) as ei:
+        settings.load(environ={typo: "4"})
+    said = str(ei.value).split("; known:")[0]
+    assert said == f"unknown setting {typo}" + (f" (did you mean {meant}?)" if meant else ""), said
+    with pytest.raises(SettingsError, match=r"'MAX_BATCHSIZE' \(did you mean MAX_BATCH_SIZE\?\)"):
+        settings.load(environ={}, overrides={"MAX_BATCHSIZE": 4})
+
+
 def test_typed_overrides_are_checked_too():
     with pytest.raises(SettingsError, match="COMPILE"):
         settings.load(environ={}, overrides={"COMPILE": "sometimes"})

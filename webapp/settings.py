@@ -342,6 +342,15 @@ class Settings(Mapping[str, Any]):
         return f"Settings({self._values!r})"
 
 
+def _near(key: str, prefix: str = "") -> str:
+    """" (did you mean X?)" for the setting whose name is closest to a mistyped ``key`` (``prefix`` + name; the
+    names compared without the prefix, which every one shares; difflib ratio >= 0.75), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(key[len(prefix):].upper(), list(BY_NAME), n=1, cutoff=0.75)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
 def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
     """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys).
 
@@ -354,10 +363,11 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
     values: dict[str, Any] = {}
     for key in environ:
         if key.startswith(PREFIX) and key[len(PREFIX):] not in BY_NAME:
-            raise SettingsError(f"unknown setting {key}; known: {', '.join(s.env for s in SETTINGS)}")
+            raise SettingsError(f"unknown setting {key}{_near(key, PREFIX)}; known: "
+                                f"{', '.join(s.env for s in SETTINGS)}")
     for key in overrides:
         if key not in BY_NAME:
-            raise SettingsError(f"unknown setting {key!r}; known: {', '.join(BY_NAME)}")
+            raise SettingsError(f"unknown setting {key!r}{_near(key)}; known: {', '.join(BY_NAME)}")
     for s in SETTINGS:
         value = s.default
         if s.env in environ:
