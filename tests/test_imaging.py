@@ -1161,6 +1161,10 @@ def test_an_arithmetic_coded_jpeg_is_the_same_photo(progressive):
     for min_side in (None, 224):
         want, got = decode(whole, max_pixels=BIG, min_side=min_side), decode(arith, max_pixels=BIG, min_side=min_side)
         assert got.format == "JPEG" and got.size == want.size and (pixels(got.image) == pixels(want.image)).all()
+    from webapp.imaging import decoded_pixels
+
+    big = _jpegtran(encode(_photo_like(1600, 1200), "JPEG"), "-arithmetic")  # decoded at full size: counted so
+    assert decoded_pixels(big, 224) == 1600 * 1200 == decode(big, max_pixels=BIG, min_side=224).image.size[0] * 1200
     for n in (len(arith) // 2, len(arith) - 2):  # cut short (its EOI missing too): refused, never grey-filled
         with pytest.raises(UndecodableImage, match="a file cut short"):
             decode(arith[:n], max_pixels=BIG)

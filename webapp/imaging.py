@@ -231,7 +231,7 @@ def decoded_pixels(data: bytes, min_side: int | None) -> int:
         fixed = repair.png_mended(data, exc) or repair.jpeg_mended(data)  # as decode will: its pixels count
         return decoded_pixels(fixed, min_side) if fixed else 0
     try:
-        if min_side and img.format in ("JPEG", "MPO"):
+        if min_side and img.format in ("JPEG", "MPO") and not jpeg_arithmetic(data):  # (that one: at full size)
             _draft(img, min_side)  # sets the size it will decode at; decodes nothing
         return img.size[0] * img.size[1]
     except Exception:  # noqa: BLE001
