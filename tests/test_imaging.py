@@ -1242,3 +1242,28 @@ def test_a_jpeg_metadata_segment_too_short_for_its_fields_is_skipped_as_libjpeg_
     from webapp import repair
 
     assert repair.jpeg_mended(whole) is None and repair.jpeg_mended(data) == whole
+
+
+@pytest.mark.parametrize("tag", [270, 305, 315])  # ImageDescription, Software, Artist
+def test_a_tiff_whose_metadata_tag_points_past_the_end_is_still_the_photo(tag):
+    """A text tag whose value offset lies past the end of the file (a tool that wrote it wrong): libtiff ignores
+    the tag; Pillow refused the whole file, said as "damaged". The tag is dropped; the pixels are the photo's.
+    A pixel tag's offset past the end stays a refusal (a cut)."""
+    from PIL import TiffImagePlugin
+
+    photo = _photo_like(96, 72)
+    info = TiffImagePlugin.ImageFileDirectory_v2()
+    info[tag] = "written by a tool that got its offsets wrong"
+    out = io.BytesIO()
+    photo.save(out, "TIFF", tiffinfo=info)
+    data = bytearray(out.getvalue())
+    order = "<" if data[:2] == b"II" else ">"
+    ifd = struct.unpack_from(order + "I", data, 4)[0]
+    entries = {struct.unpack_from(order + "H", data, p)[0]: p
+               for p in range(ifd + 2, ifd + 2 + 12 * struct.unpack_from(order + "H", data, ifd)[0], 12)}
+    struct.pack_into(order + "I", data, entries[tag] + 8, len(data) + 10_000)
+    got = decode(bytes(data), max_pixels=BIG)
+    assert got.format == "TIFF" and (pixels(got.image) == pixels(photo)).all()
+    struct.pack_into(order + "I", data, entries[273] + 8, len(data) + 10_000)  # StripOffsets: the pixels
+    with pytest.raises(UndecodableImage):
+        decode(bytes(data), max_pixels=BIG)

@@ -94,8 +94,9 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         raise TooLarge(f"{name}: the image is {size}; the limit is {max_pixels:,} "
                        f"(CLASSIFIER_MAX_PIXELS)") from None
     except UnidentifiedImageError as exc:
-        if not _repaired and (fixed := repair.png_mended(data, exc) or repair.jpeg_mended(data)):
-            return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)  # bad CRC, short APPn
+        if not _repaired and (fixed := repair.png_mended(data, exc) or repair.jpeg_mended(data)
+                              or repair.tiff_mended(data)):  # bad CRC, short APPn, a tag past the end
+            return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
         claimed = claimed_format(data)
         if claimed and (cut := _cut(data)):
             raise _cut_short(name, claimed, *cut) from None
@@ -228,7 +229,7 @@ def decoded_pixels(data: bytes, min_side: int | None) -> int:
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
     except Exception as exc:  # noqa: BLE001 -- unreadable: decode raises the right error for it, or mends it
-        fixed = repair.png_mended(data, exc) or repair.jpeg_mended(data)  # as decode will: its pixels count
+        fixed = repair.png_mended(data, exc) or repair.jpeg_mended(data) or repair.tiff_mended(data)  # as decode
         return decoded_pixels(fixed, min_side) if fixed else 0
     try:
         if min_side and img.format in ("JPEG", "MPO") and not jpeg_arithmetic(data):  # (that one: at full size)

@@ -9,6 +9,8 @@ in words.
   cut in its last few rows (or inside a progressive one's last scan) is let through.
 - ``jpeg_mended``: a JPEG whose JFIF, Adobe or ICC segment is too short for its own fields, which libjpeg (and
   so browsers) skips and Pillow's header parser raises on: the segment is dropped.
+- ``tiff_mended``: a TIFF whose metadata tag (ImageDescription, Software...) points past the end of the file,
+  which libtiff ignores and Pillow's directory reader refused: the tag is dropped.
 - ``png_mended``: a PNG whose compressed metadata (``zTXt``, ``iTXt``, ``iCCP``) inflates past Pillow's
   guard (``PngImagePlugin.MAX_TEXT_CHUNK``, 1 MiB per chunk, 64 MiB in all: decompression bombs in metadata).
   The guard is kept; the metadata is dropped and the pixels decoded (the ICC profile is not used anyway:
@@ -118,3 +120,43 @@ def png_mended(data: bytes, exc: BaseException) -> bytes | None:
             break
     out.append(data[pos:])
     return b"".join(out) if dropped else None
+
+
+# TIFF tags the pixels cannot be read without (TIFF 6.0 and its common extensions: size, samples, compression,
+# colour, strips and tiles, planar layout, predictor, sample format, extra samples, colour map, YCbCr, JPEG
+# tables, ICC for the mode Pillow picks): never dropped. Any other tag is metadata.
+_TIFF_PIXEL_TAGS = {254, 255, 256, 257, 258, 259, 262, 266, 273, 277, 278, 279, 284, 317, 320, 322, 323, 324, 325,
+                    330, 332, 338, 339, 340, 341, 347, 529, 530, 531, 532}
+_TIFF_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4}
+
+
+def tiff_mended(data: bytes) -> bytes | None:
+    """``data`` without the metadata tags of its first IFD whose values lie past the end of the file (an
+    ImageDescription or Software pointer a tool wrote wrong), for a classic TIFF Pillow refused; else None. libtiff
+    ignores such a tag with a warning; Pillow's directory reader refused the file ("cannot identify"). The
+    remaining entries are written back in place, in order, with the IFD's count and next-IFD offset after them;
+    the pixel tags (``_TIFF_PIXEL_TAGS``) are never touched, so a TIFF damaged there stays damaged."""
+    if data[:4] not in (b"II*\x00", b"MM\x00*") or len(data) < 8:
+        return None
+    order = "<" if data[:2] == b"II" else ">"
+    ifd = struct.unpack_from(order + "I", data, 4)[0]
+    if not 8 <= ifd <= len(data) - 2:
+        return None
+    count = struct.unpack_from(order + "H", data, ifd)[0]
+    if count > 4096 or ifd + 2 + 12 * count + 4 > len(data):
+        return None
+    kept = []
+    for pos in range(ifd + 2, ifd + 2 + 12 * count, 12):
+        tag, kind, n, at = struct.unpack_from(order + "HHII", data, pos)
+        size = _TIFF_SIZES.get(kind, 1) * n
+        if tag not in _TIFF_PIXEL_TAGS and size > 4 and at + size > len(data):
+            continue
+        kept.append(data[pos:pos + 12])
+    if len(kept) == count:
+        return None
+    out = bytearray(data)
+    next_ifd = data[ifd + 2 + 12 * count:ifd + 6 + 12 * count]
+    entries = b"".join(kept)
+    out[ifd:ifd + 2] = struct.pack(order + "H", len(kept))
+    out[ifd + 2:ifd + 2 + len(entries) + 4] = entries + next_ifd
+    return bytes(out)
