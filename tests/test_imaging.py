@@ -1267,3 +1267,20 @@ def test_a_tiff_whose_metadata_tag_points_past_the_end_is_still_the_photo(tag):
     struct.pack_into(order + "I", data, entries[273] + 8, len(data) + 10_000)  # StripOffsets: the pixels
     with pytest.raises(UndecodableImage):
         decode(bytes(data), max_pixels=BIG)
+
+
+def test_a_webp_whose_chunk_size_is_wrong_is_said_damaged_in_words():
+    """A WebP whose metadata chunk's size is off by one (libwebp's demuxer refuses it) was "cannot read the image
+    header (OSError: could not create decoder object)": the format and the verdict now come first, Pillow's words
+    after them as the detail."""
+    photo = _photo_like(160, 120)
+    out = io.BytesIO()
+    exif = Image.Exif()
+    exif[0x010E] = "a description"
+    photo.save(out, "WEBP", lossless=True, exif=exif.tobytes())
+    data = bytearray(out.getvalue())
+    at = data.index(b"EXIF")
+    struct.pack_into("<I", data, at + 4, struct.unpack_from("<I", data, at + 4)[0] + 1)
+    with pytest.raises(UndecodableImage) as ei:
+        decode(bytes(data), max_pixels=BIG)
+    assert ei.value.message.startswith("upload: the WebP data is damaged: its header cannot be read ("), ei.value.message

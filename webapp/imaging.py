@@ -117,7 +117,9 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if repair.cut_short(exc):  # Pillow says the data ended, where no structure holds together to say it was cut
             raise UndecodableImage(f"{name}: the {claimed_format(data) or 'image'} header cannot be read: the data "
                                    f"ends inside it (a damaged file, or one cut short); send the whole file") from None
-        raise UndecodableImage(f"{name}: cannot read the image header ({type(exc).__name__}: {exc})") from None
+        claimed = claimed_format(data)  # Pillow's words last, as the detail: "could not create decoder object"
+        raise UndecodableImage(f"{name}: the {claimed or 'image'} data is damaged: its header cannot be read "
+                               f"({type(exc).__name__}: {exc})") from None
     width, height = img.size
     if width * height > max_pixels:
         raise TooLarge(f"{name}: {width}x{height} is {width * height:,} pixels; the limit is {max_pixels:,} "
