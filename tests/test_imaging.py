@@ -1284,3 +1284,20 @@ def test_a_webp_whose_chunk_size_is_wrong_is_said_damaged_in_words():
     with pytest.raises(UndecodableImage) as ei:
         decode(bytes(data), max_pixels=BIG)
     assert ei.value.message.startswith("upload: the WebP data is damaged: its header cannot be read ("), ei.value.message
+
+
+def test_a_png_exif_chunk_after_the_pixels_is_ignored_as_browsers_ignore_it():
+    """PNG 3rd edition: eXIf comes before IDAT, and a late one is ignored (the web-platform test
+    css/css-images/image-orientation/image-orientation-exif-png-2.html, "late EXIF data is ignored"); Pillow
+    applies it once the pixels are loaded, so a Pillow-based client turns such a file and the page does not (a
+    tryout's finding). The server does as browsers do: orientation 6 before IDAT turns the photo, after it not."""
+    photo = _photo_like(160, 120)
+    whole = png_bytes(photo)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    chunk = png_chunk(b"eXIf", exif.tobytes()[6:] if exif.tobytes().startswith(b"Exif") else exif.tobytes())
+    early = whole[:whole.index(b"IDAT") - 4] + chunk + whole[whole.index(b"IDAT") - 4:]
+    late = whole[:whole.index(b"IEND") - 4] + chunk + whole[whole.index(b"IEND") - 4:]
+    assert decode(early, max_pixels=BIG).size == (120, 160)
+    got = decode(late, max_pixels=BIG)
+    assert got.size == (160, 120) and (pixels(got.image) == pixels(photo)).all()
