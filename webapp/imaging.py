@@ -212,7 +212,7 @@ def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
         said = re.search(r"\.cpp:\d+, (.+)", str(exc))  # "decode_jpeg, /path/decode_jpeg.cpp:171, <libjpeg's words>"
         raise UndecodableImage(f"{name}: the JPEG data (arithmetic-coded) is damaged "
                                f"({(said.group(1) if said else str(exc)).strip()[:120]})") from None
-    return Image.fromarray(pixels.permute(1, 2, 0).squeeze(-1).numpy(), mode)
+    return Image.fromarray(pixels.permute(1, 2, 0).squeeze(-1).numpy())  # (H, W) uint8: L; (H, W, 3): RGB
 
 
 def _again(fixed: bytes, start: float, **kwargs) -> Decoded:
