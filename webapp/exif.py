@@ -50,6 +50,10 @@ def silence_pillow_warnings() -> None:
     Also called by bench/fuzz.py, which judges decode with exactly the service's filters."""
     warnings.filterwarnings("ignore", module=r"PIL(\.|$)")
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+    # torchvision 0.29 warns on every decode_jpeg call that its decoders are deprecated (for TorchCodec); the
+    # arithmetic-coded JPEGs Pillow cannot decode go through it (imaging._decode_arithmetic). Pinned: it works.
+    warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision",
+                            category=DeprecationWarning)
 
 
 def orientation_from_block(raw: bytes) -> int | None:

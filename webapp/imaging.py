@@ -190,7 +190,9 @@ def _undecodable_jpeg(name: str, kind: str) -> NotAnImage:
 def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
     """An arithmetic-coded JPEG (``jpegtran -arithmetic``: ~8% smaller, lossless) decoded with torchvision's
     libjpeg-turbo, which has the arithmetic decoder Pillow's lacks: pixel for pixel what Pillow gives the same
-    photo Huffman-coded (the shared dog.jpg: identical). At full size (no DCT-scaled ``draft``); strict where
+    photo Huffman-coded (the shared dog.jpg: identical). torchvision 0.29 deprecates its decoders for TorchCodec
+    (pinned here, they work; if a later torchvision drops them, such JPEGs are refused again, as "damaged").
+    At full size (no DCT-scaled ``draft``); strict where
     Pillow is lenient: a file cut short (its EOI missing too) raises. One cut and then closed by EOI decodes
     grey-filled, as libjpeg decodes it, and is not caught: ``incomplete``'s checks decode again with Pillow.
 
