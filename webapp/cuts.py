@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import struct
 
+from .formats import jpeg_segments
+
 
 def container_cut(data: bytes) -> tuple[int, int] | None:
     """``(bytes the container needs at least, bytes there are)`` for a RIFF (WebP), ISO BMFF (AVIF, HEIF) or TIFF file
@@ -148,33 +150,18 @@ _JPEG_APP_IDS = {0xE0: (b"JFIF\x00", b"JFXX\x00", b"AVI1"),
 
 
 def _jpeg_header_cut(data: bytes) -> tuple[int, int] | None:
-    pos, n = 2, len(data)
-    while True:
-        if pos + 2 > n:
-            return pos + 2, n
-        if data[pos] != 0xFF:
-            return None  # junk between segments: damage
-        marker = data[pos + 1]
-        if marker == 0xFF:  # a fill byte before the marker
-            pos += 1
-        elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # no length field
-            pos += 2
-        elif marker == 0xD9:
+    n = len(data)
+    for seg in jpeg_segments(data):
+        known = _JPEG_APP_IDS.get(seg.marker)  # (checked on as much of the identifier as arrived)
+        if known and not any(i.startswith(data[seg.pos + 4:seg.pos + 4 + len(i)]) for i in known):
+            return None  # APP0/APP1 whose identifier is not one of theirs: damage read as a length
+        if seg.end > n:
+            return seg.end, n
+        if seg.marker == 0xD9:
             return None  # EOI before any scan: not a cut
-        else:
-            if pos + 4 > n:
-                return pos + 4, n
-            end = pos + 2 + struct.unpack_from(">H", data, pos + 2)[0]
-            if end < pos + 4:
-                return None
-            known = _JPEG_APP_IDS.get(marker)
-            if known and not any(i.startswith(data[pos + 4:pos + 4 + len(i)]) for i in known):
-                return None  # APP0/APP1 whose identifier is not one of theirs: damage read as a length
-            if end > n:
-                return end, n
-            if marker == 0xDA:  # SOS: the header is whole; the scan data follows (at least a byte of it)
-                return (end + 1, n) if end == n else None
-            pos = end
+        if seg.marker == 0xDA:  # SOS: the header is whole; the scan data follows (at least a byte of it)
+            return (seg.end + 1, n) if seg.end == n else None
+    return None  # junk between segments, or a length under 2: damage
 
 
 def _png_header_cut(data: bytes) -> tuple[int, int] | None:

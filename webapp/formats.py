@@ -1,9 +1,14 @@
 """What an upload is, from its first bytes: the photo format it starts like (``claimed_format``: a file that
 does and that Pillow cannot open is a damaged photo, 400) or the format it is that this service does not
-decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...). Pure bytes, no Pillow, no torch.
+decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...); and a JPEG's marker segments (``jpeg_segments``,
+the one walk that the cut, mend and scan checks share) and its frame (``jpeg_frame``: the decoder it needs, or
+none here). Pure bytes, no Pillow, no torch.
 """
 
 from __future__ import annotations
+
+import re
+from typing import Iterator, NamedTuple
 
 # Leading bytes of formats we cannot decode, so the 415 can name them.
 _SIGNATURES = (
@@ -79,39 +84,99 @@ def article(name: str) -> str:
 # SOF markers of arithmetic-coded and of lossless JPEG frames (ITU T.81 table B.1).
 _ARITHMETIC_SOF = {0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _LOSSLESS_SOF = {0xC3, 0xC7, 0xCB, 0xCF}
+_NO_LENGTH = {0x01, 0xD8, 0xD9, *range(0xD0, 0xD8)}  # TEM, SOI, EOI, RST0-7: a marker alone (T.81 B.1.1.3)
+_SOS, _EOI = 0xDA, 0xD9
+_NEXT_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")  # in scan data: not a stuffed 00, an RSTn or a fill
 
 
-def jpeg_frame(data: bytes) -> tuple[int, int] | None:
-    """``(SOF marker, sample precision in bits)`` of JPEG ``data``'s frame: its marker segments walked by their
-    lengths up to the first SOF (T.81 B.2.2). None for another format, a damaged header or one with no frame."""
-    pos = 2
-    while pos + 5 <= len(data) and data[:2] == b"\xff\xd8":
+class Segment(NamedTuple):
+    """One JPEG marker segment: ``pos``, the offset of its FF; ``marker``, the byte after it (None where the data
+    ended before it); ``end``, the offset just after the segment (its 2-byte length counted from ``pos + 2``; a
+    marker alone is 2 bytes). ``end`` > ``len(data)`` where the data ends inside the segment."""
+    pos: int
+    marker: int | None
+    end: int
+
+
+def jpeg_segments(data: bytes, scans: bool = False) -> Iterator[Segment]:
+    """JPEG ``data``'s marker segments after its SOI, walked by their lengths (ITU T.81 B.1.1), fill bytes
+    (``FF FF``) skipped: the one walk that ``cuts``, ``repair``, ``incomplete`` and ``jpeg_frame`` share.
+
+    The walk ends after EOI; after SOS, unless ``scans``: then each SOS's entropy-coded data is skipped to the
+    next marker (its stuffed ``FF 00`` and RSTn are part of it) and the walk goes on, or ends where none
+    follows; after a segment the data ends inside (yielded, with ``end`` past the data); and, yielding
+    nothing more, at a byte that is not FF where a marker must be or at a length under 2 (damage). The
+    caller tells a cut (the last segment's ``end`` > ``len(data)``) from damage (the walk just stops)."""
+    pos, n = 2, len(data)
+    while True:
+        if pos + 2 > n:
+            yield Segment(pos, None, pos + 2)
+            return
         if data[pos] != 0xFF:
-            return None
+            return
         marker = data[pos + 1]
-        if marker == 0xFF or marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:
-            pos += 1 if marker == 0xFF else 2
+        if marker == 0xFF:
+            pos += 1
             continue
-        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):  # a SOF (not DHT, JPG, DAC)
-            return marker, data[pos + 4]
-        if marker in (0xD9, 0xDA):
+        if marker in _NO_LENGTH:
+            yield Segment(pos, marker, pos + 2)
+            if marker == _EOI:
+                return
+            pos += 2
+            continue
+        if pos + 4 > n:
+            yield Segment(pos, marker, pos + 4)
+            return
+        length = int.from_bytes(data[pos + 2:pos + 4], "big")
+        if length < 2:
+            return
+        end = pos + 2 + length
+        yield Segment(pos, marker, end)
+        if end > n or (marker == _SOS and not scans):
+            return
+        if marker == _SOS:
+            found = _NEXT_MARKER.search(data, end)
+            if found is None:
+                return
+            end = found.start()
+        pos = end
+
+
+class JpegFrame(NamedTuple):
+    """A JPEG's frame header as far as the decoders care: its SOF ``marker`` and its sample ``precision``
+    (bits)."""
+    marker: int
+    precision: int
+
+    @property
+    def arithmetic(self) -> bool:
+        """Whether the frame is arithmetic-coded (T.81 annex D): Pillow's libjpeg lacks that decoder."""
+        return self.marker in _ARITHMETIC_SOF
+
+    @property
+    def undecodable(self) -> str | None:
+        """What makes the frame one no decoder here reads, as words ("a lossless 16-bit JPEG", "a 12-bit JPEG":
+        medical and scientific exports), or None: Pillow's and torchvision's libjpeg-turbo decode 8-bit lossy
+        frames only."""
+        if self.marker in _LOSSLESS_SOF:
+            return f"a lossless {self.precision}-bit JPEG"
+        return f"a {self.precision}-bit JPEG" if self.precision != 8 else None
+
+
+def jpeg_frame(data: bytes) -> JpegFrame | None:
+    """JPEG ``data``'s frame: the first SOF (T.81 B.2.2) among its marker segments. None for another format, a
+    damaged header or one with no frame before its first scan."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    for seg in jpeg_segments(data):
+        if seg.marker is None or seg.marker in (_EOI, _SOS) or seg.pos + 5 > len(data):
             return None
-        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if 0xC0 <= seg.marker <= 0xCF and seg.marker not in (0xC4, 0xC8, 0xCC):  # a SOF (not DHT, JPG, DAC)
+            return JpegFrame(seg.marker, data[seg.pos + 4])
     return None
 
 
 def jpeg_arithmetic(data: bytes) -> bool:
     """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D)."""
     frame = jpeg_frame(data)
-    return frame is not None and frame[0] in _ARITHMETIC_SOF
-
-
-def jpeg_undecodable(data: bytes) -> str | None:
-    """What makes JPEG ``data`` one no decoder here reads, as words ("a lossless JPEG", "a 12-bit JPEG": medical
-    and scientific exports), or None: Pillow's and torchvision's libjpeg-turbo decode 8-bit lossy frames only."""
-    frame = jpeg_frame(data)
-    if frame is None:
-        return None
-    if frame[0] in _LOSSLESS_SOF:
-        return f"a lossless {frame[1]}-bit JPEG"
-    return f"a {frame[1]}-bit JPEG" if frame[1] != 8 else None
+    return frame is not None and frame.arithmetic

@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from . import cuts, exif, incomplete, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
-from .formats import article, claimed_format, jpeg_arithmetic, jpeg_undecodable, sniff_format
+from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format
 from .modes import to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -100,7 +100,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         claimed = claimed_format(data)
         if claimed and (cut := _cut(data)):
             raise _cut_short(name, claimed, *cut) from None
-        if claimed == "JPEG" and (kind := jpeg_undecodable(data)):
+        if claimed == "JPEG" and (frame := jpeg_frame(data)) and (kind := frame.undecodable):
             raise _undecodable_jpeg(name, kind) from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
@@ -127,12 +127,13 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     if width < 1 or height < 1:
         raise UndecodableImage(f"{name}: the image has no pixels ({width}x{height})")
     fmt, data = incomplete.primary_jpeg(img, data)  # a JPEG with more images after the photo (MPO) is a JPEG
-    if fmt == "JPEG" and (kind := jpeg_undecodable(data)):
+    frame = jpeg_frame(data) if fmt == "JPEG" else None  # its SOF: the decoder it needs, or none here
+    if frame and (kind := frame.undecodable):
         raise _undecodable_jpeg(name, kind)
     try:
         orientation = exif.orientation(img)  # read before any conversion drops img.info
         ends = "the file ends there" if _repaired else "a marker closes it early"  # (repaired: EOI added)
-        arithmetic = fmt == "JPEG" and jpeg_arithmetic(data)
+        arithmetic = frame is not None and frame.arithmetic
         if arithmetic:  # Pillow's libjpeg has no arithmetic decoder; torchvision's does (same coefficients, same IDCT)
             img = _decode_arithmetic(name, data, img.mode)
         elif min_side and fmt == "JPEG":
@@ -182,7 +183,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
 
 
 def _undecodable_jpeg(name: str, kind: str) -> NotAnImage:
-    """The 415 for a JPEG of a kind no decoder here reads (``formats.jpeg_undecodable``'s words)."""
+    """The 415 for a JPEG of a kind no decoder here reads (``formats.JpegFrame.undecodable``'s words)."""
     return NotAnImage(f"{name}: {kind}, which this server cannot decode (it reads 8-bit lossy JPEGs); send it as "
                       f"PNG or TIFF (16 bits kept to the model's input), or as an 8-bit JPEG")
 

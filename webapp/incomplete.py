@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import io
 import logging
-import re
-import struct
 from typing import Callable
 
 import numpy as np
 from PIL import Image
+
+from .formats import jpeg_segments
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +100,10 @@ def primary_jpeg(img: Image.Image, data: bytes) -> tuple[str, bytes]:
 
 
 # JPEG markers (ITU-T T.81 table B.1): progressive DCT frames (SOF2 Huffman, SOF10 arithmetic), the other
-# frames (not judged here), a scan's start, the end of the image. Inside a scan's entropy-coded data 0xFF is
-# followed by 0x00 (a stuffed byte), a restart marker (D0-D7) or fill (FF); anything else is the next marker.
+# frames (not judged here), a scan's start, the end of the image.
 _PROGRESSIVE = {0xC2, 0xCA}
 _OTHER_FRAMES = {0xC0, 0xC1, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCB, 0xCD, 0xCE, 0xCF}
 _SOS, _EOI = 0xDA, 0xD9
-_NEXT_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")
 
 
 def jpeg_scans_cut(data: bytes) -> int | None:
@@ -117,36 +115,27 @@ def jpeg_scans_cut(data: bytes) -> int | None:
     and refined later down to ``Al`` = 0 (libjpeg's default script has 10 scans; mozjpeg's vary). Cut
     and closed by EOI (what some tools write for a partial download), libjpeg decodes it without an error,
     the coefficients that never came left at zero: a blurred image, often without colour, that the model
-    would classify. So the scan headers are read, markers walked by their lengths (an EXIF thumbnail's own
-    markers are inside APP1 and never seen) and entropy-coded data skipped to the next marker, and every
+    would classify. So the scan headers are read, markers walked by their lengths (``formats.jpeg_segments``: an EXIF
+    thumbnail's own markers are inside APP1 and never seen) and entropy-coded data skipped to the next marker, and every
     coefficient 0..63 of every frame component must end at ``Al`` = 0. A cut inside the very last scan is
     not caught (every coefficient has arrived by then, only the last refinement of part of the image is
     missing: with libjpeg's script the lowest bit of the luma AC coefficients). Costs one regex pass over
     the file (about a millisecond for 3 MB), and only progressive JPEGs are looked at.
     """
     try:
-        pos, frame, scans = 2, None, 0
+        frame, scans, closed = None, 0, False
         precision: dict[int, list[int | None]] = {}
-        while pos + 2 <= len(data):
-            if data[pos] != 0xFF:
-                return None  # not a marker where one must be: damage, not judged here
-            marker = data[pos + 1]
-            if marker == 0xFF:  # fill byte before a marker
-                pos += 1
-                continue
-            if marker == _EOI:
+        for seg in jpeg_segments(data, scans=True):
+            if seg.marker == _EOI:
+                closed = True
                 break
-            if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # RSTn, TEM: no length
-                pos += 2
-                continue
-            end = pos + 2 + struct.unpack_from(">H", data, pos + 2)[0]
-            segment = data[pos + 4:end]
-            if marker in _OTHER_FRAMES:
+            segment = data[seg.pos + 4:seg.end]
+            if seg.marker in _OTHER_FRAMES:
                 return None
-            if marker in _PROGRESSIVE:
+            if seg.marker in _PROGRESSIVE:
                 frame = [segment[6 + 3 * i] for i in range(segment[5])]
                 precision = {c: [None] * 64 for c in frame}
-            if marker == _SOS:
+            if seg.marker == _SOS:
                 if frame is None:
                     return None
                 count = segment[0]
@@ -156,15 +145,8 @@ def jpeg_scans_cut(data: bytes) -> int | None:
                         return None
                     precision[c][ss:se + 1] = [approx & 15] * (se + 1 - ss)
                 scans += 1
-                found = _NEXT_MARKER.search(data, end)
-                if found is None:
-                    return None  # no EOI: the decoder itself reports the file as truncated
-                end = found.start()
-            pos = end
-        else:
-            return None  # no EOI reached
-        if frame is None or not scans:
-            return None
+        if not closed or frame is None or not scans:
+            return None  # no EOI reached (the decoder itself reports the file as truncated), or not progressive
         return None if all(al == 0 for c in frame for al in precision[c]) else scans
-    except (IndexError, ValueError, struct.error):  # a damaged header: the decoder judges it
+    except (IndexError, ValueError):  # a damaged header: the decoder judges it
         return None

@@ -27,6 +27,8 @@ from __future__ import annotations
 import struct
 import zlib
 
+from .formats import jpeg_segments
+
 _EOI = b"\xff\xd9"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Ancillary chunks whose compressed payloads Pillow inflates under MAX_TEXT_CHUNK / MAX_TEXT_MEMORY
@@ -66,27 +68,17 @@ def jpeg_mended(data: bytes) -> bytes | None:
     their lengths up to SOS; everything else is kept as it is."""
     if not data.startswith(b"\xff\xd8"):
         return None
-    out, pos, dropped = [data[:2]], 2, False
-    while pos + 4 <= len(data) and data[pos] == 0xFF:
-        marker = data[pos + 1]
-        if marker == 0xFF or marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:
-            step = 1 if marker == 0xFF else 2
-            out.append(data[pos:pos + step])
-            pos += step
-            continue
-        if marker == 0xDA:
+    out, pos = [], 0
+    for seg in jpeg_segments(data):
+        if seg.marker == 0xDA or seg.end > len(data):
             break
-        end = pos + 2 + struct.unpack(">H", data[pos + 2:pos + 4])[0]
-        payload = data[pos + 4:end]
+        payload = data[seg.pos + 4:seg.end]
         # its identifier (or as much of it as there is, two bytes at least), and too short for its fields
-        if any(marker == m and len(payload) < n and payload[:2] == ident[:2] and ident.startswith(payload[:len(ident)])
-               for m, ident, n in _SHORT_APPS):
-            dropped = True
-        else:
-            out.append(data[pos:end])
-        pos = end
-    out.append(data[pos:])
-    return b"".join(out) if dropped else None
+        if any(seg.marker == m and len(payload) < n and payload[:2] == ident[:2] and
+               ident.startswith(payload[:len(ident)]) for m, ident, n in _SHORT_APPS):
+            out.append(data[pos:seg.pos])
+            pos = seg.end
+    return b"".join([*out, data[pos:]]) if out else None
 
 
 def png_mended(data: bytes, exc: BaseException) -> bytes | None:

@@ -1,0 +1,91 @@
+"""webapp/formats.py's JPEG marker walk (``jpeg_segments``), shared by the cut, mend and scan checks, and the frame
+it finds (``jpeg_frame``): checked on JPEGs that Pillow writes here, so each segment's place is known."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from webapp.formats import jpeg_frame, jpeg_segments
+
+pytestmark = pytest.mark.unit
+
+SOI, SOF0, SOF2, DHT, DQT, SOS, EOI, APP0, APP1 = 0xD8, 0xC0, 0xC2, 0xC4, 0xDB, 0xDA, 0xD9, 0xE0, 0xE1
+
+
+def _jpeg(progressive: bool = False, exif: bytes = b"") -> bytes:
+    """A 40x30 JPEG with detail (noise), baseline or progressive, with an EXIF block if given."""
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90, progressive=progressive, exif=exif)
+    return out.getvalue()
+
+
+def _walk(data: bytes, **kw) -> list[tuple[int, int | None, int]]:
+    return [tuple(seg) for seg in jpeg_segments(data, **kw)]
+
+
+def test_the_header_is_walked_to_sos_and_each_segment_ends_where_the_next_begins():
+    data = _jpeg(exif=Image.Exif().tobytes() + b"\x00" * 300)
+    segments = _walk(data)
+    assert [m for _, m, _ in segments][:2] == [APP0, APP1] and segments[-1][1] == SOS
+    assert {SOF0, DHT, DQT} <= {m for _, m, _ in segments}
+    assert segments[0][0] == 2 and all(a[2] == b[0] for a, b in zip(segments, segments[1:]))
+    for pos, marker, end in segments:  # each end is its own 2-byte length after the marker
+        assert data[pos] == 0xFF and data[pos + 1] == marker
+        assert end == pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+
+
+def test_with_scans_every_scan_of_a_progressive_jpeg_is_walked_to_eoi():
+    data = _jpeg(progressive=True)
+    segments = _walk(data, scans=True)
+    markers = [m for _, m, _ in segments]
+    assert markers[-1] == EOI and segments[-1] == (len(data) - 2, EOI, len(data))
+    assert markers.count(SOS) >= 6  # libjpeg's progressive script: 10 scans for colour (6 at least in any)
+    assert _walk(data).count(segments[markers.index(SOS)]) == 1 and _walk(data)[-1][1] == SOS  # without: stops
+
+
+@pytest.mark.parametrize("fill", [1, 3])
+def test_fill_bytes_before_a_marker_are_skipped(fill):
+    data = _jpeg()
+    first = _walk(data)[1]  # the segment after APP0
+    filled = data[:first[0]] + b"\xff" * fill + data[first[0]:]
+    assert [m for _, m, _ in _walk(filled)] == [m for _, m, _ in _walk(data)]
+    assert _walk(filled)[1] == (first[0] + fill, first[1], first[2] + fill)
+
+
+def test_a_cut_yields_the_segment_it_lands_in_with_its_end_past_the_data():
+    data = _jpeg()
+    for pos, marker, end in _walk(data)[:-1]:
+        for cut in (pos + 1, pos + 3, (pos + end) // 2):
+            last = _walk(data[:cut])[-1]
+            assert last[0] == pos and last[2] > cut, (cut, last)
+            assert last[1] == (marker if cut >= pos + 2 else None)
+            assert last[2] == (end if cut >= pos + 4 else pos + 2 if cut < pos + 2 else pos + 4)
+
+
+def test_damage_ends_the_walk_without_a_segment_past_the_data():
+    data = _jpeg()
+    second = _walk(data)[1]
+    junk = data[:second[0]] + b"\x00junk" + data[second[0]:]  # a byte that is not FF where a marker must be
+    assert _walk(junk) == _walk(data)[:1]
+    zero = data[:second[0] + 2] + b"\x00\x01" + data[second[0] + 4:]  # a length under 2
+    assert _walk(zero) == _walk(data)[:1]
+
+
+def test_the_frame_is_the_first_sof_with_its_precision():
+    assert tuple(jpeg_frame(_jpeg())) == (SOF0, 8) and tuple(jpeg_frame(_jpeg(progressive=True))) == (SOF2, 8)
+    assert not jpeg_frame(_jpeg()).arithmetic and jpeg_frame(_jpeg()).undecodable is None
+    sof = next(seg for seg in jpeg_segments(_jpeg()) if seg.marker == SOF0)
+    data = _jpeg()
+    twelve = data[:sof.pos + 4] + b"\x0c" + data[sof.pos + 5:]
+    lossless = data[:sof.pos + 1] + b"\xc3" + data[sof.pos + 2:sof.pos + 4] + b"\x10" + data[sof.pos + 5:]
+    assert jpeg_frame(twelve).undecodable == "a 12-bit JPEG"
+    assert jpeg_frame(lossless).undecodable == "a lossless 16-bit JPEG"
+    arithmetic = data[:sof.pos + 1] + b"\xc9" + data[sof.pos + 2:]
+    assert jpeg_frame(arithmetic).arithmetic and jpeg_frame(arithmetic).undecodable is None
+    assert jpeg_frame(data[:sof.pos + 4]) is None  # cut before its precision byte
+    assert jpeg_frame(b"\x89PNG\r\n\x1a\n" + data[2:]) is None
