@@ -187,9 +187,9 @@ def test_upload_switch_language_drop_and_paste(server, browser, tmp_path):
         # A file that is not a photo: said in words, in the chosen language.
         page.set_input_files("#file", files=[{"name": "notes.txt", "mimeType": "text/plain", "buffer": b"hello"}])
         problem = page.locator(".result.failed .problem")
-        sync_api.expect(problem).to_contain_text("Not a photo")
+        sync_api.expect(problem).to_contain_text("cannot be read here")
         page.click(".langs a[data-lang=zh]")
-        sync_api.expect(problem).to_contain_text("这不是照片")
+        sync_api.expect(problem).to_contain_text("无法读取这种文件")
         assert page.locator("#status").inner_text() == "这张照片无法识别。"
 
         # Reload: the server renders the remembered language (cookie), no script needed for that.
@@ -844,7 +844,7 @@ def test_throttled_phone_uplink_labels_come_sooner_scaled(server, browser):
 
 
 @pytest.mark.parametrize("name, data, words", [
-    ("IMG_0001.HEIC", b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(2000), "Not a photo"),
+    ("IMG_0001.HEIC", b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(2000), "cannot be read here"),
     ("broken.jpg", b"\xff\xd8\xff\xe0" + b"not really a JPEG " * 200, "The photo is damaged"),
 ])
 def test_what_the_browser_cannot_decode_goes_up_as_it_is(server, browser, name, data, words):

@@ -140,7 +140,7 @@ def test_every_string_the_page_and_script_use_exists():
     ("rate_limited", 30, "en", "Too many photos in a short time: try again in 30 s."),
     ("not_ready", "5", "zh", "模型仍在启动：请 5 秒后再试。"),
     ("too_large", None, "en", "Too large: this photo (or this many photos at once) is more than the server accepts."),
-    ("unsupported_media_type", None, "zh", "这不是照片：服务器无法读取这种文件（支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF、PPM）。"),
+    ("unsupported_media_type", None, "zh", "无法读取这种文件：请以 JPEG（8 位）、PNG、WebP、GIF、BMP、TIFF、AVIF 或 PPM 格式发送照片。"),
     ("something_new", None, "en", i18n.STRINGS["en"]["err_other"]),
 ])
 def test_error_words(code, retry, lang, words):
