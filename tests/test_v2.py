@@ -366,6 +366,15 @@ def test_bad_requests_over_http(srv):
     assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "shape": [2]}]}), 400, "bad_request")
     assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "data": ["%%%"]}]}), 400, "bad_request")
     assert_v2_error(post_infer(srv, {**req, "parameters": {"topk": 11}}), 400, "bad_request")
+    # Without content_type, an element that is not base64 is read as its UTF-8 text, and its 415 says so;
+    # one that is base64 is not said to be text.
+    text = {**req, "inputs": [{**req["inputs"][0], "parameters": {}, "shape": [2],
+                               "data": [base64.b64encode(b"%PDF-1.7\n").decode(), "a photo of a cat, sitting."]}]}
+    msg = assert_v2_error(post_infer(srv, text), 415, "unsupported_media_type")
+    assert msg.startswith("image[0]: a PDF file") and "text" not in msg, msg
+    text["inputs"][0]["data"].reverse()
+    msg = assert_v2_error(post_infer(srv, text), 415, "unsupported_media_type")
+    assert msg.startswith("image[0] (not base64, so read as its UTF-8 text): not an image format"), msg
     assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "shape": [0], "data": []}]}), 400,
                     "no_file")
     assert_v2_error(post_infer(srv, dog, **{"Content-Type": "image/jpeg"}), 415, "unsupported_media_type")

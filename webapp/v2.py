@@ -142,7 +142,8 @@ def infer(name: str, version: str | None = None):
     req = codec.parse_request(_body(codec.body_limit(s.MAX_UPLOAD_BYTES)), request.headers.get(codec.HEADER),
                               default_topk=s.TOP_K, max_files=s.MAX_FILES, max_bytes=s.MAX_UPLOAD_BYTES,
                               categories=entry.categories if entry else 1000)
-    uploads = [Upload(f"{codec.INPUT}[{i}]", photo) for i, photo in enumerate(req.photos)]
+    uploads = [Upload(f"{codec.INPUT}[{i}]" + (" (not base64, so read as its UTF-8 text)" if isinstance(
+        photo, codec.Text) else ""), photo) for i, photo in enumerate(req.photos)]
     answer = clf.classify(uploads, topk=req.ranks)
     body, headers = codec.encode_answer(req, [r["predictions"] for r in answer["results"]],
                                         model_name=answer["model"]["name"], request_id=current_request_id())

@@ -209,10 +209,14 @@ def _flatten(data) -> list:
     return out
 
 
+class Text(bytes):
+    """A ``data`` element's bytes read as its UTF-8 text, where it was not base64: its errors say so."""
+
+
 def json_element(text: str, index: int, content_type: str | None) -> bytes:
     """One JSON ``data`` element -> the photo's bytes: base64 where ``content_type`` is ``base64`` (a
     ``data:...;base64,`` prefix and whitespace allowed); its UTF-8 bytes where it is ``str``; without
-    one, base64 if the text is valid base64, else its UTF-8 bytes.
+    one, base64 if the text is valid base64, else its UTF-8 bytes (a ``Text``).
 
     :raises BadRequest: declared base64 that is not (400).
     """
@@ -226,7 +230,7 @@ def json_element(text: str, index: int, content_type: str | None) -> bytes:
     except (binascii.Error, ValueError) as exc:
         if content_type == "base64":
             raise BadRequest(f"element {index} of input '{INPUT}' is not valid base64 ({exc})") from None
-        return text.encode("utf-8", "surrogatepass")
+        return Text(text.encode("utf-8", "surrogatepass"))
 
 
 def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_type: str | None) -> list[bytes]:
