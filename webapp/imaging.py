@@ -194,8 +194,10 @@ def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
     photo Huffman-coded (the shared dog.jpg: identical). torchvision 0.29 deprecates its decoders for TorchCodec
     (pinned here, they work; if a later torchvision drops them, such JPEGs are refused again, as "damaged").
     At full size (no DCT-scaled ``draft``); strict where
-    Pillow is lenient: a file cut short (its EOI missing too) raises. One cut and then closed by EOI decodes
-    grey-filled, as libjpeg decodes it, and is not caught: ``incomplete``'s checks decode again with Pillow.
+    Pillow is lenient: a file cut short (its EOI missing too) raises. One cut and then closed by EOI is not
+    caught: libjpeg's arithmetic decoder reads zeros past the cut without a warning and fills the rest with
+    noise, not grey (measured on the shared dog.jpg cut at 30-99%), so ``incomplete``'s grey check cannot
+    see it and torchvision reports nothing.
 
     :raises UndecodableImage: a colour model other than grey and YCbCr/RGB (CMYK), or data torchvision refuses
         (cut short or damaged) (400).
