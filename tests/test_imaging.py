@@ -379,6 +379,22 @@ def test_a_jpeg_cut_short_and_closed_by_eoi_is_400_not_grey_fill(size, min_side,
     assert decode(whole, max_pixels=BIG, min_side=min_side).size == size  # the whole file decodes
 
 
+@pytest.mark.parametrize("after", ["zeros", "junk", "a second JPEG"])
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("min_side", [None, 224])
+def test_bytes_after_the_eoi_that_closes_a_cut_do_not_hide_it(after, progressive, min_side):
+    """Cut, closed by EOI and followed by more bytes (padding, junk, another JPEG appended: what a tool that
+    saves a partial download into a preallocated file writes), it is still a cut: the first EOI after the scans
+    is the one judged, not the file's last two bytes (tryout12: 200 "golfcart" on dog.jpg cut at 50%)."""
+    whole = encode(_photo_like(768, 576), "JPEG", quality=90, progressive=progressive)
+    tail = {"zeros": bytes(100), "junk": np.random.default_rng(1).bytes(300),
+            "a second JPEG": encode(_photo_like(64, 48), "JPEG")}[after]
+    match = r"after \d+ scans?, before every part" if progressive else r"its scan data stops after about \d+%"
+    with pytest.raises(UndecodableImage, match=match):
+        decode(whole[:len(whole) // 2] + b"\xff\xd9" + tail, max_pixels=BIG, min_side=min_side)
+    assert decode(whole + tail, max_pixels=BIG, min_side=min_side).size == (768, 576)  # whole, the same bytes after
+
+
 @pytest.mark.parametrize("band", [1, 7, 16, 17, 24, 33, 48, 120, 576])
 @pytest.mark.parametrize("subsampling", [0, 2])
 @pytest.mark.parametrize("min_side", [None, 224, 60])

@@ -49,23 +49,25 @@ def jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int,
     rows judged, so a grey band is never taken for a cut. A cut inside those last rows is not caught
     (32 of a 512-row photo's rows at full scale; 8 of a 12 MP photo's 756 at the 1/4 scale it is
     decoded at): a little grey fill at the bottom. Progressive JPEGs (their scans refine the whole
-    image: a cut leaves it blurred, not grey) and CMYK are not judged; nor a file that does not end in EOI.
+    image: a cut leaves it blurred, not grey) and CMYK are not judged; nor a file without EOI. Bytes after the
+    EOI (junk, a second JPEG appended) do not hide a cut: the first EOI after the scans is the one judged.
     """
     if img.mode not in ("L", "RGB") or "progressive" in img.info or "progression" in img.info:
-        return None
-    if not data.endswith(b"\xff\xd9"):
         return None
     try:
         width, height = img.size
         if _row_values(img.im, height - 1) != {(_JPEG_FILL, _JPEG_FILL)}:
             return None  # every photo but the rare one ends here: one row looked at
+        eoi = _first_eoi(data)  # what closed the scan: the end of the file, or bytes may follow it (junk, a
+        if eoi is None:  # second JPEG): a file judged by its last two bytes alone let those through
+            return None
         rows = np.asarray(img).reshape(height, -1)
         kept = np.flatnonzero(~(rows == _JPEG_FILL).all(axis=1))
         grey = height - (int(kept[-1]) + 1 if kept.size else 0)
         imcu = 8 * max((layer[2] for layer in getattr(img, "layer", [])), default=2) * height / header_height
         if grey < imcu + max(imcu, 4):
             return None
-        again = Image.open(io.BytesIO(data[:-2]), formats=("JPEG",))
+        again = Image.open(io.BytesIO(data[:eoi]), formats=("JPEG",))
         draft(again)  # the scale ``img`` was decoded at
         try:
             again.load()  # raises at the end of the data; the rows decoded until then are in again.im
@@ -77,6 +79,11 @@ def jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int,
     except Exception as exc:  # a check must never fail a photo the decoder read
         log.debug("JPEG cut check skipped: %s: %s", type(exc).__name__, exc)
         return None
+
+
+def _first_eoi(data: bytes) -> int | None:
+    """The offset of the EOI marker that ends JPEG ``data``'s image (its scans walked), or None without one."""
+    return next((seg.pos for seg in jpeg_segments(data, scans=True) if seg.marker == _EOI), None)
 
 
 def primary_jpeg(img: Image.Image, data: bytes) -> tuple[str, bytes]:
