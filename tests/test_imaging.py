@@ -492,6 +492,11 @@ def test_a_progressive_jpeg_cut_before_its_last_scan_and_closed_by_eoi_is_400_no
             decode(closed, max_pixels=BIG, min_side=min_side)
         judged += 1
     assert judged >= len(starts) - 1  # at least every cut inside a scan decodes blurred without the check
+    for k, start in enumerate(starts):  # cut right after a scan's header, the last one's too: that scan brought
+        closed = whole[:start + 2 + int.from_bytes(whole[start + 2:start + 4], "big")] + b"\xff\xd9"  # nothing
+        with pytest.raises(UndecodableImage, match=rf"incomplete: it is progressive and a marker closes it after "
+                                                   rf"{k} scans?, before every part"):
+            decode(closed, max_pixels=BIG, min_side=min_side)
 
 
 @pytest.mark.parametrize("name", ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg",
@@ -1188,8 +1193,30 @@ def test_an_arithmetic_coded_jpeg_is_the_same_photo(progressive):
                        "-arithmetic", "-copy", "all")
     assert decode(turned, max_pixels=BIG).size == (576, 768)  # grey, and its EXIF orientation applied
     cmyk = _jpegtran(encode(Image.open(io.BytesIO(whole)).convert("CMYK"), "JPEG"), "-arithmetic")
-    with pytest.raises(UndecodableImage, match="arithmetic-coded CMYK JPEG"):
+    with pytest.raises(NotAnImage, match="arithmetic-coded CMYK JPEG"):  # whole, of a kind not read here: 415
         decode(cmyk, max_pixels=BIG)
+
+
+@pytest.mark.skipif(__import__("shutil").which("jpegtran") is None,
+                    reason="jpegtran (Debian: libjpeg-turbo-progs; .ci/run installs it) writes non-interleaved scans")
+@pytest.mark.parametrize("min_side", [None, 224])
+def test_a_jpeg_with_a_scan_per_component_cut_before_its_colour_is_400(tmp_path, min_side):
+    """A sequential JPEG whose components come in separate scans (``cjpeg -scans``: Y, then Cb, then Cr), cut
+    after its luma scan (closed by EOI, or not), decoded without an error as a colourless photo, which was
+    classified (tryout12: dog.jpg, "German shepherd" from grey). It is refused as cut, naming the scans it has;
+    the whole file is the photo, pixel for pixel the interleaved one's."""
+    script = tmp_path / "scans"
+    script.write_text("0;\n1;\n2;\n")
+    interleaved = shared_image("dog.jpg").read_bytes()
+    separate = _jpegtran(interleaved, "-scans", str(script))
+    starts = _scan_starts(separate)
+    assert len(starts) == 3
+    want = decode(interleaved, max_pixels=BIG, min_side=min_side)
+    assert (pixels(decode(separate, max_pixels=BIG, min_side=min_side).image) == pixels(want.image)).all()
+    for cut, scans in ((starts[1], 1), (starts[2], 2)):
+        for closed in (separate[:cut] + b"\xff\xd9", separate[:cut]):
+            with pytest.raises(UndecodableImage, match=rf"separate scans and .* after {scans} of them"):
+                decode(closed, max_pixels=BIG, min_side=min_side)
 
 
 def _exif_orientation(value: int) -> bytes:

@@ -129,8 +129,8 @@ def check_file_size(size: int, limit: int) -> None:
 
 class NotAnImage(ServiceError):
     status, code = 415, "unsupported_media_type"
-    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message), a 12-bit or "
-            "lossless JPEG, a raw body "
+    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message), a 12-bit, "
+            "lossless or arithmetic-coded CMYK JPEG, a raw body "
             "whose Content-Type is not `image/*` or `application/octet-stream`, or an upload with a "
             "`Content-Encoding` (gzip...: `Accept-Encoding: identity` says what is taken; `/v2` takes gzip and deflate) "
             "or a `Transfer-Encoding` besides chunked")

@@ -144,6 +144,11 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and {ends}, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
+        if fmt == "JPEG" and not arithmetic and (scans := incomplete.jpeg_components_cut(data)) is not None:
+            raise UndecodableImage(f"{name}: the JPEG data is incomplete: its colour components come in separate "
+                                   f"scans and {'its data ends' if _repaired else 'a marker closes it'} after "
+                                   f"{scans} of them, so it would decode without some of its colour (a file cut "
+                                   f"short); send the whole file")
         if fmt == "JPEG" and not arithmetic and ("progressive" in img.info or "progression" in img.info) and (
                 scans := incomplete.jpeg_scans_cut(data)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: it is progressive and "
@@ -166,7 +171,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         img = exif.turn(img, orientation)
         size = (height, width) if img.size != stored else (width, height)  # orientations 5-8 swap
         rgb = to_rgb(img)
-    except UndecodableImage:
+    except (UndecodableImage, NotAnImage):
         raise
     except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
         if cut := _cut(data):  # a PPM cut inside its maxval opens, and so does a JPEG cut right after SOS
@@ -199,14 +204,14 @@ def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
     noise, not grey (measured on the shared dog.jpg cut at 30-99%), so ``incomplete``'s grey check cannot
     see it and torchvision reports nothing.
 
-    :raises UndecodableImage: a colour model other than grey and YCbCr/RGB (CMYK), or data torchvision refuses
-        (cut short or damaged) (400).
+    :raises NotAnImage: a colour model other than grey and YCbCr/RGB (CMYK) (415).
+    :raises UndecodableImage: data torchvision refuses (cut short or damaged) (400).
     """
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    if mode not in ("L", "RGB"):
-        raise UndecodableImage(f"{name}: an arithmetic-coded {mode} JPEG, which this server cannot decode; save it "
-                               f"Huffman-coded (jpegtran -optimize) or as RGB")
+    if mode not in ("L", "RGB"):  # a whole file of a kind no decoder here reads: 415, as a 12-bit JPEG
+        raise NotAnImage(f"{name}: an arithmetic-coded {mode} JPEG, which this server cannot decode; save it "
+                         f"Huffman-coded (jpegtran -optimize) or as RGB")
     try:
         pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
                              mode=ImageReadMode.GRAY if mode == "L" else ImageReadMode.RGB)

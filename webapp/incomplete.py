@@ -3,7 +3,9 @@
 - ``jpeg_rows_decoded``: a baseline JPEG whose scan data was cut and then closed by a marker (EOI),
   which libjpeg decodes without an error, filling the rest with grey;
 - ``jpeg_scans_cut``: a progressive JPEG closed by EOI before its scans completed every coefficient, which
-  libjpeg decodes without an error as a blurred (or colourless) image.
+  libjpeg decodes without an error as a blurred (or colourless) image;
+- ``jpeg_components_cut``: a sequential JPEG whose components come in separate scans, closed by EOI before
+  each had its scan, which libjpeg decodes without an error, without that colour.
 
 Files shorter than their own structure says, which Pillow refuses, are ``webapp/cuts.py``'s.
 
@@ -81,6 +83,37 @@ def jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int,
         return None
 
 
+def jpeg_components_cut(data: bytes) -> int | None:
+    """For a sequential JPEG whose colour components come in separate scans (non-interleaved: ``cjpeg -scans``),
+    closed by EOI before every component had its scan: the number of scans it has; None for every other JPEG.
+
+    libjpeg decodes such a file without an error, the components that never came left at zero: cut after its
+    luma scan, a colourless photo the model classifies (tryout12: dog.jpg, "German shepherd" from grey). A cut
+    inside a component's scan leaves the rest of that component zero: the luma's is ``jpeg_rows_decoded``'s
+    grey fill; the last chroma scan's (a colour cast on the bottom rows) is not caught. An interleaved JPEG,
+    every encoder's default, costs nothing here: its first scan header names every component."""
+    frame, seen, scans = None, set(), 0
+    try:
+        for seg in jpeg_segments(data, scans=True):
+            payload = data[seg.pos + 4:seg.end]
+            if seg.marker == _EOI:
+                return scans if frame and not set(frame) <= seen else None
+            if seg.marker in (0xC0, 0xC1):  # baseline and extended sequential Huffman frames
+                frame = [payload[6 + 3 * i] for i in range(payload[5])]
+            elif seg.marker in _PROGRESSIVE or seg.marker in _OTHER_FRAMES:
+                return None
+            elif seg.marker == _SOS:
+                if frame is None:
+                    return None
+                seen |= set(payload[1:1 + 2 * payload[0]:2])
+                scans += 1
+                if set(frame) <= seen:
+                    return None  # every component has had its scan (a cut inside one: the grey check's)
+    except (IndexError, ValueError):  # a damaged header: the decoder judges it
+        return None
+    return None
+
+
 def _first_eoi(data: bytes) -> int | None:
     """The offset of the EOI marker that ends JPEG ``data``'s image (its scans walked), or None without one."""
     return next((seg.pos for seg in jpeg_segments(data, scans=True) if seg.marker == _EOI), None)
@@ -111,6 +144,7 @@ def primary_jpeg(img: Image.Image, data: bytes) -> tuple[str, bytes]:
 _PROGRESSIVE = {0xC2, 0xCA}
 _OTHER_FRAMES = {0xC0, 0xC1, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCB, 0xCD, 0xCE, 0xCF}
 _SOS, _EOI = 0xDA, 0xD9
+_IN_SCAN = {b"\x00", b"\xff", *(bytes([m]) for m in range(0xD0, 0xD8))}  # after FF in scan data: not a marker
 
 
 def jpeg_scans_cut(data: bytes) -> int | None:
@@ -124,8 +158,8 @@ def jpeg_scans_cut(data: bytes) -> int | None:
     the coefficients that never came left at zero: a blurred image, often without colour, that the model
     would classify. So the scan headers are read, markers walked by their lengths (``formats.jpeg_segments``: an EXIF
     thumbnail's own markers are inside APP1 and never seen) and entropy-coded data skipped to the next marker, and every
-    coefficient 0..63 of every frame component must end at ``Al`` = 0. A cut inside the very last scan is
-    not caught (every coefficient has arrived by then, only the last refinement of part of the image is
+    coefficient 0..63 of every frame component must end at ``Al`` = 0; a scan header with no data after it
+    (cut right there) brings nothing. A cut inside the very last scan is not caught (every coefficient has arrived by then, only the last refinement of part of the image is
     missing: with libjpeg's script the lowest bit of the luma AC coefficients). Costs one regex pass over
     the file (about a millisecond for 3 MB), and only progressive JPEGs are looked at.
     """
@@ -145,6 +179,8 @@ def jpeg_scans_cut(data: bytes) -> int | None:
             if seg.marker == _SOS:
                 if frame is None:
                     return None
+                if data[seg.end:seg.end + 1] == b"\xff" and data[seg.end + 1:seg.end + 2] not in _IN_SCAN:
+                    continue  # a scan header and no data: cut right after it (every real scan codes a byte)
                 count = segment[0]
                 ss, se, approx = segment[1 + 2 * count:4 + 2 * count]
                 for c in segment[1:1 + 2 * count:2]:
@@ -152,7 +188,7 @@ def jpeg_scans_cut(data: bytes) -> int | None:
                         return None
                     precision[c][ss:se + 1] = [approx & 15] * (se + 1 - ss)
                 scans += 1
-        if not closed or frame is None or not scans:
+        if not closed or frame is None:
             return None  # no EOI reached (the decoder itself reports the file as truncated), or not progressive
         return None if all(al == 0 for c in frame for al in precision[c]) else scans
     except (IndexError, ValueError):  # a damaged header: the decoder judges it
