@@ -85,6 +85,9 @@ def test_the_frame_is_the_first_sof_with_its_precision():
     lossless = data[:sof.pos + 1] + b"\xc3" + data[sof.pos + 2:sof.pos + 4] + b"\x10" + data[sof.pos + 5:]
     assert jpeg_frame(twelve).undecodable == "a 12-bit JPEG"
     assert jpeg_frame(lossless).undecodable == "a lossless 16-bit JPEG"
+    for bits in (0, 7, 9, 16, 255):  # no DCT frame has these (T.81 B.2.2: 8 or 12): damage, not a kind (415)
+        assert jpeg_frame(data[:sof.pos + 4] + bytes([bits]) + data[sof.pos + 5:]).undecodable is None
+    assert jpeg_frame(lossless[:sof.pos + 4] + b"\x11" + lossless[sof.pos + 5:]).undecodable is None  # 17 bits
     arithmetic = data[:sof.pos + 1] + b"\xc9" + data[sof.pos + 2:]
     assert jpeg_frame(arithmetic).arithmetic and jpeg_frame(arithmetic).undecodable is None
     assert jpeg_frame(data[:sof.pos + 4]) is None  # cut before its precision byte

@@ -1225,7 +1225,7 @@ def _exif_orientation(value: int) -> bytes:
     return exif.tobytes()
 
 
-@pytest.mark.parametrize("change, said", [("precision 12", "a 12-bit JPEG"), ("precision 16", "a 16-bit JPEG"),
+@pytest.mark.parametrize("change, said", [("precision 12", "a 12-bit JPEG"), ("SOF3 16", "a lossless 16-bit JPEG"),
                                           ("SOF3", "a lossless 8-bit JPEG"), ("SOF11", "a lossless 8-bit JPEG")])
 def test_a_jpeg_no_decoder_here_reads_is_415_naming_its_kind(change, said):
     """12-bit and lossless JPEGs (medical and scientific exports) were "damaged (starts like JPEG, but its header
@@ -1236,11 +1236,22 @@ def test_a_jpeg_no_decoder_here_reads_is_415_naming_its_kind(change, said):
     if change.startswith("precision"):
         data[sof + 4] = int(change.split()[1])
     else:
-        data[sof + 1] = {"SOF3": 0xC3, "SOF11": 0xCB}[change]
+        data[sof + 1] = {"SOF3": 0xC3, "SOF11": 0xCB}[change.split()[0]]
+        data[sof + 4] = int(change.split()[1]) if " " in change else 8
     with pytest.raises(NotAnImage) as ei:
         decode(bytes(data), max_pixels=BIG, min_side=224)
     assert ei.value.message.startswith(f"upload: {said}, which this server cannot decode (it reads 8-bit lossy "
                                        f"JPEGs); send it as PNG"), ei.value.message
+
+
+@pytest.mark.parametrize("bits", [0, 7, 16])
+def test_a_jpeg_frame_of_a_precision_no_jpeg_has_is_damaged_not_a_kind(bits):
+    """A DCT frame is 8 or 12 bits (T.81 B.2.2): a precision byte of 0, 7 or 16 is a damaged header (400), not "a
+    7-bit JPEG, send it as PNG or TIFF (16 bits kept...)" (tryout12)."""
+    data = bytearray(shared_image("dog.jpg").read_bytes())
+    data[data.index(b"\xff\xc0") + 4] = bits
+    with pytest.raises(UndecodableImage, match="the JPEG data is damaged"):
+        decode(bytes(data), max_pixels=BIG, min_side=224)
 
 
 @pytest.mark.parametrize("kind", [b"tEXt", b"zTXt", b"iTXt", b"tIME", b"pHYs", b"gAMA"])

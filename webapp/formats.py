@@ -159,8 +159,9 @@ class JpegFrame(NamedTuple):
         medical and scientific exports), or None: Pillow's and torchvision's libjpeg-turbo decode 8-bit lossy
         frames only."""
         if self.marker in _LOSSLESS_SOF:
-            return f"a lossless {self.precision}-bit JPEG"
-        return f"a {self.precision}-bit JPEG" if self.precision != 8 else None
+            return f"a lossless {self.precision}-bit JPEG" if 2 <= self.precision <= 16 else None
+        return "a 12-bit JPEG" if self.precision == 12 else None  # T.81 B.2.2: DCT frames are 8 or 12 bits; any
+        # other precision is a damaged header, which the decoder refuses as such
 
 
 def jpeg_frame(data: bytes) -> JpegFrame | None:
