@@ -92,6 +92,7 @@ def test_a_typo_is_told_the_setting_it_is_near(typo, meant):
         settings.load(environ={typo: "4"})
     said = str(ei.value).split("; known:")[0]
     assert said == f"unknown setting {typo}" + (f" (did you mean {meant}?)" if meant else ""), said
+    assert ("; known: CLASSIFIER_" in str(ei.value)) == (meant is None)  # the 60-odd names only with no guess
     with pytest.raises(SettingsError, match=r"'MAX_BATCHSIZE' \(did you mean MAX_BATCH_SIZE\?\)"):
         settings.load(environ={}, overrides={"MAX_BATCHSIZE": 4})
 

@@ -342,7 +342,7 @@ class Settings(Mapping[str, Any]):
         return f"Settings({self._values!r})"
 
 
-def _near(key: str, prefix: str = "") -> str:
+def did_you_mean(key: str, prefix: str = "") -> str:
     """" (did you mean X?)" for the setting whose name is closest to a mistyped ``key`` (``prefix`` + name; the
     names compared without the prefix, which every one shares; difflib ratio >= 0.75), else ""."""
     import difflib
@@ -363,11 +363,13 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
     values: dict[str, Any] = {}
     for key in environ:
         if key.startswith(PREFIX) and key[len(PREFIX):] not in BY_NAME:
-            raise SettingsError(f"unknown setting {key}{_near(key, PREFIX)}; known: "
-                                f"{', '.join(s.env for s in SETTINGS)}")
+            near = did_you_mean(key, PREFIX)  # the one meant, or (no guess) every name, which is long: 60-odd
+            raise SettingsError(f"unknown setting {key}{near}" + ("" if near else
+                                f"; known: {', '.join(s.env for s in SETTINGS)}"))
     for key in overrides:
         if key not in BY_NAME:
-            raise SettingsError(f"unknown setting {key!r}{_near(key)}; known: {', '.join(BY_NAME)}")
+            near = did_you_mean(key)
+            raise SettingsError(f"unknown setting {key!r}{near}" + ("" if near else f"; known: {', '.join(BY_NAME)}"))
     for s in SETTINGS:
         value = s.default
         if s.env in environ:
