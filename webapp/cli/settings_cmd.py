@@ -51,8 +51,8 @@ def cmd_settings(args: argparse.Namespace) -> int:
     unknown = sorted(k for k in os.environ if k.startswith(PREFIX) and k[len(PREFIX):] not in settings_mod.BY_NAME)
     for key in unknown:
         bad += 1
-        print(f"{key}: UNKNOWN setting{settings_mod.did_you_mean(key, PREFIX) or ' (a typo?)'}; the service refuses to "
-              f"start with it")
+        guess = settings_mod.did_you_mean(key, PREFIX) or " (a typo?)"
+        print(f"{key}: UNKNOWN setting{guess}; the service refuses to start with it")
     if not bad:  # each value is fine alone; together (a rate limit with no storage), as the service loads them?
         try:
             settings_mod.load(os.environ)
