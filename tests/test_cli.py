@@ -553,6 +553,7 @@ def test_quiet_leaves_per_file_errors_to_the_output_as_its_help_says(photos, tmp
     assert code == 1 and out.err == ""
     (broken,) = [r for r in csv.DictReader(io.StringIO(out.out)) if r["path"].endswith("broken.jpg")]
     assert broken["error"].startswith("the JPEG data is incomplete") and "cut short" in broken["error"] and broken["label"] == ""
+    assert broken["error"].endswith(" (undecodable_image)")  # its code, as the table and JSON give it
     monkeypatch.setenv("COLUMNS", "1000")  # one line per option
     with pytest.raises(SystemExit):
         cli.main(["classify", "--help"])
@@ -805,16 +806,26 @@ def test_classify_names_the_model_that_serves_and_warns_once(no_classifier_env, 
         assert "model EfficientNet-Lite0 (offline), weights efficientnet-lite0-" in err and ") (" not in err
 
 
-def test_json_output_is_valid_unicode_for_a_name_that_is_not_utf8():
+@pytest.mark.parametrize("fmt", ["json", "csv", "table"])
+def test_output_is_valid_unicode_for_a_name_that_is_not_utf8(fmt):
     """Python keeps such a name's bytes as lone surrogates ("\\udce9"), which json writes as is: strict readers
-    (serde_json, Go) refuse or mangle it (tryout). Its bytes are written \\xNN; CSV and the table keep them raw."""
+    (serde_json, Go) refuse or mangle it (tryout); CSV wrote the raw byte, which a UTF-8 CSV reader refuses
+    (tryout13). Its bytes are written \\xNN in every format; in the table a newline in a name is escaped too."""
     import io as _io
 
     from webapp.cli.output import write_results
 
     path = os.fsdecode(b"/photos/caf\xe9.jpg")
     out = _io.StringIO()
-    write_results([{"path": path, "predictions": [], "error": None}], "json", 3, out)
+    results = [{"path": path, "predictions": [{"label": "tabby", "index": 281, "probability": 0.5}], "error": None},
+               {"path": "/photos/two\nlines.jpg", "predictions": [], "error": {"code": "x", "message": "m"}}]
+    write_results(results, fmt, 3, out)
     text = out.getvalue()
     text.encode("utf-8")  # no lone surrogate left: it would raise
-    assert json.loads(text)[0]["path"] == "/photos/caf\\xe9.jpg"
+    if fmt == "json":
+        assert json.loads(text)[0]["path"] == "/photos/caf\\xe9.jpg"
+    elif fmt == "csv":
+        rows = list(csv.DictReader(_io.StringIO(text)))
+        assert rows[0]["path"] == "/photos/caf\\xe9.jpg" and rows[1]["error"] == "m (x)"
+    else:
+        assert len(text.splitlines()) == 3 and "/photos/two\\nlines.jpg" in text and "caf\\xe9" in text

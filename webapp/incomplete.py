@@ -156,11 +156,12 @@ def jpeg_scans_cut(data: bytes) -> int | None:
     and refined later down to ``Al`` = 0 (libjpeg's default script has 10 scans; mozjpeg's vary). Cut
     and closed by EOI (what some tools write for a partial download), libjpeg decodes it without an error,
     the coefficients that never came left at zero: a blurred image, often without colour, that the model
-    would classify. So the scan headers are read, markers walked by their lengths (``formats.jpeg_segments``: an EXIF
-    thumbnail's own markers are inside APP1 and never seen) and entropy-coded data skipped to the next marker, and every
-    coefficient 0..63 of every frame component must end at ``Al`` = 0; a scan header with no data after it
-    (cut right there) brings nothing. A cut inside the very last scan is not caught (every coefficient has arrived by then, only the last refinement of part of the image is
-    missing: with libjpeg's script the lowest bit of the luma AC coefficients). Costs one regex pass over
+    would classify. So the scan headers are read, markers walked by their lengths (``formats.jpeg_segments``:
+    an EXIF thumbnail's own markers are inside APP1 and never seen) and entropy-coded data skipped to the
+    next marker, and every coefficient 0..63 of every frame component must end at ``Al`` = 0; a scan header
+    with no data after it (cut right there) brings nothing. A cut inside the very last scan is not caught
+    (every coefficient has arrived by then, only the last refinement of part of the image is missing:
+    with libjpeg's script the lowest bit of the luma AC coefficients). Costs one regex pass over
     the file (about a millisecond for 3 MB), and only progressive JPEGs are looked at.
     """
     try:

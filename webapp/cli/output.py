@@ -12,6 +12,11 @@ def _unicode(path: str) -> str:
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
+def _printable(path: str) -> str:
+    """``_unicode(path)`` with control characters (a newline in a file name) escaped, so a row stays one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in _unicode(path))
+
+
 def _error_text(error: dict) -> str:
     return f"error: {error['message']} ({error['code']})"
 
@@ -31,12 +36,14 @@ def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
     elif fmt == "csv":
         writer = csv.writer(out, lineterminator="\n")
         writer.writerow(["path", "rank", "label", "index", "probability", "error"])
-        for r in results:
+        for r in results:  # a name that is not UTF-8: \xNN, as in JSON (a UTF-8 CSV reader refused the raw bytes)
+            path = _unicode(r["path"])
             if r["error"]:
-                writer.writerow([r["path"], "", "", "", "", r["error"]["message"]])
+                writer.writerow([path, "", "", "", "", f"{r['error']['message']} ({r['error']['code']})"])
             for rank, p in enumerate(r["predictions"], 1):
-                writer.writerow([r["path"], rank, p["label"], p["index"], f"{p['probability']:.6f}", ""])
+                writer.writerow([path, rank, p["label"], p["index"], f"{p['probability']:.6f}", ""])
     else:
+        results = [{**r, "path": _printable(r["path"])} for r in results]
         width = min(max([len("path"), *(len(r["path"]) for r in results)]), 60)
         out.write(f"{'path':<{width}}  top-{topk}\n")
         for r in results:
