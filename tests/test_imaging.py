@@ -1355,3 +1355,16 @@ def test_a_png_exif_chunk_after_the_pixels_is_ignored_as_browsers_ignore_it():
     assert decode(early, max_pixels=BIG).size == (120, 160)
     got = decode(late, max_pixels=BIG)
     assert got.size == (160, 120) and (pixels(got.image) == pixels(photo)).all()
+
+
+def test_damaged_image_data_says_what_to_send_after_the_decoders_words():
+    """A flipped byte in a Huffman table: "the JPEG data is damaged or incomplete (broken data stream when reading
+    image file)" ended in Pillow's words with no advice (tryout12). Pillow's words stay as the detail; the message
+    then says what to send."""
+    data = bytearray(shared_image("dog.jpg").read_bytes())
+    data[data.index(b"\xff\xc4") + 30] ^= 0xFF
+    with pytest.raises(UndecodableImage) as ei:
+        decode(bytes(data), max_pixels=BIG)
+    assert ei.value.message.startswith("upload: the JPEG data is damaged or incomplete: its image data cannot be "
+                                       "decoded (") and ei.value.message.endswith("; send the file as it was saved, "
+                                                                                  "or save it again")

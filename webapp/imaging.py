@@ -183,7 +183,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if repair.cut_short(exc):  # in words, not Pillow's ("image file is truncated (35 bytes not processed)")
             raise UndecodableImage(f"{name}: the {fmt} data is incomplete: the file ends before its image does "
                                    f"(a file cut short); send the whole file") from None
-        raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete ({exc})") from None
+        raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete: its image data cannot be "
+                               f"decoded ({exc}); send the file as it was saved, or save it again") from None
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
 
 
