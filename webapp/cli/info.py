@@ -137,7 +137,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     if t["env"]:
         rows.append(("  environment", " ".join(f"{k}={v}" for k, v in t["env"].items())))
     rows += [
-        ("precision", f"{p['setting']} -> {p['chosen']} ({p['reason']})"),
+        ("precision", f"{p['setting']} -> {p['chosen']} ({p['reason']})"
+                      + ("; each model's own below" if p["by_model"] else "")),
     ]
     if p["setting"] != "auto":
         rows.append(("  auto would be", f"{p['auto']} ({p['auto_reason']})"))
