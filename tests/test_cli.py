@@ -688,6 +688,16 @@ def test_info_names_path_settings_that_cannot_be_looked_at(no_classifier_env, mo
     assert f"{tmp_path / LONG} (cannot be looked at: File name too long)" in text
 
 
+def test_info_says_a_weights_setting_naming_a_folder_is_a_folder(no_classifier_env, monkeypatch, tmp_path, capsys):
+    """It said "(absent)", which sent the user looking for a file that is there as a folder (tryout13)."""
+    monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(tmp_path))
+    assert cli.main(["info"]) == 0
+    assert f"{tmp_path} (a folder, not a weights file)" in capsys.readouterr().out
+    monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(tmp_path / "none.pth"))
+    assert cli.main(["info"]) == 0
+    assert f"{tmp_path / 'none.pth'} (absent)" in capsys.readouterr().out
+
+
 def test_a_weights_setting_that_cannot_be_looked_at_stops_the_start_in_one_line(tmp_path):
     from webapp.errors import StartupError
     from webapp.models import resolve_resnet18_weights

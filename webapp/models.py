@@ -324,8 +324,8 @@ def explain_resolution(settings) -> dict:
     """What start-up would serve here, without building anything: for ``python -m webapp info``.
 
     Returns ``{"setting", "hub", "offline_model", "would_serve"}``: the ``WEIGHTS`` file and the hub
-    cache file as ``{"path", "exists", "hash_ok", "problem"}`` (``setting`` None when unset; ``problem``: why
-    the path cannot be looked at, e.g. "File name too long", else None), the offline
+    cache file as ``{"path", "exists", "hash_ok", "problem", "kind"}`` (``setting`` None when unset; ``problem``: why
+    the path cannot be looked at, e.g. "File name too long", else None; ``kind``: ``look``'s word), the offline
     model's weights file (None when its package is missing), and one sentence that follows
     ``build_resnet18``'s order (setting, hub cache, download, fallback).
     """
@@ -335,7 +335,7 @@ def explain_resolution(settings) -> dict:
         what, problem = look(path)  # a path that cannot be looked at is shown with the OS's reason
         exists = what == "file"
         return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None,
-                "problem": problem}
+                "problem": problem, "kind": what}
 
     configured = weights_file(expand(settings.WEIGHTS)) if settings.WEIGHTS else None
     hub = weights_file(hub_checkpoint_path(RESNET18_URL))
