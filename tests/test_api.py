@@ -69,6 +69,14 @@ def test_bad_topk_is_400(client, topk):
     assert "topk" in assert_error(resp, 400, "bad_request")
 
 
+@pytest.mark.parametrize("topk, said", [("0", "got 0"), ("-1", "got -1"), ("1000000", "got 1000000"),
+                                        ("abc", "got 'abc'"), ("9" * 50, "got " + "9" * 40 + "...")])
+def test_a_bad_topk_is_quoted_only_where_it_is_not_a_number(client, topk, said):
+    """0 and -1 were said bare, 1000000 quoted (tryout13): a number is said as one, anything else quoted."""
+    resp = client.post(f"/api/v1/predict?topk={topk}", data=small_png(), content_type="image/png")
+    assert assert_error(resp, 400, "bad_request") == f"topk must be an integer from 1 to 10, {said}"
+
+
 def test_whitespace_around_a_number_field_is_dropped(client):
     """curl -F 'topk=<k.txt' (the way the 400 for a file part says to send a field from a file) sends the file's
     final newline: "5\n" was a 400, while original_format's spaces were already dropped."""

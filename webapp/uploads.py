@@ -122,7 +122,7 @@ def parse_topk(raw: str | None, default: int) -> int:
         raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
     digits = raw.lstrip("-").lstrip("0") or "0"
     if len(digits) > 2:  # int() refuses over 4300 digits (a 500); nothing that long is in range
-        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
+        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]}{'...' if len(raw) > 40 else ''}")
     k = int(digits) * (-1 if raw.startswith("-") else 1)
     if not 1 <= k <= 10:
         raise BadRequest(f"topk must be an integer from 1 to 10, got {k}")
