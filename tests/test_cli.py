@@ -595,6 +595,10 @@ def test_weights_verify(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert good.name[:-4] in out and "no sha256 prefix" in out
     assert cli.main(["weights", "verify", str(good), "--sha256", hashlib.sha256(good.read_bytes()).hexdigest()]) == 0
+    assert "is the one (given with --sha256)" in capsys.readouterr().out  # not "X starts with X" (tryout13)
+    with pytest.raises(SystemExit) as ei:  # two hex digits match one file in 256 by chance: a usage error
+        cli.main(["weights", "verify", str(good), "--sha256", good.name[6:8]])
+    assert ei.value.code == 2 and "give 8 to 64 hex digits" in capsys.readouterr().err
     assert cli.main(["weights", "verify", str(tmp_path / "absent.pth")]) == 1
     capsys.readouterr()
     assert cli.main(["weights", "verify", str(tmp_path / f"{LONG}.pth")]) == 1  # one line, no traceback

@@ -155,9 +155,10 @@ def positive_float(text: str) -> float:
 
 
 def hex_prefix(text: str) -> str:
-    """``text`` as a lowercase sha256 hex prefix (1-64 digits); raises ``argparse.ArgumentTypeError`` otherwise."""
-    if not re.fullmatch(r"[0-9a-fA-F]{1,64}", text.strip()):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a hex sha256 prefix")
+    """``text`` as a lowercase sha256 hex prefix (8-64 digits: torchvision's file names carry 8; fewer would match
+    one file in 16 or 256 by chance); raises ``argparse.ArgumentTypeError`` otherwise."""
+    if not re.fullmatch(r"[0-9a-fA-F]{8,64}", text.strip()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sha256 prefix: give 8 to 64 hex digits")
     return text.strip().lower()
 
 

@@ -175,14 +175,15 @@ def cmd_weights_verify(args: argparse.Namespace) -> int:
         err(f"error: cannot read {path}: {exc.strerror or exc}")
         return EXIT_FAILED
     served = expected_hash_prefix(RESNET18_URL)
+    said = f"sha256 {digest} " + ("is the one" if prefix == digest else f"starts with {prefix}")
     if digest.startswith(prefix) and not digest.startswith(served):
         # whole and as named, but the service loads ResNet-18 from this one file only (models.check_weights_file)
-        print(f"NOT RESNET-18 {path}: sha256 {digest} starts with {prefix} ({source}), but it is not ResNet-18's "
+        print(f"NOT RESNET-18 {path}: {said} ({source}), but it is not ResNet-18's "
               f"{os.path.basename(urllib.parse.urlparse(RESNET18_URL).path)} (sha256 {served}...), the only file "
               f"the service loads as ResNet-18: it would refuse this one; get that file with 'weights fetch'")
         return EXIT_FAILED
     if digest.startswith(prefix):
-        print(f"OK {path}: sha256 {digest} starts with {prefix} ({source})")
+        print(f"OK {path}: {said} ({source})")
         return EXIT_OK
     print(f"MISMATCH {path}: sha256 {digest} does not start with {prefix} ({source}); the file is damaged, "
           f"truncated or not the expected file")
