@@ -159,10 +159,11 @@ def test_dead_server_is_one_error_line_and_exit_1(folder):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (("--model", "resnet18"), "error: --model do(es) not go with --server"),
-    (("--cluster", "--out", "x.parquet"), "error: --cluster, --out do(es) not go with --server"),
-    (("--no-compile", "--precision", "fp32"), "error: --no-compile, --precision do(es) not go with --server"),
-    (("--compile",), "error: --compile do(es) not go with --server"),
+    (("--model", "resnet18"), "error: --model does not go with --server: the server's own settings decide"),
+    (("--cluster", "--out", "x.parquet"), "error: --cluster, --out do not go with --server: they run classify over "
+                                          "a Ray cluster"),
+    (("--no-compile", "--precision", "fp32"), "error: --no-compile, --precision do not go with --server"),
+    (("--compile",), "error: --compile does not go with --server"),
 ])
 def test_server_settings_are_refused(folder, extra, message):
     out = run_cli(str(folder / "dog.jpg"), "--server", "http://127.0.0.1:9", *extra, timeout=60)

@@ -276,10 +276,15 @@ def classify_remote(args: argparse.Namespace) -> int:
     # Named as typed: a switch given as --no-compile is named so, not as --compile.
     misused = [("--no-" if value is False else "--") + k.lower().replace("_", "-")
                for k, value in given.items() if k not in _CLIENT_SETTINGS]
-    misused += [flag for flag, on in (("--cluster", args.cluster), ("--out", args.out), ("--address", args.address))
-                if on]
     if misused:
-        err(f"error: {', '.join(misused)} do(es) not go with --server: the server's own settings decide")
+        err(f"error: {', '.join(misused)} {'does' if len(misused) == 1 else 'do'} not go with --server: the "
+            f"server's own settings decide")
+        return EXIT_USAGE
+    cluster = [flag for flag, on in (("--cluster", args.cluster), ("--out", args.out), ("--address", args.address))
+               if on]
+    if cluster:
+        err(f"error: {', '.join(cluster)} {'does' if len(cluster) == 1 else 'do'} not go with --server: they run "
+            f"classify over a Ray cluster instead of sending the photos to a server; give one or the other")
         return EXIT_USAGE
     problem = url_problem(args.server)
     if problem:
