@@ -177,6 +177,11 @@ def test_server_must_be_a_url(folder):
 
 @pytest.mark.parametrize("url, message", [
     ("", "error: --server must be an http:// or https:// URL, got ''"),  # --server "$URL" with URL unset
+    ("http://127.0.0.1:8000/api/v1/predict", "error: --server 'http://127.0.0.1:8000/api/v1/predict' ends in the "
+                                             "API's path '/api/v1/predict', which classify adds itself; give "
+                                             "'http://127.0.0.1:8000'"),  # tryout13: "not a photo classifier"
+    ("https://h/proxy/api/v1/", "error: --server 'https://h/proxy/api/v1/' ends in the API's path '/api/v1', which "
+                                "classify adds itself; give 'https://h/proxy'"),
     ("http://127.0.0.1:99999", "error: --server 'http://127.0.0.1:99999' is not a valid URL: bad port (port out of "
                                "range 0-65535)"),
     ("http://127.0.0.1:0", "error: --server 'http://127.0.0.1:0' is not a valid URL: bad port"),

@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -80,7 +81,8 @@ def url_problem(url: str) -> str | None:
     Not http:// or https:// (``""`` too: ``--server "$URL"`` with URL unset), a port out of range or not a
     number, a host missing or malformed (``http://[::1``): urllib.parse's and urllib3's own URL parsing, the
     latter being what connects; a query or fragment (``http://host:8000?x=1``: the API's paths are appended
-    to the URL, so they would end up inside it). Raises nothing.
+    to the URL, so they would end up inside it); the API's own path (``.../api/v1/predict``), appended again
+    (a 404 said as "not a photo classifier"): the URL without it is said. Raises nothing.
     """
     import urllib.parse
 
@@ -101,6 +103,10 @@ def url_problem(url: str) -> str | None:
                 f"http://host:port, with a path prefix where a proxy puts one")
     if port == 0:
         return f"--server {url!r} is not a valid URL: bad port (port 0 is not one a server listens on)"
+    api = re.search(r"/api/v1(/[a-z]*)?/*$", parts.path)  # the API's own path, which is appended to the URL
+    if api:
+        return (f"--server {url!r} ends in the API's path {api.group(0).rstrip('/')!r}, which classify adds itself; "
+                f"give {url[:len(url) - len(parts.path)] + parts.path[:api.start()]!r}")
     try:
         urllib3.util.parse_url(url)
     except urllib3.exceptions.LocationParseError as exc:
