@@ -147,6 +147,17 @@ def test_bad_values_are_usage_errors(no_classifier_env, monkeypatch, capsys):
     assert "unknown setting CLASSIFIER_TOP_KK" in capsys.readouterr().err
 
 
+def test_dry_run_refuses_the_workers_a_real_start_refuses(no_classifier_env, monkeypatch, capsys):
+    """The real start refuses more workers than memory holds (exit 2); --dry-run printed the command, exit 0
+    (tryout13)."""
+    from webapp import cpu
+
+    monkeypatch.setattr(cpu, "available_mb", lambda: 4096)
+    assert cli.main(["serve", "--dry-run", "--workers", "500"]) == 2
+    assert "500 workers need at least" in capsys.readouterr().err
+    assert cli.main(["serve", "--dry-run", "--workers", "2"]) == 0
+
+
 @pytest.mark.parametrize("command", [["settings"], ["serve", "--cluster", "--dry-run"], ["serve", "--dry-run"]])
 def test_autoscaling_with_min_replicas_above_max_is_refused_by_every_command(command, no_classifier_env, monkeypatch,
                                                                              capsys):

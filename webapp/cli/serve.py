@@ -76,7 +76,15 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     # settings (CLASSIFIER_WEIGHTS=./x.pth) still mean the caller's folder.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "gunicorn", "-c", str(conf), "wsgi:app", *extra]
-    if args.dry_run:
+    if args.dry_run:  # what gunicorn.conf.py would refuse at start, refused here too (500 workers on 24 GB)
+        from .. import cpu
+
+        s = settings_mod.load(env)
+        problem = cpu.memory_problem(cpu.plan(cpu.usable_cores(), workers=s.WORKERS, threads=s.THREADS).workers,
+                                     cpu.available_mb())
+        if problem:
+            err(f"configuration error: {problem}")
+            return EXIT_USAGE
         _print_environ(env)
         print(f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])}")
         print(shlex.join(cmd))
@@ -118,7 +126,15 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
             err(f"error: cannot listen on {s.BIND}: {exc.strerror or exc} (CLASSIFIER_BIND / --bind)")
             return EXIT_USAGE
     address = args.address or os.environ.get("RAY_ADDRESS") or "(a local Ray on this host)"
-    if args.dry_run:
+    if args.dry_run:  # what gunicorn.conf.py would refuse at start, refused here too (500 workers on 24 GB)
+        from .. import cpu
+
+        s = settings_mod.load(env)
+        problem = cpu.memory_problem(cpu.plan(cpu.usable_cores(), workers=s.WORKERS, threads=s.THREADS).workers,
+                                     cpu.available_mb())
+        if problem:
+            err(f"configuration error: {problem}")
+            return EXIT_USAGE
         _print_environ(env)
         print(f"ray serve: {address} -> http://{host}:{port}/ (application 'classifier')")
         return EXIT_OK
