@@ -43,7 +43,8 @@ EXIT_STATUSES: tuple[tuple[int, str], ...] = (
     (EXIT_STARTUP, "a worker could not start: weights missing or damaged, self-test failed, compile failed (the "
                    "last line says which), or the app module could not be imported (gunicorn's traceback)"),
     (EXIT_APP_LOAD, "the app module has no such app (`wsgi:app`; gunicorn's own message)"),
-    (EXIT_LISTEN, "cannot listen on the address: in use, not allowed (ports below 1024), or not on this host"),
+    (EXIT_LISTEN, "cannot listen on the address: in use, not allowed (a port below 1024 without root or "
+                  "CAP_NET_BIND_SERVICE), or not on this host"),
 )
 
 _MAX_REASON = 3500  # bytes: a report stays under PIPE_BUF (4096), so each one is written atomically
