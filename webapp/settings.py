@@ -162,7 +162,7 @@ class Setting:
             # operator's: the rule says what is allowed, once; a package to install is said too.
             why = f": {exc}" if isinstance(exc, (rate_limits.MissingPackage, _Reason)) else ""
             shown = "(a secret, not shown)" if self.secret else repr(raw)
-            if raw == "" and source.startswith(PREFIX):  # CLASSIFIER_TOP_K=$K with K unset: refused, as an empty path is; how to get the default
+            if raw == "" and source.startswith(PREFIX):  # CLASSIFIER_TOP_K=$K, K unset: refused, as an empty path is
                 why = f" (empty: a shell variable not set? unset {source} for the default, {self.default!r})"
             raise SettingsError(f"{source}={shown} is not valid{why}; allowed: {self.rule()}") from None
         if self.choices and value not in self.choices:

@@ -126,15 +126,7 @@ def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:
             err(f"error: cannot listen on {s.BIND}: {exc.strerror or exc} (CLASSIFIER_BIND / --bind)")
             return EXIT_USAGE
     address = args.address or os.environ.get("RAY_ADDRESS") or "(a local Ray on this host)"
-    if args.dry_run:  # what gunicorn.conf.py would refuse at start, refused here too (500 workers on 24 GB)
-        from .. import cpu
-
-        s = settings_mod.load(env)
-        problem = cpu.memory_problem(cpu.plan(cpu.usable_cores(), workers=s.WORKERS, threads=s.THREADS).workers,
-                                     cpu.available_mb())
-        if problem:
-            err(f"configuration error: {problem}")
-            return EXIT_USAGE
+    if args.dry_run:
         _print_environ(env)
         print(f"ray serve: {address} -> http://{host}:{port}/ (application 'classifier')")
         return EXIT_OK
