@@ -86,7 +86,7 @@ _ARITHMETIC_SOF = {0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
 _LOSSLESS_SOF = {0xC3, 0xC7, 0xCB, 0xCF}
 _NO_LENGTH = {0x01, 0xD8, 0xD9, *range(0xD0, 0xD8)}  # TEM, SOI, EOI, RST0-7: a marker alone (T.81 B.1.1.3)
 _SOS, _EOI = 0xDA, 0xD9
-_NEXT_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")  # in scan data: not a stuffed 00, an RSTn or a fill
+NEXT_MARKER = re.compile(rb"\xff(?![\x00\xd0-\xd7\xff])")  # in scan data: not a stuffed 00, an RSTn or a fill
 
 
 class Segment(NamedTuple):
@@ -135,7 +135,7 @@ def jpeg_segments(data: bytes, scans: bool = False) -> Iterator[Segment]:
         if end > n or (marker == _SOS and not scans):
             return
         if marker == _SOS:
-            found = _NEXT_MARKER.search(data, end)
+            found = NEXT_MARKER.search(data, end)
             if found is None:
                 return
             end = found.start()

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 from PIL import Image
 
-from .formats import jpeg_segments
+from .formats import NEXT_MARKER, jpeg_segments
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,6 @@ def primary_jpeg(img: Image.Image, data: bytes) -> tuple[str, bytes]:
 _PROGRESSIVE = {0xC2, 0xCA}
 _OTHER_FRAMES = {0xC0, 0xC1, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCB, 0xCD, 0xCE, 0xCF}
 _SOS, _EOI = 0xDA, 0xD9
-_IN_SCAN = {b"\x00", b"\xff", *(bytes([m]) for m in range(0xD0, 0xD8))}  # after FF in scan data: not a marker
 
 
 def jpeg_scans_cut(data: bytes) -> int | None:
@@ -180,7 +179,7 @@ def jpeg_scans_cut(data: bytes) -> int | None:
             if seg.marker == _SOS:
                 if frame is None:
                     return None
-                if data[seg.end:seg.end + 1] == b"\xff" and data[seg.end + 1:seg.end + 2] not in _IN_SCAN:
+                if NEXT_MARKER.match(data, seg.end):
                     continue  # a scan header and no data: cut right after it (every real scan codes a byte)
                 count = segment[0]
                 ss, se, approx = segment[1 + 2 * count:4 + 2 * count]

@@ -57,7 +57,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     """
     env = dict(os.environ)
     env.update(as_environ(given_settings(args)))
-    settings_mod.load(env)  # a bad value stops here, named, before gunicorn starts
+    s = settings_mod.load(env)  # a bad value stops here, named, before gunicorn starts
     if args.cluster:
         return serve_cluster(args, env, extra)
     if args.address:
@@ -79,7 +79,6 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     if args.dry_run:  # what gunicorn.conf.py would refuse at start, refused here too (500 workers on 24 GB)
         from .. import cpu
 
-        s = settings_mod.load(env)
         problem = cpu.memory_problem(cpu.plan(cpu.usable_cores(), workers=s.WORKERS, threads=s.THREADS).workers,
                                      cpu.available_mb())
         if problem:
