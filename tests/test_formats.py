@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from webapp.formats import jpeg_frame, jpeg_segments
+from webapp.formats import jpeg_frame, jpeg_segments, jpeg_zero_dc
 
 pytestmark = pytest.mark.unit
 
@@ -92,3 +92,34 @@ def test_the_frame_is_the_first_sof_with_its_precision():
     assert jpeg_frame(arithmetic).arithmetic and jpeg_frame(arithmetic).undecodable is None
     assert jpeg_frame(data[:sof.pos + 4]) is None  # cut before its precision byte
     assert jpeg_frame(b"\x89PNG\r\n\x1a\n" + data[2:]) is None
+
+
+def _zeroed(data: bytes, table: int, entries: range = range(1)) -> bytes:
+    """JPEG ``data`` with ``entries`` (zigzag places; 0 is DC) of quantization table ``table`` set to 0, as
+    damage would leave them (encoders clamp 0 to 1, so it is written here by hand)."""
+    out = bytearray(data)
+    for seg in jpeg_segments(data):
+        if seg.marker == DQT:
+            at = seg.pos + 4
+            while at < seg.end:
+                size = 2 if out[at] >> 4 else 1
+                if out[at] & 0x0F == table:
+                    for k in entries:
+                        out[at + 1 + k * size:at + 1 + (k + 1) * size] = bytes(size)
+                at += 1 + 64 * size
+    return bytes(out)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_table_with_0_for_the_dc_is_found_for_the_components_that_use_it(progressive):
+    data = _jpeg(progressive=progressive)  # Y uses table 0; Cb and Cr share table 1
+    assert jpeg_zero_dc(data) == []
+    assert jpeg_zero_dc(_zeroed(data, 0)) == [0] and jpeg_zero_dc(_zeroed(data, 0, range(64))) == [0]
+    assert jpeg_zero_dc(_zeroed(data, 1)) == [1, 2] and jpeg_zero_dc(_zeroed(_zeroed(data, 1), 0)) == [0, 1, 2]
+    assert jpeg_zero_dc(_zeroed(data, 0, range(1, 64))) == []  # AC entries 0, the DC kept: not found
+    wide = io.BytesIO()  # an entry over 255: Pillow writes the table with 16-bit entries (Pq 1)
+    Image.fromarray(np.full((16, 16, 3), 90, np.uint8)).save(wide, "JPEG", qtables=[[300] * 64, [2] * 64])
+    assert jpeg_zero_dc(wide.getvalue()) == [] and jpeg_zero_dc(_zeroed(wide.getvalue(), 0)) == [0]
+    damaged = _zeroed(data, 0)
+    assert jpeg_zero_dc(damaged[:damaged.index(b"\xff\xc0" if not progressive else b"\xff\xc2")]) == []  # no frame yet
+    assert jpeg_zero_dc(b"\x89PNG\r\n\x1a\n" + damaged[2:]) == []

@@ -1368,3 +1368,23 @@ def test_damaged_image_data_says_what_to_send_after_the_decoders_words():
     assert ei.value.message.startswith("upload: the JPEG data is damaged or incomplete: its image data cannot be "
                                        "decoded (") and ei.value.message.endswith("; send the file as it was saved, "
                                                                                   "or save it again")
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_jpeg_whose_quantization_table_has_0_for_the_dc_is_400(progressive):
+    """A damaged DQT segment with 0 for a table's DC entry (the standard allows 1-255): libjpeg decodes it without
+    a word, every block's average multiplied by 0. The luma's: a mid-grey picture (all of its entries 0: flat
+    grey), which was classified; the chroma's: the photo without its colour. Refused as damaged, saying which."""
+    from test_formats import _zeroed
+
+    photo = shared_image("dog.jpg").read_bytes()
+    data = encode(Image.open(io.BytesIO(photo)), "JPEG", quality=90, progressive=True) if progressive else photo
+    blank = _zeroed(_zeroed(data, 0, range(64)), 1, range(64))
+    flat = np.asarray(Image.open(io.BytesIO(blank)))
+    assert flat.min() == flat.max() == 128  # what the model was shown: flat grey
+    for damaged, becomes in ((blank, "as grey"), (_zeroed(data, 0), "as grey"),
+                             (_zeroed(data, 1), "without its colour")):
+        for min_side in (None, 224):
+            with pytest.raises(UndecodableImage, match=rf"quantization table has 0 .* would decode {becomes}, not"):
+                decode(damaged, max_pixels=BIG, min_side=min_side)
+    assert decode(_zeroed(data, 0, range(40, 64)), max_pixels=BIG).size == (768, 576)  # AC entries 0: decoded

@@ -2,7 +2,8 @@
 does and that Pillow cannot open is a damaged photo, 400) or the format it is that this service does not
 decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...); and a JPEG's marker segments (``jpeg_segments``,
 the one walk that the cut, mend and scan checks share) and its frame (``jpeg_frame``: the decoder it needs, or
-none here). Pure bytes, no Pillow, no torch.
+none here), and its quantization tables' damage (``jpeg_zero_dc``: 0 for a DC entry). Pure bytes, no Pillow, no
+torch.
 """
 
 from __future__ import annotations
@@ -181,3 +182,27 @@ def jpeg_arithmetic(data: bytes) -> bool:
     """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D)."""
     frame = jpeg_frame(data)
     return frame is not None and frame.arithmetic
+
+
+def jpeg_zero_dc(data: bytes) -> list[int]:
+    """The components (their places in the frame, from 0: Y, Cb, Cr in a colour photo) of JPEG ``data`` whose
+    quantization table has 0 for its DC entry: a damaged DQT segment (T.81 B.2.4.1: entries are 1-255, or 1-65535
+    at 16 bits). libjpeg does not check, and multiplies every block's average by 0: such a luma decodes as
+    mid-grey (with its edges, where the AC entries are not 0 too), such a chroma without its colour, and the
+    model would classify that. Tables as defined before the first scan, where each component's is taken (T.81
+    G.1.1.1); [] for a whole JPEG, another format or a header that does not parse."""
+    dc: dict[int, int] = {}
+    used: list[int] = []
+    for seg in jpeg_segments(data):
+        if seg.marker in (None, _SOS, _EOI) or seg.end > len(data):
+            break
+        body = data[seg.pos + 4:seg.end]
+        if seg.marker == 0xDB:  # DQT: (Pq << 4 | Tq, then 64 entries of 1 byte, or 2 where Pq is 1) repeated
+            at = 0
+            while at + 3 <= len(body):
+                wide, table = body[at] >> 4, body[at] & 0x0F
+                dc[table] = int.from_bytes(body[at + 1:at + 3], "big") if wide else body[at + 1]
+                at += 1 + 64 * (2 if wide else 1)
+        elif 0xC0 <= seg.marker <= 0xCF and seg.marker not in (0xC4, 0xC8, 0xCC) and len(body) >= 6:
+            used = [body[6 + 3 * i + 2] for i in range(body[5]) if 6 + 3 * i + 2 < len(body)]  # Ci, Hi|Vi, Tqi
+    return [i for i, table in enumerate(used) if dc.get(table) == 0]
