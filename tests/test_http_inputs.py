@@ -730,3 +730,32 @@ def test_fuzzed_uploads_never_500_and_never_crash_the_worker(srv):
     health = requests.get(srv.url + "/healthz", timeout=10).json()
     assert health["pid"] == srv.pid and health["ready"] is True, health
     assert_ok(post_file(srv, small_png(), "after.png"))
+
+
+@pytest.mark.skipif(__import__("shutil").which("curl") is None, reason="curl is not installed (.ci/run installs it)")
+def test_curl_d_and_text_of_a_photo_are_told_with_what_to_send(srv, tmp_path):
+    """The real curl's ``-d @photo.jpg`` (form data: the file's CR and LF bytes stripped) got "Content-Type
+    application/x-www-form-urlencoded is not accepted", and with an image Content-Type, "damaged"; base64 text of
+    the photo got "not an image format". Each now says what happened and what to send (webapp/mangled.py)."""
+    import json
+    import subprocess
+
+    def curl(*args: str) -> dict:
+        out = subprocess.run(["curl", "-sS", *args, predict_url(srv)], capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout)["error"]
+
+    dog = shared_image("dog.jpg")
+    form = curl("-d", f"@{dog}")
+    assert form["status"] == 415 and "curl -d sends that" in form["message"] and "--data-binary" in form["message"]
+    stripped = curl("-d", f"@{dog}", "-H", "Content-Type: image/jpeg")
+    assert (stripped["status"], stripped["code"]) == (400, "undecodable_image")
+    assert "no CR or LF byte" in stripped["message"] and "--data-binary @photo.jpg" in stripped["message"]
+    text = tmp_path / "dog.b64"
+    text.write_bytes(base64.encodebytes(dog.read_bytes()))  # what `base64 dog.jpg > dog.b64` writes
+    b64 = curl("--data-binary", f"@{text}", "-H", "Content-Type: image/jpeg")
+    assert (b64["status"], b64["code"]) == (415, "unsupported_media_type")
+    assert b64["message"].startswith("upload: it is base64 text of a JPEG")
+    utf8 = post_file(srv, dog.read_bytes().decode("utf-8", "replace").encode(), "text.jpg", "image/jpeg")
+    assert "text.jpg: a JPEG changed on the way: it was read as UTF-8 text" in assert_error(utf8, 400,
+                                                                                           "undecodable_image")
+    assert predictions(classify(srv, dog.read_bytes(), "dog.jpg"))  # the same bytes unchanged: answered

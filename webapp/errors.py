@@ -50,7 +50,9 @@ class NoFile(ServiceError):
 
 class UndecodableImage(ServiceError):
     status, code = 400, "undecodable_image"
-    when = "a known format with broken data (e.g. a truncated JPEG)"
+    when = ("a known format with broken data (e.g. a truncated JPEG), or a photo changed on the way as if it were "
+            "text (`curl -d`, a string read as UTF-8 or Latin-1, a text-mode copy: the message says which, and "
+            "how to send it)")
 
 
 class BadRequest(ServiceError):
@@ -129,7 +131,8 @@ def check_file_size(size: int, limit: int) -> None:
 
 class NotAnImage(ServiceError):
     status, code = 415, "unsupported_media_type"
-    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message), a 12-bit, "
+    when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message; base64 or hex text "
+            "of a photo, or a `data:` URL, said so), a 12-bit, "
             "lossless or arithmetic-coded CMYK JPEG, a raw body "
             "whose Content-Type is not `image/*` or `application/octet-stream`, or an upload with a "
             "`Content-Encoding` (gzip...: `Accept-Encoding: identity` says what is taken; `/v2` takes gzip and deflate) "

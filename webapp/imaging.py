@@ -22,7 +22,7 @@ import torch
 from PIL import Image, ImageChops, UnidentifiedImageError
 from torchvision.transforms import v2
 
-from . import cuts, exif, incomplete, pnm, repair
+from . import cuts, exif, incomplete, mangled, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
 from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, jpeg_zero_dc, sniff_format
@@ -97,6 +97,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if not _repaired and (fixed := repair.png_mended(data, exc) or repair.jpeg_mended(data)
                               or repair.tiff_mended(data)):  # bad CRC, short APPn, a tag past the end
             return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
+        if changed := _mangled(name, data):
+            raise changed from None
         claimed = claimed_format(data)
         if claimed and (cut := _cut(data)):
             raise _cut_short(name, claimed, *cut) from None
@@ -112,6 +114,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
         if not _repaired and (fixed := repair.png_mended(data, exc)):  # metadata too large to inflate, a bad CRC
             return _again(fixed, start, max_pixels=max_pixels, name=name, min_side=min_side)
+        if changed := _mangled(name, data):
+            raise changed from None
         if cut := _cut(data):  # e.g. WebP: "could not create decoder object"; JPEG: "Truncated File Read"
             raise _cut_short(name, claimed_format(data) or "image", *cut) from None
         if repair.cut_short(exc):  # Pillow says the data ended, where no structure holds together to say it was cut
@@ -179,6 +183,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     except (UndecodableImage, NotAnImage):
         raise
     except Exception as exc:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError...
+        if changed := _mangled(name, data):
+            raise changed from None
         if cut := _cut(data):  # a PPM cut inside its maxval opens, and so does a JPEG cut right after SOS
             raise _cut_short(name, fmt, *cut) from None
         fixed = None if _repaired else (repair.jpeg_with_eoi(data) if fmt == "JPEG" else
@@ -191,6 +197,15 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         raise UndecodableImage(f"{name}: the {fmt} data is damaged or incomplete: its image data cannot be "
                                f"decoded ({exc}); send the file as it was saved, or save it again") from None
     return Decoded(image=rgb, size=size, format=fmt, decode_ms=(time.perf_counter() - start) * 1e3)
+
+
+def _mangled(name: str, data: bytes) -> UndecodableImage | NotAnImage | None:
+    """The refusal for a photo a client changed on the way as if it were text (``webapp/mangled.py``): 400 where
+    its bytes were changed, 415 where the body is base64 or hex text of one; None for every other upload."""
+    if found := mangled.how_mangled(data):
+        said, photo = found
+        return (UndecodableImage if photo else NotAnImage)(f"{name}: {said}")
+    return None
 
 
 def _undecodable_jpeg(name: str, kind: str) -> NotAnImage:

@@ -381,5 +381,7 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     if _no_body(request):  # nothing sent at all: no photo, whatever the Content-Type says
         raise NoFile("no image: the request has no body; send the photo as multipart field 'file', or as the raw "
                      "body with Content-Type image/*")
-    raise NotAnImage(f"Content-Type {mimetype or '(none)'} is not accepted: send multipart/form-data with an "
+    form = (" (curl -d sends that, and strips the file's CR and LF bytes: use -F file=@photo.jpg, or --data-binary "
+            "@photo.jpg -H 'Content-Type: image/jpeg')" if mimetype == "application/x-www-form-urlencoded" else "")
+    raise NotAnImage(f"Content-Type {mimetype or '(none)'} is not accepted{form}: send multipart/form-data with an "
                      f"image in field 'file', or the raw image with Content-Type image/*")

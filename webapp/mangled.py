@@ -1,0 +1,104 @@
+"""Photos changed on the way as if they were text, told from damaged files and from other formats, so that a
+refusal says what happened and how to send the photo instead of "not an image" or "damaged".
+
+Client scripts do this, not the photos: ``curl -d @photo.jpg`` drops every CR and LF byte (curl's manual:
+"carriage returns and newlines will be stripped out"); a JavaScript ``fetch`` of ``await file.text()`` or Node's
+``readFileSync(path, "utf8")`` replaces each byte that is not UTF-8 with U+FFFD; a string read as Latin-1 (or
+Windows-1252: ``readAsBinaryString``) and sent as UTF-8 doubles each byte over 0x7F; a text-mode (FTP ASCII)
+copy turns LF into CR LF; and some send base64 or hex text, or a ``data:`` URL, where the bytes belong.
+
+``how_mangled`` is asked only about an upload that is refused anyway (it never turns a decodable file away),
+and answers only where the bytes leave no doubt: a photo's magic bytes changed by one of those mappings (the
+PNG signature holds CR LF and 0x1A for this very purpose: RFC 2083 12.11), or a JPEG of more than 4 KiB without a
+single CR and LF byte (a real one has about 2 of each per 256 bytes: none in 4 KiB by chance is ~e^-32), or one
+whose every LF follows a CR (8 LFs or more: 256^-8 by chance). Pure bytes, no Pillow, no torch.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+
+from .formats import claimed_format
+
+_MAGIC = {"JPEG": b"\xff\xd8\xff", "PNG": b"\x89PNG\r\n\x1a\n"}  # the others (GIF, TIFF, BMP, WebP, PPM) start
+# in ASCII, which these mappings keep: changed on the way, they are refused as damaged, without the why
+_BASE64 = re.compile(rb"[A-Za-z0-9+/]+={0,2}|[A-Za-z0-9_-]+={0,2}")
+_HEX = re.compile(rb"(?:[0-9a-fA-F]{2})+")
+_DATA_URL = re.compile(rb"data:[\w.+-]+/[\w.+-]+(?:;[\w.+-]+=[\w.+-]+)*;base64,", re.IGNORECASE)
+_PLAIN_JPEG = 4096  # bytes: a JPEG this long without a CR or LF byte was stripped of them
+
+
+def _mapped(magic: bytes) -> dict[bytes, str]:
+    """The starts ``magic`` takes under each text mapping, with its words."""
+    replaced = magic.decode("utf-8", "replace").encode("utf-8")
+    latin = magic.decode("latin-1").encode("utf-8")
+    cp1252 = magic.decode("cp1252", "replace").encode("utf-8")
+    starts = {replaced: "read as UTF-8 text: each byte that is not UTF-8 became U+FFFD (EF BF BD)",
+              cp1252: "read as Windows-1252 text and sent as UTF-8: each byte over 0x7F became two or three",
+              latin: ("read as Latin-1 text and sent as UTF-8: each byte over 0x7F became two" if latin != cp1252
+                      else "read as Latin-1 (or Windows-1252) text and sent as UTF-8: each byte over 0x7F became two")}
+    if b"\r\n" in magic:  # the PNG signature: its CR LF, LF and 0x1A catch each line-end conversion
+        starts[magic.replace(b"\r\n", b"\n")] = "copied as text: its CR LF bytes became LF"
+        starts[magic.replace(b"\n", b"\r\n")] = "copied as text: its LF bytes became CR LF"
+        starts[magic.replace(b"\r", b"").replace(b"\n", b"")] = ("sent as text with its line breaks stripped: "
+                                                                 "every CR and LF byte is gone (curl -d does that)")
+    return {start: said for start, said in starts.items() if start != magic}
+
+
+_STARTS = {start: (fmt, said) for fmt, magic in _MAGIC.items() for start, said in _mapped(magic).items()}
+
+
+def _text_of(data: bytes) -> tuple[str, str] | None:
+    """(what text, the format inside) where ``data`` is base64 or hex text of a photo, or a ``data:`` URL."""
+    body = data.strip()
+    url = _DATA_URL.match(body)
+    if url:
+        body = body[url.end():]
+    packed = re.sub(rb"\s+", b"", body)  # base64 wrapped at 76 columns (MIME, `base64` without -w0)
+    if _BASE64.fullmatch(packed):
+        try:
+            head = base64.b64decode(packed[:64] + b"=" * (-len(packed[:64]) % 4), altchars=b"-_" if b"-" in packed
+                                    or b"_" in packed else None)
+        except (binascii.Error, ValueError):
+            head = b""
+        if fmt := claimed_format(head):
+            return ("a data: URL" if url else "base64 text"), fmt
+    if not url and _HEX.fullmatch(packed) and (fmt := claimed_format(bytes.fromhex(packed[:64].decode()))):
+        return "hex text", fmt
+    return None
+
+
+def _send(fmt: str) -> str:
+    """What to send instead of a ``fmt`` photo changed on the way."""
+    path = "photo." + {"JPEG": "jpg"}.get(fmt, fmt.lower())
+    return (f"send the file's bytes unchanged (curl --data-binary @{path} or -F file=@{path}, not -d; Python "
+            f"requests: data=open(path, 'rb'); JavaScript: the File itself as the body or in FormData)")
+
+
+def _a(fmt: str) -> str:
+    return f"{'an' if fmt[0] in 'AEIOU' else 'a'} {fmt}"
+
+
+def how_mangled(data: bytes) -> tuple[str, bool] | None:
+    """How an upload that is refused anyway was changed on the way, as words ending in what to send instead, and
+    whether the photo is in it (True: its bytes were changed, 400 damaged; False: it is text that holds a photo,
+    base64 or hex, 415 not an image); None where the bytes do not leave it beyond doubt."""
+    if text := _text_of(data):
+        what, fmt = text
+        path = "photo." + {"JPEG": "jpg"}.get(fmt, fmt.lower())
+        return (f"it is {what} of {_a(fmt)}, not the {fmt}'s bytes: send the bytes themselves (curl --data-binary "
+                f"@{path} or -F file=@{path}); base64 goes in a /v2 JSON request, without a data: prefix"), False
+    for start, (fmt, said) in _STARTS.items():
+        if data.startswith(start):
+            return f"{_a(fmt)} changed on the way: it was {said}; {_send(fmt)}", True
+    if data.startswith(_MAGIC["JPEG"]):
+        lf = data.count(b"\n")
+        if len(data) > _PLAIN_JPEG and lf == 0 and b"\r" not in data:
+            return (f"a JPEG changed on the way: it has no CR or LF byte at all, which any JPEG over 4 KB has: "
+                    f"they were stripped, as curl -d does; {_send('JPEG')}"), True
+        if lf >= 8 and data.count(b"\r\n") == lf:
+            return (f"a JPEG changed on the way: every LF byte in it follows a CR, so it was copied as text (LF "
+                    f"became CR LF, as an FTP ASCII transfer does); {_send('JPEG')}"), True
+    return None
