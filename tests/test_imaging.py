@@ -615,6 +615,24 @@ def test_an_avif_with_avif_among_its_compatible_brands_is_claimed_as_avif():
     assert claimed_format(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic") is None  # HEIC: not ours
 
 
+@pytest.mark.parametrize("damage", ["SOI's first byte", "SOI", "the marker after SOI", "SOI missing"])
+def test_a_jpeg_whose_start_is_damaged_is_400_damaged_not_415(damage):
+    """A JPEG whose first bytes were damaged (its SOI, or the marker after it) or lost (SOI missing, its EXIF block
+    first) was "not an image format this server can decode; send JPEG, ..." (415) to a user who sent a JPEG. It is
+    a damaged JPEG: 400, saying what to send; another format or a text file stays 415."""
+    whole = shared_image("dog.jpg").read_bytes()
+    assert whole[6:11] == b"Exif\x00"
+    data = {"SOI's first byte": b"\x00" + whole[1:], "SOI": b"\x00\x00" + whole[2:],
+            "the marker after SOI": whole[:2] + b"\x00" + whole[3:], "SOI missing": whole[2:]}[damage]
+    assert claimed_format(data) == "JPEG"
+    with pytest.raises(UndecodableImage, match=r"photo.jpg: the JPEG data is damaged .*save it again"):
+        decode(data, max_pixels=BIG, name="photo.jpg")
+    jfif = encode(Image.new("RGB", (8, 8)), "JPEG")
+    assert jfif[6:11] == b"JFIF\x00" and claimed_format(b"\xff\x00" + jfif[2:]) == "JPEG"
+    for other in (b"GIF" + whole[3:], b"\x00\x01\xff\xe1\x00\x10Exit\x00", b"\xff\xd8"[:1], b"Exif\x00" + whole):
+        assert claimed_format(other) is None, other[:12]
+
+
 EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n%%EndComments\n"
        b"newpath 0 0 moveto 10 10 lineto stroke\nshowpage\n%%EOF\n")
 

@@ -34,7 +34,8 @@ _FTYP_BRANDS = {b"heic": "HEIC", b"heix": "HEIC", b"hevc": "HEIC", b"mif1": "HEI
 
 def claimed_format(data: bytes) -> str | None:
     """The decodable format ``data`` starts like (one of ``FORMATS``, by its magic bytes, or by the start of them
-    where the file is shorter), or None."""
+    where the file is shorter; a JPEG also by its SOI alone, or by the JFIF or EXIF block that follows a damaged or
+    missing SOI), or None."""
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WebP"
     if data[4:8] == b"ftyp" and {b"avif", b"avis"} & set(_ftyp_brands(data)):
@@ -42,6 +43,9 @@ def claimed_format(data: bytes) -> str | None:
     for magic, name in _DECODABLE:
         if data.startswith(magic):
             return name
+    if len(data) > 2 and data[:2] == b"\xff\xd8" or any(data[at - 4:at - 3] == b"\xff" and data[at:at + 5] in (
+            b"JFIF\x00", b"Exif\x00") for at in (4, 6)):  # the marker after SOI damaged, or SOI itself, or SOI
+        return "JPEG"  # missing, before a JFIF or EXIF block: a damaged JPEG (400), not "not an image format"
     for magic, name in _DECODABLE:  # cut inside its signature (a 2-byte FF D8): the format it began as, where
         # the bytes say so (2 of them not ASCII, or 3 or more; "GI" or "P" alone is as likely a text file)
         if 2 <= len(data) < len(magic) and magic.startswith(data) and (len(data) >= 3 or not data.isascii()):

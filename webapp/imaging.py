@@ -106,7 +106,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise _undecodable_jpeg(name, kind) from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
-                                   f"cannot be read)") from None
+                                   f"cannot be read); send the file as it was saved, or save it again") from None
         fmt = sniff_format(data)
         what = (f"{article(fmt)} {fmt} file, which this server cannot decode" if fmt
                 else "not an image format this server can decode")
