@@ -54,7 +54,7 @@ def test_start_up_makes_it_the_same_way(tmp_path):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(SettingsError, match="cannot be created"):
         startup.use_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(tmp_path / "a-file")}))
-    assert startup.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~/x"})) == Path.home() / "x"
+    assert caches.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~/x"})) == Path.home() / "x"
 
 
 def test_a_tilde_of_no_known_user_is_left_as_the_shell_leaves_it():

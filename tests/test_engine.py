@@ -1,5 +1,6 @@
 """The compiled engine: same logits as eager, every batch size warmed, no compile after warm-up."""
 
+import os
 import sys
 import threading
 import time
@@ -172,6 +173,49 @@ def test_a_warm_cache_starts_without_compiling(precision, tmp_path, monkeypatch)
     while forward_ms(again._fn.many, batch) < 20 and 2 * len(batch) <= MAX_BATCH:  # a forward long enough to see
         batch = torch.cat([batch, batch]).contiguous(memory_format=torch.channels_last)
     assert others_run_inside(again._fn.many, batch), "the GIL was held for the whole forward pass"
+
+    # A library damaged in place (same size and modification time: a disk fault, a crash mid-write) answered every
+    # batch of 2 or more wrongly while batch 1 (the self-test) was right; one cut short killed each worker with
+    # SIGBUS. Each load now checks the library against its package and extracts it again where it differs.
+    def damage(path: Path, data: bytes) -> None:  # a new file under the name: this process maps the old one
+        stamp = path.stat().st_mtime_ns
+        path.with_suffix(".new").write_bytes(data)
+        os.replace(path.with_suffix(".new"), path)
+        os.utime(path, ns=(stamp, stamp))
+
+    so, cut, alone = again._fn.many.path, again._fn.one.path, again.predict(x[:1])
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 4096] = bytes(4096)
+    damage(so, bytes(data))
+    damage(cut, cut.read_bytes()[:cut.stat().st_size // 3])
+    third = Engine(net, **{**kwargs, "calibration": []})
+    assert third.backend == "aoti" and torch.equal(third.predict(x), got)
+    assert torch.equal(third.predict(x[:1]), alone) and so.read_bytes() != bytes(data)
+
+
+def test_warm_up_with_a_sample_checks_every_batch_size_against_batch_1():
+    """Batch 1 and the others run different compiled code; a fault in one answered every batched request wrongly
+    while the self-test, at batch 1, passed. With a sample photo, warm-up compares them and says which differs."""
+    from webapp.engine import GraphsDisagree
+
+    class WrongWhenBatched(torch.nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            out = self.net(x)
+            return out if x.shape[0] == 1 else out.flip(-1)  # another top-1 at every batch of 2 or more
+
+    net, size = tiny_net(), 32
+    sample = torch.randn(1, 3, size, size)
+    assert Engine(net, input_size=size, compile=False).warm_up(4, sample=sample) >= 0
+    bad = Engine(WrongWhenBatched(net), input_size=size, compile=False)
+    with pytest.raises(GraphsDisagree, match="batch 2 gives other logits than batch 1") as caught:
+        bad.warm_up(4, sample=sample)
+    assert caught.value.batch == 2 and caught.value.off > 0.5
+    assert "MAX_BATCH_SIZE=1" in bad.remedy(Path("/x"))
+    Engine(WrongWhenBatched(net), input_size=size, compile=False).warm_up(4)  # no sample: not compared
 
 
 def forward_ms(fn, x) -> float:

@@ -111,6 +111,19 @@ def cache_key(*parts) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+AGREE = 0.02  # the largest logit difference between batch sizes, as a fraction of batch 1's logit range
+
+
+class GraphsDisagree(RuntimeError):
+    """``Engine.warm_up``'s sample photo gave other logits at ``batch`` than at batch 1: ``off`` (fraction of the
+    logit range), top-1 class indices ``one`` (batch 1) and ``many``."""
+
+    def __init__(self, batch: int, off: float, one: int, many: int):
+        super().__init__(f"batch {batch} gives other logits than batch 1 for the same photo (off by {off:.0%} of "
+                         f"their range; top-1 class {many} instead of {one})")
+        self.batch, self.off, self.one, self.many = batch, off, one, many
+
+
 class Engine:
     """Runs a model on batches: ``predict((N, 3, S, S) float32) -> (N, C) float32`` logits.
 
@@ -154,7 +167,7 @@ class Engine:
             ready = bf16_policy(module) if precision == "bf16" else module
             make = lambda: ready
         self._fn: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.backend = "eager"
+        self.backend, self.package = "eager", None
         self.threads = torch.get_num_threads()
         if compile:
             import torch._inductor.config as inductor_config
@@ -167,7 +180,7 @@ class Engine:
                 try:
                     self._fn = load_or_build_aoti(make, input_size=input_size, path=path,
                                                   build_elsewhere=build_elsewhere)
-                    self.backend = "aoti"
+                    self.backend, self.package = "aoti", path
                 except StartupError:  # the build ran past STARTUP_TIMEOUT_S: a JIT compile here would too
                     raise
                 except Exception as exc:  # export or AOT compile failed for this model: JIT still works
@@ -179,6 +192,18 @@ class Engine:
                 self.backend = "inductor"
         self.warm_batch_sizes: list[int] = []
 
+    def remedy(self, inductor_dir: Path) -> str:
+        """What to do where the compiled code is damaged (``GraphsDisagree``): which files to remove."""
+        from .settings import PREFIX
+
+        if self.package is not None:
+            one = self.package.with_name(self.package.name[:-4] + ".b1.pt2")
+            return (f"remove {one.name} and {self.package.name} (and the .so and .json beside each) from "
+                    f"{self.package.parent} ({PREFIX}CACHE_DIR) and start again: they are built anew")
+        if self.backend == "inductor":
+            return f"remove the compiled kernels in {inductor_dir} and start again"
+        return f"uncompiled, this torch build computes it wrongly; {PREFIX}MAX_BATCH_SIZE=1 avoids batches"
+
     def thread_init(self) -> None:
         """Call first on the thread that will run ``predict``: intra-op threads are per calling thread."""
         torch.set_num_threads(self.threads)
@@ -189,8 +214,15 @@ class Engine:
             x = batch.contiguous(memory_format=torch.channels_last)
             return self._fn(x).float()
 
-    def warm_up(self, max_batch_size: int, heartbeat: Callable[[], None] | None = None) -> float:
+    def warm_up(self, max_batch_size: int, heartbeat: Callable[[], None] | None = None,
+                sample: torch.Tensor | None = None) -> float:
         """Run every batch size 1..``max_batch_size`` once (compiling them); return seconds taken.
+
+        With a ``sample`` (``(1, 3, S, S) float32``, a real photo: start-up passes the golden one), each batch is
+        that photo repeated, and every row must give batch 1's logits (within ``AGREE`` of their range): batch 1
+        and the others run different compiled code (two graphs, two AOTInductor libraries), and a fault in one
+        (a damaged library) answered every batched request wrongly while the self-test, at batch 1, passed.
+        Measured here, the graphs differ by ~3e-7 of the range (fp32 and bf16); a damaged one by most of it.
 
         Batch 1 gets a static graph, batch 2 a graph with a dynamic batch dimension that serves
         3..N too. Afterwards, with compile on, any recompile raises instead of compiling. The
@@ -205,12 +237,19 @@ class Engine:
         sizes = range(1, max_batch_size + 1)
         if self.backend == "aoti":
             sizes = sorted({1, 2, max_batch_size} & set(sizes))
+        first = None
         for n in sizes:
             t0 = time.perf_counter()
-            x = torch.zeros(n, 3, self.input_size, self.input_size)
+            x = (torch.zeros(n, 3, self.input_size, self.input_size) if sample is None
+                 else sample.expand(n, -1, -1, -1).contiguous())
             out = self.predict(x)
             if out.shape[0] != n:
                 raise RuntimeError(f"warm-up at batch {n} returned {tuple(out.shape)}")
+            if sample is not None:
+                first = out[0] if first is None else first
+                off = float((out - first).abs().max()) / max(float(first.max() - first.min()), 1e-6)
+                if not off <= AGREE:  # (NaN too)
+                    raise GraphsDisagree(n, off, int(first.argmax()), int(out[-1].argmax()))
             self.warm_batch_sizes.append(n)
             log.debug("warm-up batch %d: %.2f s", n, time.perf_counter() - t0)
             if heartbeat:

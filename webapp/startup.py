@@ -29,7 +29,7 @@ from torchvision.transforms import v2
 from . import caches, catalog, children, cpu, imaging
 from .assets import GOLDEN, calibration_files
 from .bf16 import BF16_KEEP_FP32, judge_bf16
-from .engine import Engine, choose_precision, choose_reduce_range, configure_threads, native_bf16
+from .engine import Engine, GraphsDisagree, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
 from .paths import reason
@@ -66,11 +66,6 @@ class Started:
         return self.model.preprocessing.resize if fast_decode else None
 
 
-def cache_dir(settings) -> Path:
-    """The persistent cache folder: ``CACHE_DIR``, else ``~/.cache/photo-classifier`` (not created here)."""
-    return caches.cache_dir(settings)
-
-
 def inductor_cache_dir(settings) -> Path:
     """Where inductor's compiled kernels go: ``TORCHINDUCTOR_CACHE_DIR`` if the user set it, else
     ``<cache_dir>/inductor``. What ``use_cache_dir`` applies and ``python -m webapp info`` shows.
@@ -83,7 +78,7 @@ def inductor_cache_dir(settings) -> Path:
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if given not in (None, "", default_cache_dir()):
         return Path(given)
-    return cache_dir(settings) / "inductor"
+    return caches.cache_dir(settings) / "inductor"
 
 
 def use_cache_dir(settings) -> Path:
@@ -293,7 +288,7 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
                                     for k, v in settings.items()}, PREFIX + "PRECISION": precision,
                    "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                   os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-            with FileLock(str(cache_dir(settings) / "aoti-build.lock")):
+            with FileLock(str(caches.cache_dir(settings) / "aoti-build.lock")):
                 if all(p.is_file() for p in paths):
                     return  # another worker's child built them while this one waited
                 t0 = time.perf_counter()
@@ -351,7 +346,12 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
     log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
              model.name, model.weights, precision, reason, settings.COMPILE, threads,
              sorted(os.sched_getaffinity(0)), settings.MAX_BATCH_SIZE)
-    warm_s = engine.warm_up(settings.MAX_BATCH_SIZE)
+    golden = imaging.decode(GOLDEN.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=GOLDEN.name).image
+    try:
+        warm_s = engine.warm_up(settings.MAX_BATCH_SIZE, sample=imaging.preprocess(golden, transform)[None])
+    except GraphsDisagree as exc:
+        raise StartupError(f"the compiled model is damaged: on the golden photo {GOLDEN.name}, {exc}; "
+                           f"{engine.remedy(inductor_cache_dir(settings))}") from None
     if engine.backend == "aoti":  # the packages hold their own weights: the module would be one more copy in
         model.module = None  # every worker (ResNet-18 fp32: 45 MB private each; #7). Eager and JIT still run on it.
     return Started(model=model, engine=engine, transform=transform, threads=threads, precision_reason=reason,

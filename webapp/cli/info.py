@@ -39,7 +39,8 @@ def gather_info() -> dict:
 
     from ..engine import choose_precision, native_bf16
     from ..models import RESNET18_URL, explain_resolution
-    from ..startup import cache_dir, inductor_cache_dir
+    from ..caches import cache_dir
+    from ..startup import inductor_cache_dir
 
     cores = cpu.usable_cores()
     plan = cpu.plan(cores, workers=s.WORKERS, threads=s.THREADS)
