@@ -3,6 +3,7 @@
 import hashlib
 import http.server
 import json
+import socket
 import threading
 import time
 
@@ -106,6 +107,24 @@ def test_download_without_network_gives_up_fast_and_falls_back(hub, monkeypatch)
     assert "resnet18-f37072fd.pth" in m.fallback_reason and "$TORCH_HOME/hub/checkpoints" in m.fallback_reason
     assert str(hub) not in m.fallback_reason  # it goes to every client: no server path (the log lists them)
     assert m.describe()["fallback"] is True and m.describe()["note"] == m.fallback_reason
+
+
+def test_a_server_that_accepts_and_never_answers_is_given_up_on_within_the_timeout(hub, monkeypatch):
+    """A proxy (or mirror) that accepts the connection and then sends nothing held every start for 30 s, the pause
+    the download's reads may take, though the README says the download gives up after DOWNLOAD_TIMEOUT_S."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # the kernel accepts; nobody answers
+    try:
+        monkeypatch.setattr(models, "RESNET18_URL", f"http://127.0.0.1:{silent.getsockname()[1]}/resnet18-f37072fd.pth")
+        start = time.monotonic()
+        m = models.load_model(cfg(DOWNLOAD=True, DOWNLOAD_TIMEOUT_S=1))
+        assert time.monotonic() - start < 5
+    finally:
+        silent.close()
+    assert m.name == "efficientnet_lite0"
+    why = models.download_weights(f"http://127.0.0.1:{free_port()}/x.pth", hub / "x.pth", timeout=1)
+    assert why and "cannot connect" in why
 
 
 def test_fallback_off_says_which_file_to_put_where(hub):

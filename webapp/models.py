@@ -176,11 +176,23 @@ def _can_connect(url: str, timeout: float) -> str | None:
 def download_weights(url: str, dest: Path, *, timeout: float) -> str | None:
     """Download ``url`` to ``dest`` with torch hub's hash check; return None on success, else why not.
 
-    A connection test first, bounded by ``timeout`` seconds, so an air-gapped start is not slowed.
+    A connection test first, bounded by ``timeout`` seconds, so an air-gapped start is not slowed; then the
+    server (or a proxy) must begin its answer within ``timeout`` too (a HEAD request): a proxy that accepts
+    connections and never answers held every start for the 30 s that the download's reads may pause.
     """
     why = _can_connect(url, timeout)
     if why:
         return why
+    import urllib.error
+
+    try:  # urllib goes through the same proxies (https_proxy...) as torch.hub's download
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError as exc:
+        return f"download of {url} failed: HTTP {exc.code} {exc.reason}"
+    except (OSError, ValueError) as exc:  # socket.timeout is an OSError; URLError too
+        if isinstance(getattr(exc, "reason", exc), TimeoutError):
+            return f"{urllib.parse.urlsplit(url).hostname} (or its proxy) did not answer within {timeout:g} s"
+        return f"download of {url} failed: {exc}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     old = socket.getdefaulttimeout()
     socket.setdefaulttimeout(max(timeout, 30.0))  # reads of a slow mirror may pause longer than a connect

@@ -183,7 +183,7 @@ SETTINGS: tuple[Setting, ...] = (
             "only: beside another model, a warning at start says it is not used."),
     Setting("DOWNLOAD", _bool, True, "Try to download ResNet-18 weights when no file is found (gives up after "
             "DOWNLOAD_TIMEOUT_S when there is no network)."),
-    Setting("DOWNLOAD_TIMEOUT_S", _float, 3.0, "Seconds a weights download may take to connect before giving up.",
+    Setting("DOWNLOAD_TIMEOUT_S", _float, 3.0, "Seconds a weights download may take to connect, and then for the server (or a proxy) to begin its answer, before giving up.",
             low=0.1, high=600),
     Setting("FALLBACK", _bool, True, "Serve the offline EfficientNet-Lite0 when ResNet-18 weights cannot be had. "
             "Off: start-up fails and says which file to put where."),
