@@ -40,11 +40,16 @@ def test_a_folder_that_cannot_be_made_names_the_setting_and_the_reason(tmp_path,
     assert str(err.value) == f"CLASSIFIER_CACHE_DIR={folder} cannot be created: {why}"
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in any folder")
-def test_a_folder_that_cannot_be_written_is_refused(tmp_path):
+@pytest.mark.parametrize("read_only, why", [(False, "Permission denied"), (True, "Read-only file system")])
+def test_a_folder_that_cannot_be_written_is_refused_saying_why(tmp_path, monkeypatch, read_only, why):
+    """Not writable: for this user (permission denied), or on a read-only mount, which said "Permission denied"
+    too (tryout15). Told by the mount's flag. (Faked: root writes in any folder, and a test cannot mount.)"""
     folder = tmp_path / "locked"
     folder.mkdir(mode=0o500)
-    with pytest.raises(SettingsError, match=f"^CLASSIFIER_CACHE_DIR={folder} cannot be written: Permission denied$"):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "statvfs", lambda path: type("Vfs", (), {"f_flag": os.ST_RDONLY if read_only else 0}))
+    with pytest.raises(SettingsError, match=f"^CLASSIFIER_CACHE_DIR={folder} cannot be written: {why} \\(start-up "
+                                            f"writes there: the precision record, and the compiled model"):
         caches.make_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(folder)}))
 
 

@@ -39,5 +39,11 @@ def make_cache_dir(values: Mapping[str, Any]) -> Path:
         why = "it exists and is not a folder" if look(path)[0] not in (None, "folder") else reason(exc)
         raise SettingsError(f"{what} cannot be created: {why}") from None
     if not os.access(path, os.W_OK | os.X_OK):
-        raise SettingsError(f"{what} cannot be written: {os.strerror(errno.EACCES)}")
+        try:
+            read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = False
+        why = os.strerror(errno.EROFS if read_only else errno.EACCES)  # a read-only mount is not a permission
+        raise SettingsError(f"{what} cannot be written: {why} (start-up writes there: the precision record, and "
+                            f"the compiled model where it is not built yet)")
     return path
