@@ -189,8 +189,44 @@ def when_ready(server):
             [lst.sock for lst in server.LISTENERS], wake_fd=state.read_fd, on_wake=state.drain,
             needed=lambda: not state.any_ready(),
             stopping=lambda: lifecycle.stopping(server),
-            ended=lambda: bool(server.LISTENERS) and [id(lst) for lst in server.LISTENERS] != first)
+            ended=lambda: bool(server.LISTENERS) and [id(lst) for lst in server.LISTENERS] != first,
+            on_answer=_log_and_count(server))
         state.responder.start()
+
+
+def _log_and_count(server):
+    """For the master's own 503s (webapp/responder.py): the access log line (gunicorn's text format, or
+    CLASSIFIER_ACCESS_LOG=json's object) and the count in /metrics (endpoint "(master)"), as the workers
+    write theirs. Without them, the 503s of a start, a stop or a crash were in no log and no metric."""
+    import json
+    from datetime import datetime, timezone
+
+    made: dict = {}
+
+    def answered(rec: dict) -> None:
+        if _s.ACCESS_LOG == "text":
+            server.log.access_log.info('%s "%s" %s %s %dms %s', rec["remote_addr"], rec["request_line"],
+                                       rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
+        elif _s.ACCESS_LOG == "json":
+            from webapp.logs import configure_access_logger
+
+            made.setdefault("log", configure_access_logger())
+            now = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            fields = {"time": now, "pid": os.getpid(),
+                      **{k: rec[k] for k in ("request_id", "method", "path", "status", "duration_ms", "bytes",
+                                             "remote_addr")}, "query": rec["query"] or None,
+                      "user_agent": rec["user_agent"], "answered_by": "master"}
+            made["log"].info(json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":")))
+        if _s.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import CollectorRegistry
+
+            from webapp.metrics import MASTER_ENDPOINT, http_metrics, method_label
+
+            requests, latency = made.setdefault("metrics", http_metrics(CollectorRegistry()))
+            labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
+            requests.labels(*labels).inc()
+            latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
+    return answered
 
 
 def pre_fork(server, worker):

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -173,12 +174,12 @@ def test_control_signals_while_the_master_starts_are_carried_out_once_it_listens
 
 
 # -- what the port answers during start-up -------------------------------------------------------------
-def probe(port: int, path: str) -> tuple[int, dict, dict | None, float]:
+def probe(port: int, path: str, headers: dict | None = None) -> tuple[int, dict, dict | None, float]:
     """GET ``path``: (status, headers, JSON body or None, seconds taken); raises OSError without an answer in 3 s."""
     t0 = time.monotonic()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
     try:
-        conn.request("GET", path)
+        conn.request("GET", path, headers=headers or {})
         resp = conn.getresponse()
         raw = resp.read()
         return resp.status, dict(resp.getheaders()), json.loads(raw) if raw else None, time.monotonic() - t0
@@ -189,15 +190,16 @@ def probe(port: int, path: str) -> tuple[int, dict, dict | None, float]:
 @pytest.mark.server
 def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
     """A load balancer can tell "starting" (503 at once) from "dead" (refused); once a worker is ready it
-    answers, and the master's responder takes no more connections."""
-    srv, temp = launch(tmp_path, "cold")
+    answers, and the master's responder takes no more connections. The master's 503s carry the request's id and
+    are in the access log and /metrics, as the workers' answers are (they were in neither: tryout14)."""
+    srv, temp = launch(tmp_path, "cold", METRICS=1, ACCESS_LOG="text")
     answers = []  # (path, status, headers, body, seconds) of every probe that got an answer
     deadline = time.monotonic() + 300
     while not answers or answers[-1][1] != 200:
         assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()[-3000:]
         path = ("/readyz", "/healthz")[len(answers) % 2]
         try:
-            answers.append((path, *probe(srv.port, path)))
+            answers.append((path, *probe(srv.port, path, {"X-Request-ID": f"probe-{len(answers)}"})))
         except ConnectionRefusedError:  # the master is not listening yet
             pass
         time.sleep(0.1)
@@ -207,6 +209,7 @@ def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
         assert status == 503 and took < 1.0, (path, status, took)
         assert headers["Retry-After"] == "5" and body["error"]["code"] == "not_ready", (headers, body)
         assert body == {"error": {"code": "not_ready", "status": 503, "message": body["error"]["message"]}}
+    assert [h["X-Request-ID"] for _, _, h, _, _ in starting] == [f"probe-{i}" for i in range(len(starting))]
     times = sorted(took for *_, took in starting)
     print(f"\n{len(starting)} probes during the cold start: all 503 not_ready, median "
           f"{times[len(times) // 2] * 1e3:.1f} ms, slowest {times[-1] * 1e3:.0f} ms")
@@ -215,6 +218,13 @@ def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
     workers = set(srv.wait_ready(workers=2))
     served = [probe(srv.port, "/healthz") for _ in range(20)]
     assert all(s == 200 and b["pid"] in workers for s, _, b, _ in served), served
+    logged = re.findall(r'127\.0\.0\.1 "GET /(?:readyz|healthz) HTTP/1\.1" 503 \d+ \d+ms (probe-\d+)', srv.output())
+    assert logged == [f"probe-{i}" for i in range(len(starting))], srv.output()[-3000:]
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10).read().decode()
+    counted = re.search(r'classifier_http_requests_total\{endpoint="\(master\)",method="GET",status="503"\} (\S+)',
+                        metrics)
+    assert counted and float(counted.group(1)) == len(starting), metrics
+    assert 'pid="%d"' % srv.proc.pid not in metrics  # the master is not shown as a worker (gauges by pid)
     # The master holds torch (imported before it listened, so its pages are shared by the workers:
     # webapp/preload.py) but runs only its main thread and the 503 responder: no thread pool was started
     # in it before the workers forked (tests/test_preload.py checks this with 2 workers too).

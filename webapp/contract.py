@@ -9,8 +9,23 @@ Torch-free and Flask-free, so both sides (and the CLI) can import it.
 
 from __future__ import annotations
 
+import re
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
+
+
+REQUEST_ID_HEADER = "X-Request-ID"
+_SANE_ID = re.compile(r"[A-Za-z0-9._:+/=@~-]{1,128}")
+
+
+def request_id_from(header: str | None) -> str:
+    """A request's id: the client's ``X-Request-ID`` if it is a sane token (1..128 of ``A-Z a-z 0-9 . _ : + / = @
+    ~ -``), else a new uuid4 hex. Every answer echoes it, the workers' and gunicorn's master's (``webapp/logs.py``,
+    ``webapp/responder.py``)."""
+    if header and _SANE_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
 
 
 # Photo formats the service decodes (imaging.decode opens uploads as these only). Others Pillow knows (EPS

@@ -17,24 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import sys
 import time
-import uuid
 from datetime import datetime, timezone
 
 from flask import Flask, g, has_request_context, request
 
-REQUEST_ID_HEADER = "X-Request-ID"
+from .contract import REQUEST_ID_HEADER, request_id_from  # noqa: F401 (the rule lives there: torch- and Flask-free)
+
 ACCESS_LOGGER = "webapp.access"
-_SANE_ID = re.compile(r"[A-Za-z0-9._:+/=@~-]{1,128}")
-
-
-def request_id_from(header: str | None) -> str:
-    """The client's id if it is a sane token, else a new uuid4 hex."""
-    if header and _SANE_ID.fullmatch(header):
-        return header
-    return uuid.uuid4().hex
 
 
 def current_request_id() -> str | None:

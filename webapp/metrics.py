@@ -47,17 +47,28 @@ def multiprocess_mode() -> bool:
     return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
+MASTER_ENDPOINT = "(master)"  # the endpoint label of gunicorn's master's own 503s (webapp/responder.py)
+
+
+def http_metrics(registry: CollectorRegistry) -> tuple[Counter, Histogram]:
+    """The requests counter and latency histogram (labels endpoint, method, status): each worker's (``Metrics``),
+    and gunicorn's master's for the 503s it answers while no worker is ready or it stops (``MASTER_ENDPOINT``;
+    only these two, so the master never shows up as a worker in the gauges)."""
+    labels = ("endpoint", "method", "status")
+    return (Counter("classifier_http_requests", "HTTP requests answered, by route, method and status (endpoint "
+                    f"{MASTER_ENDPOINT}: gunicorn's master's 503 while no worker is ready or it stops).", labels,
+                    registry=registry),
+            Histogram("classifier_http_request_duration_seconds",
+                      "Seconds from the request's first hook to its response, by route, method and status.",
+                      labels, buckets=LATENCY_BUCKETS, registry=registry))
+
+
 class Metrics:
     """The metrics of one app; ``app.extensions["metrics"]``."""
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
-        labels = ("endpoint", "method", "status")
-        self.requests = Counter("classifier_http_requests", "HTTP requests answered, by route, method and status.",
-                                labels, registry=r)
-        self.latency = Histogram("classifier_http_request_duration_seconds",
-                                 "Seconds from the request's first hook to its response, by route, method and status.",
-                                 labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.requests, self.latency = http_metrics(r)
         self.queue_wait = Histogram("classifier_queue_wait_seconds",
                                     "Seconds each classified image waited in its worker's queue for a batch.",
                                     buckets=QUEUE_BUCKETS, registry=r)

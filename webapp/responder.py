@@ -22,6 +22,11 @@ still accepting, which serves it. Once every worker has exited, gunicorn's ``on_
 ``finish``: it answers what waits in the backlog and closes the duplicates, so the port refuses from
 then on, not only after the interpreter's teardown (~0.4 s more in a master that imported torch).
 
+Each answer carries the request's ``X-Request-ID`` (the client's, where sane, else a new one), and is written to
+the access log and counted in ``/metrics`` (endpoint ``(master)``) by ``gunicorn.conf.py``'s ``on_answer``, as a
+worker's answers are: the 503s of a start, a stop or a crash were in neither, so a dashboard showed no errors
+exactly while clients got them.
+
 It runs in the master, which gevent never patches: a plain OS thread (from ``webapp.concurrency``),
 ``select`` and blocking sockets with short timeouts. It imports neither torch nor Flask. It works on
 duplicates of gunicorn's listening sockets, so gunicorn closing its own (a stop) never leaves it
@@ -38,6 +43,7 @@ import socket
 import time
 from typing import Callable
 
+from .contract import REQUEST_ID_HEADER, request_id_from
 from .errors import NotReady, error_body
 
 RETRY_AFTER_S = 5
@@ -53,7 +59,7 @@ _TICK_S = 0.05  # how often the thread looks at whether the master is stopping (
 STOP_DEFER_S = 0.02
 
 
-def page(head_bytes: bytes) -> bytes | None:
+def page(head_bytes: bytes, request_id: str | None = None) -> bytes | None:
     """The 503 as a small page in the browser's language, reloading itself after ``RETRY_AFTER_S``, for a browser
     opening the page (``GET /`` asking for HTML): the README promises the page, not the API's JSON, there. None
     for any other request. The language as the app picks it (``?lang=``, the ``lang`` cookie, Accept-Language)."""
@@ -85,18 +91,21 @@ def page(head_bytes: bytes) -> bytes | None:
             f'{escape(t["err_not_ready"].format(n=RETRY_AFTER_S))}</p></main></body></html>').encode()
     head = ["HTTP/1.1 503 Service Unavailable", "Content-Type: text/html; charset=utf-8", f"Content-Length: {len(body)}",
             f"Retry-After: {RETRY_AFTER_S}", "Cache-Control: no-store", "X-Content-Type-Options: nosniff",
-            "Content-Security-Policy: default-src 'none'", "Vary: Accept, Accept-Language, Cookie", "Connection: close"]
+            "Content-Security-Policy: default-src 'none'", "Vary: Accept, Accept-Language, Cookie", "Connection: close",
+            *([f"{REQUEST_ID_HEADER}: {request_id}"] if request_id else [])]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + (b"" if parts[0] == "HEAD" else body)
 
 
-def response(head: bool = False, path: str | None = None, message: str = MESSAGE) -> bytes:
+def response(head: bool = False, path: str | None = None, message: str = MESSAGE,
+             request_id: str | None = None) -> bytes:
     """The whole HTTP/1.1 503 answer (``head``: without the body, for a HEAD request; ``path``: the request's,
     for the error's shape: the Open Inference Protocol's under ``/v2``; ``message``: ``MESSAGE`` while
-    starting, ``STOPPING_MESSAGE`` while stopping)."""
+    starting, ``STOPPING_MESSAGE`` while stopping; ``request_id``: echoed in ``X-Request-ID``, as every answer)."""
     body = json.dumps(error_body(path, NotReady.code, message, NotReady.status)).encode()
     lines = ["HTTP/1.1 503 Service Unavailable", "Content-Type: application/json",
              f"Content-Length: {len(body)}", f"Retry-After: {RETRY_AFTER_S}", "Cache-Control: no-store",
-             "X-Content-Type-Options: nosniff", "Connection: close"]
+             "X-Content-Type-Options: nosniff", "Connection: close",
+             *([f"{REQUEST_ID_HEADER}: {request_id}"] if request_id else [])]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head else body)
 
 
@@ -110,14 +119,15 @@ class Responder:
     """
 
     def __init__(self, listeners: list[socket.socket], *, wake_fd: int, on_wake: Callable[[], None],
-                 needed: Callable[[], bool], stopping: Callable[[], bool], ended: Callable[[], bool]):
+                 needed: Callable[[], bool], stopping: Callable[[], bool], ended: Callable[[], bool],
+                 on_answer: Callable[[dict], None] | None = None):
         self._socks = []
         for lst in listeners:
             dup = socket.socket(lst.family, lst.type, lst.proto, fileno=os.dup(lst.fileno()))
             dup.setblocking(False)  # already so (gunicorn made it non-blocking; the flag is shared)
             self._socks.append(dup)
         self._wake_fd, self._on_wake, self._needed = wake_fd, on_wake, needed
-        self._stopping, self._ended = stopping, ended
+        self._stopping, self._ended, self._on_answer = stopping, ended, on_answer
         self.answered = 0
         from .concurrency import Primitives
 
@@ -178,23 +188,37 @@ class Responder:
     def _answer_one(self, listener: socket.socket, message: str) -> bool:
         """Accept one connection (never blocks) and answer it 503 with ``message``; False if none waited."""
         try:
-            conn, _ = listener.accept()
+            conn, peer = listener.accept()
         except OSError:  # BlockingIOError: a worker took it first; anything else: nothing to answer
             return False
+        start, record = time.perf_counter(), None
         try:
             conn.settimeout(_READ_S)
             head = _read_head(conn)
-            target = head.split(b"\r\n", 1)[0].split(b" ")
-            path = target[1].decode("latin-1") if len(target) > 1 else None
-            html = page(head) if message == MESSAGE else None  # starting: a browser gets the page (stopping: JSON)
-            conn.sendall(html or response(head=head.startswith(b"HEAD "), path=path, message=message))
+            line = head.split(b"\r\n", 1)[0].decode("latin-1")[:1024]
+            target = line.split(" ")
+            path = target[1] if len(target) > 1 else None
+            rid = request_id_from(_header(head, b"x-request-id"))
+            html = page(head, rid) if message == MESSAGE else None  # starting: a browser gets the page (stopping: JSON)
+            answer = html or response(head=head.startswith(b"HEAD "), path=path, message=message, request_id=rid)
+            conn.sendall(answer)
             self.answered += 1
+            record = {"request_id": rid, "request_line": line, "method": target[0] if line else "",
+                      "path": (path or "").split("?", 1)[0], "query": (path or "").partition("?")[2],
+                      "status": 503, "bytes": len(answer) - answer.index(b"\r\n\r\n") - 4,
+                      "remote_addr": peer[0] if isinstance(peer, tuple) else str(peer),
+                      "user_agent": _header(head, b"user-agent")}
             conn.shutdown(socket.SHUT_WR)  # FIN now, even though forked workers may hold a copy
             _discard(conn)  # unread bytes at close would turn into a reset that can eat our answer
         except OSError:
             pass
         finally:
             conn.close()
+        if record is not None and self._on_answer is not None:
+            try:  # logged and counted as the workers' answers are; never at the cost of answering
+                self._on_answer({**record, "duration_ms": round((time.perf_counter() - start) * 1e3, 2)})
+            except Exception:
+                pass
         return True
 
     def _close(self) -> None:
@@ -216,6 +240,15 @@ class Responder:
             except OSError:
                 pass
         self._socks = []
+
+
+def _header(head: bytes, name: bytes) -> str | None:
+    """The value of header ``name`` (lower case) in a request ``head``, or None."""
+    for raw in head.split(b"\r\n")[1:]:
+        key, _, value = raw.partition(b":")
+        if key.strip().lower() == name:
+            return value.strip().decode("latin-1")[:512]
+    return None
 
 
 def _read_head(conn: socket.socket) -> bytes:
