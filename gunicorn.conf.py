@@ -182,6 +182,7 @@ def when_ready(server):
     from webapp.responder import Responder
 
     lifecycle.replay_held_signals(server)
+    lifecycle.keep_serving_through_reloads(server)
     state = lifecycle.master()
     if state.responder is None and server.LISTENERS:  # with reuse_port each worker listens on its own
         first = [id(lst) for lst in server.LISTENERS]

@@ -547,6 +547,55 @@ def test_sighup_reloads_and_serves_on_and_sigttin_past_the_plan_says_so(tmp_path
 
 
 @pytest.mark.server
+def test_a_reload_under_load_answers_every_request(tmp_path):
+    """SIGHUP with one worker under load: gunicorn stopped the old worker at once, and clients got 503 not_ready
+    for the ~2 s the new one took to load its model (tryout14: 239 of 300). The old one now serves until the new
+    one is ready, then drains and exits: every request answered 200, no 503."""
+    srv = Server(tmp_path / "server.log", MODEL="efficientnet_lite0", COMPILE=0, WORKERS=1, THREADS=1,
+                 CACHE_DIR=tmp_path / "cache")
+    photo = (ROOT.parent / "shared" / "images" / "dog.jpg").read_bytes() if (ROOT.parent / "shared").is_dir() \
+        else None
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            try:
+                status, _ = http_json(srv.port, "/api/v1/predict" if photo else "/readyz", body=photo,
+                                      headers={"Content-Type": "image/jpeg", "Connection": "close"}, timeout=30)
+            except OSError as exc:
+                status = repr(exc)
+            statuses.append(status)
+
+    try:
+        (before,) = srv.wait_ready(1)
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        os.kill(srv.proc.pid, signal.SIGHUP)
+        deadline, after = time.monotonic() + 60, before
+        while after == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status, health = http_json(srv.port, "/healthz", headers={"Connection": "close"})
+            after = health.get("pid", before) if status == 200 else before
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{before}").exists() and time.monotonic() < deadline:  # the old one drains and goes
+            time.sleep(0.2)
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert after != before and not Path(f"/proc/{before}").exists(), srv.output()[-3000:]
+        bad = [s for s in statuses if s != 200]
+        assert statuses and not bad, (f"{len(bad)} of {len(statuses)} requests not answered 200 around the reload: "
+                                      f"{sorted(set(map(str, bad)))}", srv.output()[-3000:])
+    finally:
+        stop.set()
+        srv.stop_cleanly()
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 def test_busy_port_is_one_line_and_exit_5(tmp_path, launcher):
     with socket.socket() as taken:

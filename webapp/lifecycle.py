@@ -31,6 +31,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -202,6 +203,43 @@ def guard_halt(server) -> None:
             raise
 
     server.reap_workers = reap_workers
+
+
+def keep_serving_through_reloads(server) -> None:
+    """In the master (``when_ready``): gunicorn's ``manage_workers`` stops the oldest workers beyond the count at
+    once, so a SIGHUP (reload) stopped every old worker while the new ones were still loading their model; with
+    one worker, clients got ``503 not_ready`` for the ~2 s that took (tryout14: 239 of 300). Here, where an old
+    worker beyond the count is ready and a newer one is not yet, it waits (``RELOAD_WAIT_S`` at most) until every
+    newer worker is ready, then stops the old ones: both serve meanwhile. gunicorn's reload already blocks its
+    main loop until the old workers are gone (up to ``graceful_timeout``); this wait ends early at any signal
+    (SIGTERM, a worker's exit), which the loop then handles. A reduction (SIGTTOU), whose remaining workers are
+    ready, goes at once as before."""
+    if getattr(server, "_keeps_serving", False):
+        return
+    original = server.manage_workers
+    signals = getattr(server, "SIG_QUEUE", None)
+
+    def younger_not_ready() -> bool:
+        excess = len(server.WORKERS) - server.num_workers
+        if excess <= 0:
+            return False
+        state = master()
+        state.drain()
+        by_age = sorted(server.WORKERS.items(), key=lambda w: w[1].age)
+        with state.lock:
+            return any(pid in state.ready for pid, _ in by_age[:excess]) and \
+                not all(pid in state.ready for pid, _ in by_age[excess:])
+
+    def manage_workers():
+        deadline = time.monotonic() + RELOAD_WAIT_S
+        while younger_not_ready() and time.monotonic() < deadline and (signals is None or signals.empty()):
+            time.sleep(0.05)
+        original()
+
+    server.manage_workers, server._keeps_serving = manage_workers, True
+
+
+RELOAD_WAIT_S = 900.0  # s: past it, old workers go even where new ones are not ready (each bounds its own start)
 
 
 def stopping(server) -> bool:
