@@ -13,9 +13,10 @@ import shutil
 import sys
 
 from webapp import GUNICORN_ENV
-from webapp import balance, caches, catalog, cpu, lifecycle, listen, settings
+from webapp import balance, caches, catalog, cpu, lifecycle, listen, sdnotify, settings
 
 lifecycle.hold_control_signals()  # a SIGHUP or SIGUSR1 before gunicorn's handlers exist is kept, not fatal
+sdnotify.take_notify_socket()  # systemd's Type=notify: READY=1 once a worker serves, not as the master boots
 try:
     _s = settings.load()
     # The workers' cache folder, made here as a worker would: one that cannot be is a setting's fault, said
@@ -184,6 +185,8 @@ def when_ready(server):
     lifecycle.replay_held_signals(server)
     lifecycle.keep_serving_through_reloads(server)
     state = lifecycle.master()
+    state.on_ready = lambda: sdnotify.notify_systemd(f"READY=1\nSTATUS=serving on {server.cfg.address}")
+    state.drain()  # a worker ready already (a reload): said at once
     if state.responder is None and server.LISTENERS:  # with reuse_port each worker listens on its own
         first = [id(lst) for lst in server.LISTENERS]
         state.responder = Responder(

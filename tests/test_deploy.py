@@ -55,6 +55,16 @@ def test_the_unit_has_what_the_issue_asks():
     cache = [v.split("=", 1)[1] for v in d["Environment"] if v.startswith("CLASSIFIER_CACHE_DIR=")]
     assert cache and d["ReadWritePaths"] == cache
     assert "worker" in UNIT.read_text().split("CPUAffinity=")[0].rsplit("\n\n", 1)[1]  # the layout rule, explained
+    # Active only once a worker serves (the master's READY=1, webapp/sdnotify.py), reload = SIGHUP, and the
+    # failures that would fail the same way again are not retried (tryout14: every 5 s, forever).
+    assert d["Type"] == ["notify"] and d["NotifyAccess"] == ["main"] and "-HUP $MAINPID" in d["ExecReload"][0]
+    from webapp import lifecycle
+
+    assert d["RestartPreventExitStatus"] == [f"{lifecycle.EXIT_CONFIG} {lifecycle.EXIT_APP_LOAD}"]
+    assert d["StartLimitBurst"] and d["StartLimitIntervalSec"]
+    # install.sh puts the weights in $TORCH_HOME's hub: the header's command gives it the unit's own TORCH_HOME
+    torch_home = [v.split("=", 1)[1] for v in d["Environment"] if v.startswith("TORCH_HOME=")]
+    assert torch_home and f"TORCH_HOME={torch_home[0]} /opt/photo-classifier/install.sh" in UNIT.read_text()
 
 
 def test_the_containerfile_installs_from_the_kit_as_non_root():

@@ -547,6 +547,33 @@ def test_sighup_reloads_and_serves_on_and_sigttin_past_the_plan_says_so(tmp_path
 
 
 @pytest.mark.server
+def test_systemd_hears_ready_once_a_worker_serves_not_as_the_master_boots(tmp_path):
+    """Under ``Type=notify`` (deploy/photo-classifier.service) gunicorn sent READY=1 as its master booted, so
+    ``systemctl start`` returned and the unit was active while every request got 503. The master now sends it
+    once a worker has reported ready. (systemd's side: a datagram socket.)"""
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(0.1)
+    srv = Server(tmp_path / "server.log", MODEL="efficientnet_lite0", COMPILE=0, WORKERS=1, THREADS=1,
+                 CACHE_DIR=tmp_path / "cache", env={"NOTIFY_SOCKET": str(path)})
+    try:
+        heard, deadline = [], time.monotonic() + 120
+        while not heard and time.monotonic() < deadline:
+            try:
+                heard.append(sock.recv(4096).decode())
+            except TimeoutError:
+                assert srv.proc.poll() is None, srv.output()[-3000:]
+                continue
+            status, _ = http_json(srv.port, "/readyz")
+            assert status == 200, f"READY=1 came while the server still answered {status}: {heard}"
+        assert heard and heard[0].startswith("READY=1\nSTATUS=serving on "), (heard, srv.output()[-3000:])
+    finally:
+        srv.stop_cleanly()
+        sock.close()
+
+
+@pytest.mark.server
 def test_a_reload_under_load_answers_every_request(tmp_path):
     """SIGHUP with one worker under load: gunicorn stopped the old worker at once, and clients got 503 not_ready
     for the ~2 s the new one took to load its model (tryout14: 239 of 300). The old one now serves until the new

@@ -74,10 +74,12 @@ class Master:
     failures: dict[int, str] = field(default_factory=dict)
     halting: bool = False
     responder: object | None = None
+    on_ready: Callable[[], None] | None = None  # called each time the first worker is ready (none was before)
 
     def drain(self) -> None:
         """Read every report waiting in the pipe (never blocks) into ``ready`` and ``failures``."""
         with self.lock:
+            before = bool(self.ready)
             data = b""
             while True:
                 try:
@@ -96,6 +98,9 @@ class Master:
                     self.ready.add(int(pid_text))
                 elif kind == "failed":
                     self.failures[int(pid_text)] = json.loads(reason) if reason else "start-up failed"
+            now = bool(self.ready)
+        if now and not before and self.on_ready is not None:
+            self.on_ready()
 
     def any_ready(self) -> bool:
         """Whether at least one live worker has reported ready."""
@@ -212,8 +217,7 @@ def keep_serving_through_reloads(server) -> None:
     worker beyond the count is ready and a newer one is not yet, it waits (``RELOAD_WAIT_S`` at most) until every
     newer worker is ready, then stops the old ones: both serve meanwhile. gunicorn's reload already blocks its
     main loop until the old workers are gone (up to ``graceful_timeout``); this wait ends early at any signal
-    (SIGTERM, a worker's exit), which the loop then handles. A reduction (SIGTTOU), whose remaining workers are
-    ready, goes at once as before."""
+    (SIGTERM, a worker's exit), which the loop then handles. A reduction (SIGTTOU) goes at once as before."""
     if getattr(server, "_keeps_serving", False):
         return
     original = server.manage_workers
