@@ -184,6 +184,7 @@ def when_ready(server):
 
     lifecycle.replay_held_signals(server)
     lifecycle.keep_serving_through_reloads(server)
+    _say_what_a_stop_cuts(server)
     state = lifecycle.master()
     state.on_ready = lambda: sdnotify.notify_systemd(f"READY=1\nSTATUS=serving on {server.cfg.address}")
     state.drain()  # a worker ready already (a reload): said at once
@@ -196,6 +197,24 @@ def when_ready(server):
             ended=lambda: bool(server.LISTENERS) and [id(lst) for lst in server.LISTENERS] != first,
             on_answer=_log_and_count(server))
         state.responder.start()
+
+
+def _say_what_a_stop_cuts(server):
+    """A stop whose workers are still answering when its wait ends (graceful_timeout after SIGTERM: a slow upload,
+    a long queue) kills them: say so, once, with the pids. It said nothing, and exited 0: a cut request looked like
+    a clean stop (tryout14)."""
+    import signal
+
+    kill_workers = server.kill_workers
+
+    def kill(sig):
+        if sig == signal.SIGKILL and server.WORKERS:
+            server.log.warning("%d worker(s) still answering requests when the stop's wait ended (graceful_timeout "
+                               "%g s after SIGTERM): killed, cutting those requests (pids %s)", len(server.WORKERS),
+                               server.cfg.graceful_timeout, ", ".join(map(str, sorted(server.WORKERS))))
+        kill_workers(sig)
+
+    server.kill_workers = kill
 
 
 def _log_and_count(server):

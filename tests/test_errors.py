@@ -103,3 +103,27 @@ def test_every_api_route_answers_a_wrong_method_with_json(client, app):
             assert error["code"] == "method_not_allowed" and resp.headers["Allow"], (method, path)
     resp = client.put("/", headers={"Accept": "text/html"})
     assert (resp.status_code, resp.mimetype) == (405, "text/html")
+
+
+def test_the_servers_own_failures_are_logged_with_their_reason(client, app, monkeypatch, caplog):
+    """The access log has a status only: a 504 (past REQUEST_TIMEOUT_S) was written nowhere else (tryout14). The
+    server's own failures get a warning with code and words; a client's error a debug line (LOG_LEVEL=debug)."""
+    import io
+    import logging
+
+    from PIL import Image
+
+    photo = io.BytesIO()
+    Image.new("RGB", (32, 32), "white").save(photo, "PNG")
+    classifier = app.extensions["classifier"]
+
+    def late(*args, **kwargs):
+        raise errors.InferenceTimeout("no result within 0.1 s (CLASSIFIER_REQUEST_TIMEOUT_S)")
+
+    monkeypatch.setattr(classifier, "classify", late)
+    with caplog.at_level(logging.DEBUG, logger=app.logger.name):
+        assert client.post("/api/v1/predict", data=photo.getvalue(), content_type="image/png").status_code == 504
+        assert client.post("/api/v1/predict").status_code == 400
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.getMessage().startswith("POST /api/v1/predict: 504 timeout: no result within 0.1 s")
+    assert any(r.levelno == logging.DEBUG and ": 400 no_file: " in r.getMessage() for r in caplog.records)

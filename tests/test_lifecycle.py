@@ -574,6 +574,35 @@ def test_systemd_hears_ready_once_a_worker_serves_not_as_the_master_boots(tmp_pa
 
 
 @pytest.mark.server
+def test_a_stop_that_cuts_a_request_says_so(tmp_path):
+    """SIGTERM with a slow upload still arriving when graceful_timeout ends: the worker is killed and the request
+    cut. That said nothing (only "Shutting down: Master", status 0: tryout14); now one warning names it."""
+    srv = Server(tmp_path / "server.log", args=("--graceful-timeout", "1"), MODEL="efficientnet_lite0", COMPILE=0,
+                 WORKERS=1, THREADS=1, CACHE_DIR=tmp_path / "cache")
+    try:
+        (worker,) = srv.wait_ready(1)
+        with socket.create_connection(("127.0.0.1", srv.port)) as slow:
+            slow.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                         b"Content-Length: 1000000\r\n\r\n")
+            for _ in range(5):  # arriving, slowly: not a stall (BODY_TIMEOUT_S), so the drain waits for it
+                slow.sendall(b"\xff" * 100)
+                time.sleep(0.1)
+            os.kill(srv.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while srv.proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    slow.sendall(b"\xff" * 100)
+                except OSError:
+                    break
+                time.sleep(0.1)
+        assert srv.proc.wait(10) == 0
+        out = srv.output()
+        assert f"killed, cutting those requests (pids {worker})" in out and "graceful_timeout 1 s" in out, out[-3000:]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.server
 def test_a_reload_under_load_answers_every_request(tmp_path):
     """SIGHUP with one worker under load: gunicorn stopped the old worker at once, and clients got 503 not_ready
     for the ~2 s the new one took to load its model (tryout14: 239 of 300). The old one now serves until the new

@@ -18,6 +18,7 @@ Imports neither torch nor Flask at module level: the core (imaging, batcher, eng
 
 from __future__ import annotations
 
+import logging
 import time
 
 
@@ -336,6 +337,10 @@ def init_errors(app, settings) -> None:
 
     @app.errorhandler(ServiceError)
     def service_error(exc: ServiceError):
+        # The access log has the status only: the server's own failures (504 past REQUEST_TIMEOUT_S, a 503 of a
+        # worker that is stopping or broken) get a warning with the reason; a client's (4xx) a debug line.
+        app.logger.log(logging.WARNING if exc.status >= 500 else logging.DEBUG, "%s %s: %d %s: %s", request.method,
+                       request.path, exc.status, exc.code, exc.message)
         return render(exc.status, exc.code, exc.message, exc.headers)
 
     @app.errorhandler(HTTPException)
