@@ -92,7 +92,7 @@ loglevel = _s.LOG_LEVEL
 # JSON object per request written by the app (webapp/logs.py) to stdout; off is none.
 accesslog = "-" if _s.ACCESS_LOG == "text" else None
 errorlog = "-"
-access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
+access_log_format = '%(h)s %(t)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
 
 # -- metrics ---------------------------------------------------------------------------------------
 # prometheus-client's multiprocess mode: every worker writes its values to files in this folder and
@@ -222,13 +222,15 @@ def _log_and_count(server):
     CLASSIFIER_ACCESS_LOG=json's object) and the count in /metrics (endpoint "(master)"), as the workers
     write theirs. Without them, the 503s of a start, a stop or a crash were in no log and no metric."""
     import json
+    import time
     from datetime import datetime, timezone
 
     made: dict = {}
 
     def answered(rec: dict) -> None:
         if _s.ACCESS_LOG == "text":
-            server.log.access_log.info('%s "%s" %s %s %dms %s', rec["remote_addr"], rec["request_line"],
+            server.log.access_log.info('%s %s "%s" %s %s %dms %s', rec["remote_addr"],
+                                       time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # as %(t)s
                                        rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
         elif _s.ACCESS_LOG == "json":
             from webapp.logs import configure_access_logger

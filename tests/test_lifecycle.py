@@ -218,7 +218,8 @@ def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
     workers = set(srv.wait_ready(workers=2))
     served = [probe(srv.port, "/healthz") for _ in range(20)]
     assert all(s == 200 and b["pid"] in workers for s, _, b, _ in served), served
-    logged = re.findall(r'127\.0\.0\.1 "GET /(?:readyz|healthz) HTTP/1\.1" 503 \d+ \d+ms (probe-\d+)', srv.output())
+    line = r'127\.0\.0\.1 \[\d\d/\w+/\d{4}:[\d:]+ [+-]\d{4}\] "GET /(?:readyz|healthz) HTTP/1\.1" 503 \d+ \d+ms (probe-\d+)'
+    logged = re.findall(line, srv.output())  # gunicorn's access log format, its time included
     assert logged == [f"probe-{i}" for i in range(len(starting))], srv.output()[-3000:]
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10).read().decode()
     counted = re.search(r'classifier_http_requests_total\{endpoint="\(master\)",method="GET",status="503"\} (\S+)',
