@@ -233,9 +233,10 @@ def _log_and_count(server):
                                        time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # as %(t)s
                                        rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
         elif _s.ACCESS_LOG == "json":
-            from webapp.logs import configure_access_logger
+            if "log" not in made:
+                from webapp.logs import configure_access_logger
 
-            made.setdefault("log", configure_access_logger())
+                made["log"] = configure_access_logger()
             now = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
             fields = {"time": now, "pid": os.getpid(),
                       **{k: rec[k] for k in ("request_id", "method", "path", "status", "duration_ms", "bytes",
@@ -243,11 +244,13 @@ def _log_and_count(server):
                       "user_agent": rec["user_agent"], "answered_by": "master"}
             made["log"].info(json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":")))
         if _s.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from prometheus_client import CollectorRegistry
-
             from webapp.metrics import MASTER_ENDPOINT, http_metrics, method_label
 
-            requests, latency = made.setdefault("metrics", http_metrics(CollectorRegistry()))
+            if "metrics" not in made:  # once: each Counter made holds its values for the life of the process
+                from prometheus_client import CollectorRegistry
+
+                made["metrics"] = http_metrics(CollectorRegistry())
+            requests, latency = made["metrics"]
             labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
             requests.labels(*labels).inc()
             latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
