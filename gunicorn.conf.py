@@ -252,7 +252,7 @@ def _log_and_count(server):
                 made["metrics"] = http_metrics(CollectorRegistry())
             requests, latency = made["metrics"]
             labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
-            requests.labels(*labels).inc()
+            requests.labels(*labels, rec["code"]).inc()
             latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
     return answered
 

@@ -28,7 +28,10 @@ def parse(text: str) -> dict[tuple[str, frozenset], float]:
 
 
 def value(samples: dict, name: str, **labels) -> float:
-    """One sample's value, 0 when absent (a counter never incremented has no sample)."""
+    """One sample's value, 0 when absent (a counter never incremented has no sample); the requests counter's
+    summed over the labels not given (its ``code``, say)."""
+    if name == "classifier_http_requests_total":
+        return sum(matching(samples, name, **labels).values())
     return samples.get((name, frozenset((k, str(v)) for k, v in labels.items())), 0.0)
 
 
@@ -100,6 +103,13 @@ def test_counts_add_up_in_one_process(client):
     assert diff(requests_by_status(after), requests_by_status(before)) == {"200": 6, "400": 2, "415": 1}
     assert diff(latency_counts(after), latency_counts(before)) == {"200": 6, "400": 2, "415": 1, "405": 1}  # any method
     assert diff(requests_by_status(after, "GET"), requests_by_status(before, "GET")) == {"405": 1}  # under its route
+    # ... and by the error table's code (empty for an answer): two 400s of the same code, the 415's, the 405's
+    for code, count in (("", 6), ("bad_request", 2), ("unsupported_media_type", 1)):
+        assert value(after, "classifier_http_requests_total", endpoint=PREDICT, method="POST", code=code) - value(
+            before, "classifier_http_requests_total", endpoint=PREDICT, method="POST", code=code) == count, code
+    assert value(after, "classifier_http_requests_total", endpoint=PREDICT, method="GET", status=405,
+                 code="method_not_allowed") - value(before, "classifier_http_requests_total", endpoint=PREDICT,
+                                                    method="GET", status=405, code="method_not_allowed") == 1
     assert client.get("/no/such/path").status_code == 404
     assert value(scrape(client), "classifier_http_requests_total", endpoint="unmatched", method="GET", status=404) \
         - value(before, "classifier_http_requests_total", endpoint="unmatched", method="GET", status=404) == 1

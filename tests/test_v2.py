@@ -389,7 +389,10 @@ def test_metrics_count_the_v2_routes(srv, triton):
     triton.infer("classifier", [triton_input(np.array([small_png()], dtype=np.object_))])
     triton.is_model_ready("classifier")
     text = requests.get(srv.url + "/metrics", timeout=10).text
-    counts = {line.split("{", 1)[1].split("}")[0]: float(line.rsplit(" ", 1)[1])
-              for line in text.splitlines() if line.startswith("classifier_http_requests_total{")}
-    assert counts['endpoint="/v2/models/<name>/infer",method="POST",status="200"'] >= 1
-    assert counts['endpoint="/v2/models/<name>/ready",method="GET",status="200"'] >= 1
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {(s.labels["endpoint"], s.labels["method"], s.labels["status"], s.labels["code"]): s.value
+              for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "classifier_http_requests_total"}
+    assert counts[("/v2/models/<name>/infer", "POST", "200", "")] >= 1
+    assert counts[("/v2/models/<name>/ready", "GET", "200", "")] >= 1

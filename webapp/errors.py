@@ -314,7 +314,7 @@ def init_errors(app, settings) -> None:
     others as ``http_error``); any other exception is logged with its traceback and answered 500
     ``internal_error`` without it.
     """
-    from flask import jsonify, render_template, request
+    from flask import g, jsonify, render_template, request
     from werkzeug.exceptions import HTTPException
 
     def wants_json() -> bool:
@@ -322,6 +322,7 @@ def init_errors(app, settings) -> None:
             or request.path != "/" and request.accept_mimetypes.best == "application/json"
 
     def render(status: int, code: str, message: str, headers: dict | None = None):
+        g.error_code = code  # /metrics counts requests by it (webapp/metrics.py)
         body = error_body(request.path, code, message, status)  # under /v2: the protocol's shape (webapp/v2.py)
         if is_v2(request.path) or wants_json():
             resp = jsonify(body)

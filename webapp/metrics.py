@@ -31,7 +31,7 @@ import os
 import time
 from typing import Iterable
 
-from flask import Flask, Response, current_app, request
+from flask import Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, values
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
@@ -51,13 +51,15 @@ MASTER_ENDPOINT = "(master)"  # the endpoint label of gunicorn's master's own 50
 
 
 def http_metrics(registry: CollectorRegistry) -> tuple[Counter, Histogram]:
-    """The requests counter and latency histogram (labels endpoint, method, status): each worker's (``Metrics``),
+    """The requests counter (labels endpoint, method, status and ``code``: the error table's code, empty for an
+    answer that is not an error) and latency histogram (endpoint, method, status): each worker's (``Metrics``),
     and gunicorn's master's for the 503s it answers while no worker is ready or it stops (``MASTER_ENDPOINT``;
-    only these two, so the master never shows up as a worker in the gauges)."""
+    only these two, so the master never shows up as a worker in the gauges). ``code`` tells the two 429s
+    (``overloaded``, ``rate_limited``) and the 400s apart; it takes the table's ~25 values at most."""
     labels = ("endpoint", "method", "status")
-    return (Counter("classifier_http_requests", "HTTP requests answered, by route, method and status (endpoint "
-                    f"{MASTER_ENDPOINT}: gunicorn's master's 503 while no worker is ready or it stops).", labels,
-                    registry=registry),
+    return (Counter("classifier_http_requests", "HTTP requests answered, by route, method, status and error code "
+                    f"(empty: not an error; endpoint {MASTER_ENDPOINT}: gunicorn's master's 503 while no worker is "
+                    "ready or it stops).", (*labels, "code"), registry=registry),
             Histogram("classifier_http_request_duration_seconds",
                       "Seconds from the request's first hook to its response, by route, method and status.",
                       labels, buckets=LATENCY_BUCKETS, registry=registry))
@@ -90,9 +92,9 @@ class Metrics:
         self._model_labels: dict | None = None
 
     # -- recording ---------------------------------------------------------------------------
-    def observe_request(self, endpoint: str, method: str, status: int, seconds: float | None) -> None:
+    def observe_request(self, endpoint: str, method: str, status: int, seconds: float | None, code: str = "") -> None:
         labels = (endpoint, method, str(status))
-        self.requests.labels(*labels).inc()
+        self.requests.labels(*labels, code).inc()
         if seconds is not None:
             self.latency.labels(*labels).observe(seconds)
 
@@ -179,8 +181,8 @@ def init_metrics(app: Flask, settings) -> Metrics | None:
     def count_request(resp):
         try:
             start = request_started()
-            metrics.observe_request(endpoint_label(), method_label(request.method),
-                                    resp.status_code, None if start is None else time.perf_counter() - start)
+            metrics.observe_request(endpoint_label(), method_label(request.method), resp.status_code,
+                                    None if start is None else time.perf_counter() - start, g.get("error_code", ""))
             metrics.sample(classifier, model=False)
         except Exception:  # never fail a request over a metric
             app.logger.exception("cannot record the request's metrics")

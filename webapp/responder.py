@@ -205,7 +205,8 @@ class Responder:
             self.answered += 1
             record = {"request_id": rid, "request_line": line, "method": target[0] if line else "",
                       "path": (path or "").split("?", 1)[0], "query": (path or "").partition("?")[2],
-                      "status": 503, "bytes": len(answer) - answer.index(b"\r\n\r\n") - 4,
+                      "status": 503, "code": NotReady.code,
+                      "bytes": len(answer) - answer.index(b"\r\n\r\n") - 4,
                       "remote_addr": peer[0] if isinstance(peer, tuple) else str(peer),
                       "user_agent": _header(head, b"user-agent")}
             conn.shutdown(socket.SHUT_WR)  # FIN now, even though forked workers may hold a copy

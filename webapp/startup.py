@@ -292,7 +292,8 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
                 if all(p.is_file() for p in paths):
                     return  # another worker's child built them while this one waited
                 t0 = time.perf_counter()
-                log.debug("building the %s AOTInductor packages in a child process (python -m webapp warm)", precision)
+                log.info("compiling the %s model ahead of time in a child process (python -m webapp warm): about a "
+                         "minute on 2 cores, once; later starts load it from %sCACHE_DIR", precision, PREFIX)
                 try:
                     done = children.run_bounded([sys.executable, "-m", "webapp", "warm", "--keep-affinity"],
                                                 env=env, timeout_s=settings.STARTUP_TIMEOUT_S)
