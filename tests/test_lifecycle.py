@@ -193,48 +193,53 @@ def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
     answers, and the master's responder takes no more connections. The master's 503s carry the request's id and
     are in the access log and /metrics, as the workers' answers are (they were in neither: tryout14)."""
     srv, temp = launch(tmp_path, "cold", METRICS=1, ACCESS_LOG="text")
-    answers = []  # (path, status, headers, body, seconds) of every probe that got an answer
-    deadline = time.monotonic() + 300
-    while not answers or answers[-1][1] != 200:
-        assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()[-3000:]
-        path = ("/readyz", "/healthz")[len(answers) % 2]
-        try:
-            answers.append((path, *probe(srv.port, path, {"X-Request-ID": f"probe-{len(answers)}"})))
-        except ConnectionRefusedError:  # the master is not listening yet
-            pass
-        time.sleep(0.1)
-    starting = answers[:-1]
-    assert len(starting) >= 2, "the workers were ready before any probe: not a cold start"
-    for path, status, headers, body, took in starting:
-        assert status == 503 and took < 1.0, (path, status, took)
-        assert headers["Retry-After"] == "5" and body["error"]["code"] == "not_ready", (headers, body)
-        assert body == {"error": {"code": "not_ready", "status": 503, "message": body["error"]["message"]}}
-    assert [h["X-Request-ID"] for _, _, h, _, _ in starting] == [f"probe-{i}" for i in range(len(starting))]
-    times = sorted(took for *_, took in starting)
-    print(f"\n{len(starting)} probes during the cold start: all 503 not_ready, median "
-          f"{times[len(times) // 2] * 1e3:.1f} ms, slowest {times[-1] * 1e3:.0f} ms")
-    path, status, _, body, _ = answers[-1]
-    assert body["ready"] is True if path == "/readyz" else body["pid"] != srv.proc.pid  # a worker's own answer
-    workers = set(srv.wait_ready(workers=2))
-    served = [probe(srv.port, "/healthz") for _ in range(20)]
-    assert all(s == 200 and b["pid"] in workers for s, _, b, _ in served), served
-    line = r'127\.0\.0\.1 \[\d\d/\w+/\d{4}:[\d:]+ [+-]\d{4}\] "GET /(?:readyz|healthz) HTTP/1\.1" 503 \d+ \d+ms (probe-\d+)'
-    logged = re.findall(line, srv.output())  # gunicorn's access log format, its time included
-    assert logged == [f"probe-{i}" for i in range(len(starting))], srv.output()[-3000:]
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10).read().decode()
-    from prometheus_client.parser import text_string_to_metric_families
+    try:  # a failed check must not leave the server running (it did: a failed run left two)
+        answers = []  # (path, status, headers, body, seconds) of every probe that got an answer
+        deadline = time.monotonic() + 300
+        while not answers or answers[-1][1] != 200:
+            assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()[-3000:]
+            path = ("/readyz", "/healthz")[len(answers) % 2]
+            try:
+                answers.append((path, *probe(srv.port, path, {"X-Request-ID": f"probe-{len(answers)}"})))
+            except ConnectionRefusedError:  # the master is not listening yet
+                pass
+            time.sleep(0.1)
+        starting = answers[:-1]
+        assert len(starting) >= 2, "the workers were ready before any probe: not a cold start"
+        for path, status, headers, body, took in starting:
+            assert status == 503 and took < 1.0, (path, status, took)
+            assert headers["Retry-After"] == "5" and body["error"]["code"] == "not_ready", (headers, body)
+            assert body == {"error": {"code": "not_ready", "status": 503, "message": body["error"]["message"]}}
+        assert [h["X-Request-ID"] for _, _, h, _, _ in starting] == [f"probe-{i}" for i in range(len(starting))]
+        times = sorted(took for *_, took in starting)
+        print(f"\n{len(starting)} probes during the cold start: all 503 not_ready, median "
+              f"{times[len(times) // 2] * 1e3:.1f} ms, slowest {times[-1] * 1e3:.0f} ms")
+        path, status, _, body, _ = answers[-1]
+        assert body["ready"] is True if path == "/readyz" else body["pid"] != srv.proc.pid  # a worker's own answer
+        workers = set(srv.wait_ready(workers=2))
+        served = [probe(srv.port, "/healthz") for _ in range(20)]
+        assert all(s == 200 and b["pid"] in workers for s, _, b, _ in served), served
+        line = (r'127\.0\.0\.1 \[\d\d/\w+/\d{4}:[\d:]+ [+-]\d{4}\] "GET /(?:readyz|healthz) HTTP/1\.1" 503 \d+ \d+ms '
+                r'(probe-\d+)')
+        logged = re.findall(line, srv.output())  # gunicorn's access log format, its time included
+        assert logged == [f"probe-{i}" for i in range(len(starting))], srv.output()[-3000:]
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10).read().decode()
+        from prometheus_client.parser import text_string_to_metric_families
 
-    counted = [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-               if s.name == "classifier_http_requests_total" and s.labels == {
-                   "endpoint": "(master)", "method": "GET", "status": "503", "code": "not_ready"}]
-    assert counted == [len(starting)], metrics
-    assert 'pid="%d"' % srv.proc.pid not in metrics  # the master is not shown as a worker (gauges by pid)
-    # The master holds torch (imported before it listened, so its pages are shared by the workers:
-    # webapp/preload.py) but runs only its main thread and the 503 responder: no thread pool was started
-    # in it before the workers forked (tests/test_preload.py checks this with 2 workers too).
-    assert "libtorch" in Path(f"/proc/{srv.proc.pid}/maps").read_text()
-    assert len(os.listdir(f"/proc/{srv.proc.pid}/task")) == 2
-    out = srv.stop_cleanly()
+        counted = [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                   if s.name == "classifier_http_requests_total" and s.labels == {
+                       "endpoint": "(master)", "method": "GET", "status": "503", "code": "not_ready"}]
+        assert counted == [len(starting)], metrics
+        assert 'pid="%d"' % srv.proc.pid not in metrics  # the master is not shown as a worker (gauges by pid)
+        # The master holds torch (imported before it listened, so its pages are shared by the workers:
+        # webapp/preload.py) but runs only its main thread and the 503 responder: no thread pool was started
+        # in it before the workers forked (tests/test_preload.py checks this with 2 workers too).
+        assert "libtorch" in Path(f"/proc/{srv.proc.pid}/maps").read_text()
+        assert len(os.listdir(f"/proc/{srv.proc.pid}/task")) == 2
+        out = srv.stop_cleanly()
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
     assert "Traceback" not in out
     assert sorted(os.listdir(temp)) == []
 
