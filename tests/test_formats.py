@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from webapp.formats import jpeg_frame, jpeg_segments, jpeg_zero_dc
+from webapp.formats import jpeg_frame, jpeg_segments
 
 pytestmark = pytest.mark.unit
 
@@ -77,7 +77,7 @@ def test_damage_ends_the_walk_without_a_segment_past_the_data():
 
 
 def test_the_frame_is_the_first_sof_with_its_precision():
-    assert tuple(jpeg_frame(_jpeg())) == (SOF0, 8) and tuple(jpeg_frame(_jpeg(progressive=True))) == (SOF2, 8)
+    assert tuple(jpeg_frame(_jpeg())) == (SOF0, 8, ()) and tuple(jpeg_frame(_jpeg(progressive=True))) == (SOF2, 8, ())
     assert not jpeg_frame(_jpeg()).arithmetic and jpeg_frame(_jpeg()).undecodable is None
     sof = next(seg for seg in jpeg_segments(_jpeg()) if seg.marker == SOF0)
     data = _jpeg()
@@ -110,16 +110,21 @@ def _zeroed(data: bytes, table: int, entries: range = range(1)) -> bytes:
     return bytes(out)
 
 
+def _zero_dc(data: bytes) -> list[int]:
+    frame = jpeg_frame(data)
+    return list(frame.zero_dc) if frame else []
+
+
 @pytest.mark.parametrize("progressive", [False, True])
 def test_a_table_with_0_for_the_dc_is_found_for_the_components_that_use_it(progressive):
     data = _jpeg(progressive=progressive)  # Y uses table 0; Cb and Cr share table 1
-    assert jpeg_zero_dc(data) == []
-    assert jpeg_zero_dc(_zeroed(data, 0)) == [0] and jpeg_zero_dc(_zeroed(data, 0, range(64))) == [0]
-    assert jpeg_zero_dc(_zeroed(data, 1)) == [1, 2] and jpeg_zero_dc(_zeroed(_zeroed(data, 1), 0)) == [0, 1, 2]
-    assert jpeg_zero_dc(_zeroed(data, 0, range(1, 64))) == []  # AC entries 0, the DC kept: not found
+    assert _zero_dc(data) == []
+    assert _zero_dc(_zeroed(data, 0)) == [0] and _zero_dc(_zeroed(data, 0, range(64))) == [0]
+    assert _zero_dc(_zeroed(data, 1)) == [1, 2] and _zero_dc(_zeroed(_zeroed(data, 1), 0)) == [0, 1, 2]
+    assert _zero_dc(_zeroed(data, 0, range(1, 64))) == []  # AC entries 0, the DC kept: not found
     wide = io.BytesIO()  # an entry over 255: Pillow writes the table with 16-bit entries (Pq 1)
     Image.fromarray(np.full((16, 16, 3), 90, np.uint8)).save(wide, "JPEG", qtables=[[300] * 64, [2] * 64])
-    assert jpeg_zero_dc(wide.getvalue()) == [] and jpeg_zero_dc(_zeroed(wide.getvalue(), 0)) == [0]
+    assert _zero_dc(wide.getvalue()) == [] and _zero_dc(_zeroed(wide.getvalue(), 0)) == [0]
     damaged = _zeroed(data, 0)
-    assert jpeg_zero_dc(damaged[:damaged.index(b"\xff\xc0" if not progressive else b"\xff\xc2")]) == []  # no frame yet
-    assert jpeg_zero_dc(b"\x89PNG\r\n\x1a\n" + damaged[2:]) == []
+    assert _zero_dc(damaged[:damaged.index(b"\xff\xc0" if not progressive else b"\xff\xc2")]) == []  # no frame yet
+    assert _zero_dc(b"\x89PNG\r\n\x1a\n" + damaged[2:]) == []

@@ -2,8 +2,7 @@
 does and that Pillow cannot open is a damaged photo, 400) or the format it is that this service does not
 decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...); and a JPEG's marker segments (``jpeg_segments``,
 the one walk that the cut, mend and scan checks share) and its frame (``jpeg_frame``: the decoder it needs, or
-none here), and its quantization tables' damage (``jpeg_zero_dc``: 0 for a DC entry). Pure bytes, no Pillow, no
-torch.
+none here, and its quantization tables' damage: 0 for a DC entry). Pure bytes, no Pillow, no torch.
 """
 
 from __future__ import annotations
@@ -148,10 +147,15 @@ def jpeg_segments(data: bytes, scans: bool = False) -> Iterator[Segment]:
 
 
 class JpegFrame(NamedTuple):
-    """A JPEG's frame header as far as the decoders care: its SOF ``marker`` and its sample ``precision``
-    (bits)."""
+    """A JPEG's frame header as far as the decoders care: its SOF ``marker``, its sample ``precision`` (bits),
+    and ``zero_dc``: the components (their places in the frame, from 0: Y, Cb, Cr in a colour photo) whose
+    quantization table has 0 for its DC entry. That is a damaged DQT segment (T.81 B.2.4.1: entries are 1-255,
+    or 1-65535 at 16 bits); libjpeg does not check, and multiplies every block's average by 0: such a luma
+    decodes as mid-grey (with its edges, where the AC entries are not 0 too), such a chroma without its colour,
+    and the model would classify that."""
     marker: int
     precision: int
+    zero_dc: tuple[int, ...] = ()
 
     @property
     def arithmetic(self) -> bool:
@@ -170,43 +174,35 @@ class JpegFrame(NamedTuple):
 
 
 def jpeg_frame(data: bytes) -> JpegFrame | None:
-    """JPEG ``data``'s frame: the first SOF (T.81 B.2.2) among its marker segments. None for another format, a
-    damaged header or one with no frame before its first scan."""
+    """JPEG ``data``'s frame: the first SOF (T.81 B.2.2) among its marker segments, with the quantization
+    tables as defined before the first scan, where each component's is taken (T.81 G.1.1.1), in one walk of
+    the header. None for another format, a damaged header or one with no frame before its first scan;
+    ``zero_dc`` is () where a segment the check needs is cut."""
     if data[:2] != b"\xff\xd8":
         return None
+    frame: JpegFrame | None = None
+    dc: dict[int, int] = {}
+    used: list[int] = []
     for seg in jpeg_segments(data):
         if seg.marker is None or seg.marker in (_EOI, _SOS) or seg.pos + 5 > len(data):
-            return None
-        if 0xC0 <= seg.marker <= 0xCF and seg.marker not in (0xC4, 0xC8, 0xCC):  # a SOF (not DHT, JPG, DAC)
-            return JpegFrame(seg.marker, data[seg.pos + 4])
-    return None
+            break
+        whole, body = seg.end <= len(data), data[seg.pos + 4:seg.end]
+        if seg.marker == 0xDB and whole:  # DQT: (Pq << 4 | Tq, then 64 entries of 1 byte, or 2 where Pq is 1)...
+            at = 0
+            while at + 3 <= len(body):
+                wide, table = body[at] >> 4, body[at] & 0x0F
+                dc[table] = int.from_bytes(body[at + 1:at + 3], "big") if wide else body[at + 1]
+                at += 1 + 64 * (2 if wide else 1)
+        elif frame is None and 0xC0 <= seg.marker <= 0xCF and seg.marker not in (0xC4, 0xC8, 0xCC):  # a SOF (not
+            frame = JpegFrame(seg.marker, data[seg.pos + 4])  # DHT, JPG, DAC)
+            if whole and len(body) >= 6:  # Ci, Hi|Vi, Tqi per component
+                used = [body[6 + 3 * i + 2] for i in range(body[5]) if 6 + 3 * i + 2 < len(body)]
+    if frame is None:
+        return None
+    return frame._replace(zero_dc=tuple(i for i, table in enumerate(used) if dc.get(table) == 0))
 
 
 def jpeg_arithmetic(data: bytes) -> bool:
     """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D)."""
     frame = jpeg_frame(data)
     return frame is not None and frame.arithmetic
-
-
-def jpeg_zero_dc(data: bytes) -> list[int]:
-    """The components (their places in the frame, from 0: Y, Cb, Cr in a colour photo) of JPEG ``data`` whose
-    quantization table has 0 for its DC entry: a damaged DQT segment (T.81 B.2.4.1: entries are 1-255, or 1-65535
-    at 16 bits). libjpeg does not check, and multiplies every block's average by 0: such a luma decodes as
-    mid-grey (with its edges, where the AC entries are not 0 too), such a chroma without its colour, and the
-    model would classify that. Tables as defined before the first scan, where each component's is taken (T.81
-    G.1.1.1); [] for a whole JPEG, another format or a header that does not parse."""
-    dc: dict[int, int] = {}
-    used: list[int] = []
-    for seg in jpeg_segments(data):
-        if seg.marker in (None, _SOS, _EOI) or seg.end > len(data):
-            break
-        body = data[seg.pos + 4:seg.end]
-        if seg.marker == 0xDB:  # DQT: (Pq << 4 | Tq, then 64 entries of 1 byte, or 2 where Pq is 1) repeated
-            at = 0
-            while at + 3 <= len(body):
-                wide, table = body[at] >> 4, body[at] & 0x0F
-                dc[table] = int.from_bytes(body[at + 1:at + 3], "big") if wide else body[at + 1]
-                at += 1 + 64 * (2 if wide else 1)
-        elif 0xC0 <= seg.marker <= 0xCF and seg.marker not in (0xC4, 0xC8, 0xCC) and len(body) >= 6:
-            used = [body[6 + 3 * i + 2] for i in range(body[5]) if 6 + 3 * i + 2 < len(body)]  # Ci, Hi|Vi, Tqi
-    return [i for i, table in enumerate(used) if dc.get(table) == 0]

@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from . import cuts, exif, incomplete, mangled, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
-from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, jpeg_zero_dc, sniff_format
+from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format
 from .modes import to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -134,7 +134,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     frame = jpeg_frame(data) if fmt == "JPEG" else None  # its SOF: the decoder it needs, or none here
     if frame and (kind := frame.undecodable):
         raise _undecodable_jpeg(name, kind)
-    if frame and (zero := jpeg_zero_dc(data)):
+    if frame and (zero := frame.zero_dc):
         raise UndecodableImage(f"{name}: the JPEG data is damaged: its quantization table has 0 for each block's "
                                f"average (the standard allows 1 to 255), so it would decode "
                                f"{'as grey' if zero[0] == 0 else 'without its colour'}, not as the photo; send the "
