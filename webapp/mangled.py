@@ -70,9 +70,14 @@ def _text_of(data: bytes) -> tuple[str, str] | None:
     return None
 
 
+def _path(fmt: str) -> str:
+    """An example file name for a ``fmt`` photo in the advice: photo.jpg, photo.png..."""
+    return "photo." + {"JPEG": "jpg"}.get(fmt, fmt.lower())
+
+
 def _send(fmt: str) -> str:
     """What to send instead of a ``fmt`` photo changed on the way."""
-    path = "photo." + {"JPEG": "jpg"}.get(fmt, fmt.lower())
+    path = _path(fmt)
     return (f"send the file's bytes unchanged (curl --data-binary @{path} or -F file=@{path}, not -d; Python "
             f"requests: data=open(path, 'rb'); JavaScript: the File itself as the body or in FormData)")
 
@@ -87,7 +92,7 @@ def how_mangled(data: bytes) -> tuple[str, bool] | None:
     base64 or hex, 415 not an image); None where the bytes do not leave it beyond doubt."""
     if text := _text_of(data):
         what, fmt = text
-        path = "photo." + {"JPEG": "jpg"}.get(fmt, fmt.lower())
+        path = _path(fmt)
         return (f"it is {what} of {_a(fmt)}, not the {fmt}'s bytes: send the bytes themselves (curl --data-binary "
                 f"@{path} or -F file=@{path}); base64 goes in a /v2 JSON request, without a data: prefix"), False
     for start, (fmt, said) in _STARTS.items():
