@@ -180,7 +180,7 @@ def when_ready(server):
     """In the master, listening now: answer 503 on the port until a worker is ready, and from a stop signal
     until the master exits (webapp/responder.py). First, carry out the control signals (SIGHUP, SIGUSR1, ...)
     received while starting (webapp/lifecycle.py)."""
-    from webapp.responder import Responder
+    from webapp.responder import Responder, master_answers
 
     lifecycle.replay_held_signals(server)
     lifecycle.keep_serving_through_reloads(server)
@@ -195,7 +195,7 @@ def when_ready(server):
             needed=lambda: not state.any_ready(),
             stopping=lambda: lifecycle.stopping(server),
             ended=lambda: bool(server.LISTENERS) and [id(lst) for lst in server.LISTENERS] != first,
-            on_answer=_log_and_count(server))
+            on_answer=master_answers(server.log, _s))
         state.responder.start()
 
 
@@ -215,46 +215,6 @@ def _say_what_a_stop_cuts(server):
         kill_workers(sig)
 
     server.kill_workers = kill
-
-
-def _log_and_count(server):
-    """For the master's own 503s (webapp/responder.py): the access log line (gunicorn's text format, or
-    CLASSIFIER_ACCESS_LOG=json's object) and the count in /metrics (endpoint "(master)"), as the workers
-    write theirs. Without them, the 503s of a start, a stop or a crash were in no log and no metric."""
-    import json
-    import time
-    from datetime import datetime, timezone
-
-    made: dict = {}
-
-    def answered(rec: dict) -> None:
-        if _s.ACCESS_LOG == "text":
-            server.log.access_log.info('%s %s "%s" %s %s %dms %s', rec["remote_addr"],
-                                       time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # as %(t)s
-                                       rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
-        elif _s.ACCESS_LOG == "json":
-            if "log" not in made:
-                from webapp.logs import configure_access_logger
-
-                made["log"] = configure_access_logger()
-            now = datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-            fields = {"time": now, "pid": os.getpid(),
-                      **{k: rec[k] for k in ("request_id", "method", "path", "status", "duration_ms", "bytes",
-                                             "remote_addr")}, "query": rec["query"] or None,
-                      "user_agent": rec["user_agent"], "answered_by": "master"}
-            made["log"].info(json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":")))
-        if _s.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from webapp.metrics import MASTER_ENDPOINT, http_metrics, method_label
-
-            if "metrics" not in made:  # once: each Counter made holds its values for the life of the process
-                from prometheus_client import CollectorRegistry
-
-                made["metrics"] = http_metrics(CollectorRegistry())
-            requests, latency = made["metrics"]
-            labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
-            requests.labels(*labels, rec["code"]).inc()
-            latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
-    return answered
 
 
 def pre_fork(server, worker):

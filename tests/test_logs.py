@@ -92,6 +92,27 @@ def test_json_access_log_lines(json_app, access_lines):
     assert missing["status"] == 404 and missing["path"] == '/no/such/"path"'
 
 
+def test_the_masters_json_line_is_a_workers_line(access_lines):
+    """The master's own 503s (a start, a stop: webapp/responder.py) are written as the workers write theirs:
+    the same fields, cut the same way, plus who answered."""
+    import types
+
+    from webapp.responder import master_answers
+
+    answered = master_answers(None, types.SimpleNamespace(ACCESS_LOG="json", METRICS=False))
+    answered({"remote_addr": "10.0.0.7", "request_line": "GET /readyz HTTP/1.1", "status": 503, "bytes": 120,
+              "duration_ms": 0.4321, "request_id": "probe-1", "method": "GET", "path": "/readyz",
+              "query": "q" * 5000, "user_agent": 'curl/8 "x"' + "a" * 900, "code": "not_ready"})
+    answered({"remote_addr": "10.0.0.7", "request_line": "GET /healthz HTTP/1.1", "status": 503, "bytes": 120,
+              "duration_ms": 1.0, "request_id": "probe-2", "method": "GET", "path": "/healthz", "query": "",
+              "user_agent": None, "code": "not_ready"})
+    first, second = (json.loads(r.getMessage()) for r in access_lines)
+    assert set(first) == FIELDS | {"query", "user_agent", "answered_by"} and set(second) == FIELDS | {"answered_by"}
+    assert first["answered_by"] == "master" and first["status"] == 503 and first["duration_ms"] == 0.43
+    assert first["query"] == "q" * 1024 and first["user_agent"] == ('curl/8 "x"' + "a" * 900)[:512]
+    assert first["request_id"] == "probe-1" and first["remote_addr"] == "10.0.0.7" and first["bytes"] == 120
+
+
 def test_text_and_off_write_no_json(client, access_lines):
     client.get("/healthz")  # the shared app runs ACCESS_LOG=text: gunicorn's line, none from the app
     assert access_lines == []

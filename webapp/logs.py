@@ -7,6 +7,7 @@
 - ``ACCESS_LOG=json``: one JSON object per request, one line each, on the logger
   ``webapp.access`` (stdout; ``gunicorn.conf.py`` then turns gunicorn's own text access log off).
   ``text`` leaves access logs to gunicorn (its format shows the request id too); ``off``: none.
+- The master's own 503s are logged with the same fields (``access_fields``; ``webapp.responder``).
 
 JSON is written with ``json.dumps`` (ASCII, escaped), so a client cannot forge or break a line
 with what it puts in a path or a header.
@@ -83,29 +84,33 @@ def configure_access_logger(stream=None) -> logging.Logger:
     return log
 
 
+def access_fields(*, request_id: str | None, method: str, path: str, status: int, duration_ms: float | None,
+                  size: int | None, remote_addr: str | None, query: str, user_agent: str | None) -> dict:
+    """One JSON access log object, as workers and the master (its own 503s) write it: ``duration_ms`` in ms,
+    ``size`` the body's bytes (the "bytes" key); the query is cut at 1,024 characters and the User-Agent at 512,
+    and each is left out where empty."""
+    record = {
+        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+        "request_id": request_id, "method": method, "path": path, "status": status,
+        "duration_ms": None if duration_ms is None else round(duration_ms, 2), "bytes": size,
+        "remote_addr": remote_addr, "pid": os.getpid(),
+    }
+    if query:
+        record["query"] = query[:1024]
+    if user_agent:
+        record["user_agent"] = user_agent[:512]
+    return record
+
+
 def access_record(resp, duration_s: float | None) -> dict:
     """The JSON access log object of the current request and its response ``resp``."""
     size = resp.content_length
     if size is None and not resp.is_streamed:
         size = resp.calculate_content_length()
-    record = {
-        "time": datetime.now(timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-        "request_id": current_request_id(),
-        "method": request.method,
-        "path": request.path,
-        "status": resp.status_code,
-        "duration_ms": None if duration_s is None else round(duration_s * 1e3, 2),
-        "bytes": size,
-        "remote_addr": request.remote_addr,
-        "pid": os.getpid(),
-    }
-    query = request.query_string.decode("latin-1")
-    if query:
-        record["query"] = query[:1024]
-    agent = request.headers.get("User-Agent")
-    if agent:
-        record["user_agent"] = agent[:512]
-    return record
+    return access_fields(request_id=current_request_id(), method=request.method, path=request.path,
+                         status=resp.status_code, duration_ms=None if duration_s is None else duration_s * 1e3,
+                         size=size, remote_addr=request.remote_addr,
+                         query=request.query_string.decode("latin-1"), user_agent=request.headers.get("User-Agent"))
 
 
 def init_logs(app: Flask, settings) -> None:

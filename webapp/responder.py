@@ -23,8 +23,8 @@ still accepting, which serves it. Once every worker has exited, gunicorn's ``on_
 then on, not only after the interpreter's teardown (~0.4 s more in a master that imported torch).
 
 Each answer carries the request's ``X-Request-ID`` (the client's, where sane, else a new one), and is written to
-the access log and counted in ``/metrics`` (endpoint ``(master)``) by ``gunicorn.conf.py``'s ``on_answer``, as a
-worker's answers are: the 503s of a start, a stop or a crash were in neither, so a dashboard showed no errors
+the access log and counted in ``/metrics`` (endpoint ``(master)``) by ``master_answers`` (its ``on_answer``), as
+a worker's answers are: the 503s of a start, a stop or a crash were in neither, so a dashboard showed no errors
 exactly while clients got them.
 
 It runs in the master, which gevent never patches: a plain OS thread (from ``webapp.concurrency``),
@@ -286,3 +286,40 @@ def _discard(conn: socket.socket, limit: int = 1 << 20, wait_s: float = 0.2) -> 
         if not chunk:
             return
         limit -= len(chunk)
+
+
+def master_answers(gunicorn_log, settings) -> Callable[[dict], None]:
+    """For the master's own 503s (``Responder``'s ``on_answer``): each answer's access log line (in
+    gunicorn's text format on ``gunicorn_log.access_log``, or ``ACCESS_LOG=json``'s object, "answered_by":
+    "master") and its count in /metrics (endpoint "(master)"), as the workers write theirs. Without them, the
+    503s of a start, a stop or a crash were in no log and no metric. The answer is a dict from the responder:
+    remote_addr, request_line, method, path, query, user_agent, status, code, bytes, duration_ms (ms),
+    request_id."""
+    made: dict = {}
+
+    def answered(rec: dict) -> None:
+        if settings.ACCESS_LOG == "text":
+            gunicorn_log.access_log.info('%s %s "%s" %s %s %dms %s', rec["remote_addr"],
+                                         time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # as %(t)s
+                                         rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
+        elif settings.ACCESS_LOG == "json":
+            from .logs import access_fields, configure_access_logger  # (Flask: not at this module's import)
+
+            if "log" not in made:
+                made["log"] = configure_access_logger()
+            fields = access_fields(**{k: rec[k] for k in ("request_id", "method", "path", "status", "duration_ms",
+                                                          "remote_addr", "query", "user_agent")},
+                                   size=rec["bytes"]) | {"answered_by": "master"}
+            made["log"].info(json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":")))
+        if settings.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from .metrics import MASTER_ENDPOINT, http_metrics, method_label  # (picks its mode at first import)
+
+            if "metrics" not in made:  # once: each Counter made holds its values for the life of the process
+                from prometheus_client import CollectorRegistry
+
+                made["metrics"] = http_metrics(CollectorRegistry())
+            requests, latency = made["metrics"]
+            labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
+            requests.labels(*labels, rec["code"]).inc()
+            latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
+    return answered
