@@ -214,3 +214,46 @@ def test_metrics_token_over_gunicorn(tmp_path):
         assert ok.status_code == 200 and "classifier_worker_ready" in ok.text
     finally:
         assert srv.stop() == 0, srv.output()[-2000:]
+
+
+@pytest.mark.parametrize("proxies", [0, 1, 2])
+def test_the_rate_limit_counts_the_client_a_trusted_proxy_names(make_app, proxies):
+    """Behind TRUSTED_PROXIES reverse proxies, each client behind them has its own budget (without the setting
+    every client of an nginx shared the nginx's one); with 0, X-Forwarded-For is the client's own words and is
+    ignored, so a client cannot get a fresh budget by sending a new one each time."""
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="2/minute",
+                   TRUSTED_PROXIES=proxies)
+    client = app.test_client()
+
+    def post_as(addr):  # each proxy appends the address it was reached from: the outermost one, the client's
+        chain = ["198.51.100.9", addr] + [f"10.0.0.{i}" for i in range(2, proxies + 1)]  # after what it sent
+        return client.post("/api/v1/predict", data=PNG, content_type="image/png",
+                           environ_overrides={"REMOTE_ADDR": "10.0.0.1"},  # the innermost proxy (or the client)
+                           headers={"X-Forwarded-For": ", ".join(chain if proxies else [addr])}).status_code
+
+    statuses = [post_as("203.0.113.5"), post_as("203.0.113.5"), post_as("203.0.113.5"), post_as("203.0.113.6")]
+    assert statuses == ([200, 200, 429, 200] if proxies else [200, 200, 429, 429])
+
+
+@pytest.mark.server
+def test_behind_a_trusted_proxy_the_access_logs_show_the_client(tmp_path):
+    """gunicorn's text access line and the JSON one show the address the proxy names (both showed the proxy's)."""
+    import json
+
+    import requests
+
+    from serving import Server
+
+    for log in ("text", "json"):
+        srv = Server(tmp_path / f"{log}.log", args=("--no-control-socket",), MODEL="resnet18_seeded", COMPILE=0,
+                     WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1, TRUSTED_PROXIES=1, ACCESS_LOG=log)
+        try:
+            srv.wait_ready(workers=1)
+            resp = requests.post(srv.url + "/api/v1/predict", data=PNG, timeout=30, headers={
+                "Content-Type": "image/png", "X-Forwarded-For": "198.51.100.9, 203.0.113.5", "X-Request-ID": "via-1"})
+            assert resp.status_code == 200, resp.text
+        finally:
+            assert srv.stop() == 0, srv.output()[-2000:]
+        line = next(ln for ln in srv.output().splitlines() if "via-1" in ln)
+        client = json.loads(line)["remote_addr"] if log == "json" else line.split()[0]
+        assert client == "203.0.113.5", line

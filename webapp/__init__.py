@@ -79,6 +79,11 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     init_errors(app, settings)  # one handler: JSON for the API, the page for the UI
     # Under gunicorn: refusals answered before the body, an idle timeout on bodies, drains after answers.
     app.wsgi_app = guard_bodies(app.wsgi_app, idle_s=settings.BODY_TIMEOUT_S)
+    if settings.TRUSTED_PROXIES:  # Werkzeug's ProxyFix: REMOTE_ADDR (which gunicorn's access log shows too), scheme
+        from werkzeug.middleware.proxy_fix import ProxyFix  # and host from the headers the last n proxies appended
+
+        n = settings.TRUSTED_PROXIES
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=n, x_proto=n, x_host=n)
     if os.environ.get(GUNICORN_ENV):
         app.debug = False  # never the interactive debugger in a served app, whatever FLASK_DEBUG says
 

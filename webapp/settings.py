@@ -264,6 +264,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("API_TOKEN", _token, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
             "Bearer <token>' (compared in constant time); else 401. The page and /healthz, /readyz, /v2 health and "
             "metadata stay open.", commands=SERVERS, secret=True, allowed=TOKEN_RULE),
+    Setting("TRUSTED_PROXIES", _int, 0, "Reverse proxies in front that set X-Forwarded-For/-Proto/-Host (nginx, a "
+            "load balancer): the client address the logs and RATE_LIMIT see is the one the outermost of them saw. "
+            "0: those headers are ignored (a client could set them).", low=0, high=5, commands=SERVERS),
     Setting("RATE_LIMIT", rate_limits.rate_limit, "", "Per-client-address limit on classify requests: one budget "
             "for the page, the API and /v2 together, in Flask-Limiter's notation, e.g. '120/minute' or "
             "'10/second;500/hour'; over it: 429. Empty: off.", commands=SERVERS, allowed=rate_limits.RATE_LIMIT_RULE),
