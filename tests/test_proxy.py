@@ -1,0 +1,117 @@
+"""Behind a reverse proxy (``CLASSIFIER_TRUSTED_PROXIES``): the README's nginx location, run in a real nginx in
+front of a real gunicorn. Each client behind the proxy gets its own rate-limit budget and its own address in
+the access log (all of them were the proxy's), a client's own X-Forwarded-For is not believed, the request id
+nginx makes is the one the service logs and echoes, and an over-limit upload gets the service's JSON 413
+(not nginx's page)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+from PIL import Image
+
+from conftest import ROOT, png_bytes
+from serving import Server, free_port
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+if not os.access(NGINX, os.X_OK):
+    pytest.skip("nginx is absent (apt-get install nginx-light; .ci/run installs it)", allow_module_level=True)
+
+PNG = png_bytes(Image.new("RGB", (40, 30), (10, 200, 90)))
+
+
+def readme_location(upstream_port: int) -> str:
+    """The README's nginx ``location`` block, its upstream moved to ``upstream_port``."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- nginx location: checked by tests/test_proxy\.py -->\n```nginx\n(.*?)```", text, re.S)
+    assert block, "the README's nginx location block is gone"
+    assert "proxy_pass http://127.0.0.1:8000;" in block[1]
+    return block[1].replace("127.0.0.1:8000", f"127.0.0.1:{upstream_port}")
+
+
+def start_nginx(tmp, port: int, location: str) -> subprocess.Popen:
+    """nginx in the foreground on 127.0.0.1:``port`` with ``location``, its files under ``tmp``."""
+    conf = tmp / "nginx.conf"
+    user = "user root;\n" if os.geteuid() == 0 else ""  # its workers read the bodies it keeps under tmp (0700)
+    conf.write_text(f"""{user}worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log;
+events {{ worker_connections 64; }}
+http {{
+    access_log {tmp}/access.log;
+    client_body_temp_path {tmp}/body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    server {{
+        listen 127.0.0.1:{port};
+{location}
+    }}
+}}
+""")
+    proc = subprocess.Popen([NGINX, "-c", str(conf), "-g", "daemon off;"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"nginx did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.05)
+
+
+def post(port: int, body: bytes, source: str = "127.0.0.1", **headers) -> tuple[int, dict, dict]:
+    """POST ``body`` as a PNG to /api/v1/predict from the address ``source``: status, headers, JSON body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60, source_address=(source, 0))
+    try:
+        conn.request("POST", "/api/v1/predict", body=body, headers={"Content-Type": "image/png", **headers})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, dict(resp.getheaders()), json.loads(raw) if raw.startswith(b"{") else {"raw": raw[:200]}
+    finally:
+        conn.close()
+
+
+@pytest.mark.server
+def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
+    srv = Server(tmp_path / "server.log", args=("--no-control-socket",), MODEL="resnet18_seeded", COMPILE=0,
+                 WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1, TRUSTED_PROXIES=1, RATE_LIMIT="2/minute", ACCESS_LOG="json")
+    nginx = None
+    try:
+        srv.wait_ready(workers=1)
+        port = free_port()
+        nginx = start_nginx(tmp_path, port, readme_location(srv.port))
+        first = [post(port, PNG) for _ in range(3)]
+        spoofed = post(port, PNG, **{"X-Forwarded-For": "198.51.100.9"})  # a made-up address: not a new budget
+        other = post(port, PNG, source="127.0.0.2")  # another client of the same nginx: its own budget
+        assert [s for s, _, _ in first] == [200, 200, 429] and spoofed[0] == 429, (first, spoofed)
+        assert other[0] == 200, other
+        assert first[0][2]["results"][0]["predictions"] and first[2][2]["error"]["code"] == "rate_limited"
+        too_big = post(port, b"\x89PNG" + bytes(32 * 2**20 - 3), source="127.0.0.3")  # 32 MiB + 1 byte
+        assert too_big[0] == 413 and too_big[2]["error"]["code"] == "too_large", too_big
+    finally:
+        if nginx is not None:
+            nginx.terminate()
+            nginx.wait(10)
+        assert srv.stop() == 0, srv.output()[-2000:]
+    logged = {}
+    for line in srv.output().splitlines():
+        if line.startswith("{") and '"path":"/api/v1/predict"' in line:
+            rec = json.loads(line)
+            logged[rec["request_id"]] = rec["remote_addr"]
+    ids = [h["X-Request-ID"] for _, h, _ in (*first, spoofed, other, too_big)]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids  # nginx's ids
+    assert [logged[i] for i in ids] == ["127.0.0.1"] * 4 + ["127.0.0.2", "127.0.0.3"], logged
+    assert (tmp_path / "access.log").read_text().count("POST /api/v1/predict") == 6
