@@ -13,7 +13,7 @@ import shutil
 import sys
 
 from webapp import GUNICORN_ENV
-from webapp import balance, caches, catalog, cpu, lifecycle, listen, sdnotify, settings
+from webapp import balance, caches, catalog, cpu, lifecycle, listen, reloads, sdnotify, settings
 
 lifecycle.hold_control_signals()  # a SIGHUP or SIGUSR1 before gunicorn's handlers exist is kept, not fatal
 sdnotify.take_notify_socket()  # systemd's Type=notify: READY=1 once a worker serves, not as the master boots
@@ -183,7 +183,7 @@ def when_ready(server):
     from webapp.responder import Responder, master_answers
 
     lifecycle.replay_held_signals(server)
-    lifecycle.keep_serving_through_reloads(server)
+    reloads.keep_serving_through_reloads(server)
     _say_what_a_stop_cuts(server)
     state = lifecycle.master()
     state.on_ready = lambda: sdnotify.notify_systemd(f"READY=1\nSTATUS=serving on {server.cfg.address}")
@@ -223,6 +223,7 @@ def pre_fork(server, worker):
     A replacement thus takes the cores its dead predecessor had; during a reload (SIGHUP), when
     old and new workers overlap, the new ones still spread over the cores evenly.
     """
+    reloads.forked(worker)  # whether it comes after the server served: its failed start then stops nothing
     n = len(_plan.slots)
     held = [0] * n
     for w in server.WORKERS.values():
@@ -292,6 +293,7 @@ def post_worker_init(worker):
         else:  # a compile error and the like: its first line here, the whole traceback at debug level
             worker.log.debug("start-up failed", exc_info=True)
             reason = lifecycle.describe_failure(classifier.status, exc)
+        reason = caches.where_space_ran_out(reason, _s)  # ENOSPC names no disk
         if lifecycle.report_failure(worker.pid, reason):
             # Out at once: the master now stops every worker, and one still tearing down torch when
             # its SIGTERM comes would die of it (a line of noise). Nothing of this worker needs saving.
@@ -337,13 +339,14 @@ def worker_exit(server, worker):
 
 def child_exit(server, worker):
     """In the master: a worker is gone; drop its live gauges (its counters stay in the totals). If its
-    start-up failed, stop the server with the reason (raises gunicorn's HaltServer, exit 3)."""
+    start-up failed, stop the server with the reason (raises gunicorn's HaltServer, exit 3), unless workers
+    started before it serve on (webapp/reloads.py)."""
     if _s.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(worker.pid)
     balance.release(getattr(worker, "board_entry", None))
-    lifecycle.halt_on_failure(server, worker)
+    reloads.failed_start(server, worker)
 
 
 def on_exit(server):

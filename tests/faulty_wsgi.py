@@ -13,7 +13,10 @@ Serve it with gunicorn from the repo root, with ``tests/`` importable (``PYTHONP
    with the preprocessed poison image exactly (``torch.equal``): a solid image stays exactly
    solid through resize, crop and normalize, so any solid image of that colour matches (whatever
    its size) and no photo does.
-2. ``GET /api/_test/boom`` raises a plain ``RuntimeError`` with ``FAULTY_SECRET`` in its message (an
+2. **A start that fails on demand**: while the file named by ``FAULTY_FAIL_START`` exists, a worker's start-up
+   fails (``StartupError``, its reason the file's text), as a full cache disk or a damaged weights file fails
+   a reload or a replacement worker (tests/test_reloads.py).
+3. ``GET /api/_test/boom`` raises a plain ``RuntimeError`` with ``FAULTY_SECRET`` in its message (an
    unexpected server error), and ``GET /api/_test/flags`` shows ``app.debug`` and
    ``PROPAGATE_EXCEPTIONS`` as the worker sees them.
 
@@ -29,6 +32,7 @@ from PIL import Image
 
 from webapp import create_app, imaging
 from webapp.batcher import InferenceBatcher
+from webapp.errors import StartupError
 
 # The test passes these in the environment (it never imports this module: importing it builds a model).
 POISON_SIZE = tuple(int(v) for v in os.environ.get("FAULTY_POISON_SIZE", "13,17").split(","))
@@ -66,6 +70,18 @@ def _run_batch(self, batch):
 
 
 InferenceBatcher._run_batch = _run_batch
+_original_start = _classifier.start
+
+
+def _start(*args, **kwargs):
+    planted = os.environ.get("FAULTY_FAIL_START")
+    if planted and os.path.exists(planted):
+        with open(planted) as f:
+            raise StartupError(f.read().strip() or "planted start-up failure")
+    return _original_start(*args, **kwargs)
+
+
+_classifier.start = _start
 
 
 @app.get("/api/_test/boom")

@@ -10,9 +10,10 @@ What it provides, and why:
   line to it when it is ready (``report_ready``) or when its start-up failed (``report_failure``,
   with the reason). The master learns which workers are ready (the ``webapp.responder`` answers
   503 on the port while none is) and stops the server on the first failure with one line naming
-  it. gunicorn's own way (a worker exits 3, the master raises ``HaltServer``) prints a chained
+  it, unless workers started before it serve on (a reload, a replacement: ``webapp.reloads``).
+  gunicorn's own way (a worker exits 3, the master raises ``HaltServer``) prints a chained
   ``HaltServer`` traceback and exits 1 when two workers fail at once: the master reaps the second
-  while handling the first. So a failed worker reports here and exits 0; ``child_exit`` halts.
+  while handling the first. So a failed worker reports here and exits 0; ``child_exit`` decides.
 - **Cleanup** (``remove_at_exit``): the metrics folder the master made goes on every exit path.
 - **Control signals while starting** (``hold_control_signals``, ``replay_held_signals``): gunicorn's
   handlers for SIGHUP (reload), SIGUSR1 (reopen logs: logrotate sends it), SIGUSR2 (re-exec), SIGTTIN and
@@ -31,7 +32,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -210,64 +210,12 @@ def guard_halt(server) -> None:
     server.reap_workers = reap_workers
 
 
-def keep_serving_through_reloads(server) -> None:
-    """In the master (``when_ready``): gunicorn's ``manage_workers`` stops the oldest workers beyond the count at
-    once, so a SIGHUP (reload) stopped every old worker while the new ones were still loading their model; with
-    one worker, clients got ``503 not_ready`` for the ~2 s that took (tryout14: 239 of 300). Here, where an old
-    worker beyond the count is ready and a newer one is not yet, it waits (``RELOAD_WAIT_S`` at most) until every
-    newer worker is ready, then stops the old ones: both serve meanwhile. gunicorn's reload already blocks its
-    main loop until the old workers are gone (up to ``graceful_timeout``); this wait ends early at any signal
-    (SIGTERM, a worker's exit), which the loop then handles. A reduction (SIGTTOU) goes at once as before."""
-    if getattr(server, "_keeps_serving", False):
-        return
-    original = server.manage_workers
-    signals = getattr(server, "SIG_QUEUE", None)
-
-    def younger_not_ready() -> bool:
-        excess = len(server.WORKERS) - server.num_workers
-        if excess <= 0:
-            return False
-        state = master()
-        state.drain()
-        by_age = sorted(server.WORKERS.items(), key=lambda w: w[1].age)
-        with state.lock:
-            return any(pid in state.ready for pid, _ in by_age[:excess]) and \
-                not all(pid in state.ready for pid, _ in by_age[excess:])
-
-    def manage_workers():
-        deadline = time.monotonic() + RELOAD_WAIT_S
-        while younger_not_ready() and time.monotonic() < deadline and (signals is None or signals.empty()):
-            time.sleep(0.05)
-        original()
-
-    server.manage_workers, server._keeps_serving = manage_workers, True
-
-
-RELOAD_WAIT_S = 900.0  # s: past it, old workers go even where new ones are not ready (each bounds its own start)
-
-
 def stopping(server) -> bool:
     """Whether gunicorn's master is stopping: its ``stop()`` closes the listeners first.
 
     (With ``reuse_port`` the master holds no listeners at all, so that tells nothing there.)
     """
     return not server.LISTENERS and not server.cfg.reuse_port
-
-
-def halt_on_failure(server, worker) -> None:
-    """In ``child_exit``: if this worker reported a failed start-up, stop the server with its reason.
-
-    Called inside gunicorn's ``reap_workers``, which ``guard_halt`` wraps: that marks the server halting.
-
-    :raises HaltServer: the reason, with ``EXIT_STARTUP`` (gunicorn logs it as the last line).
-    """
-    from gunicorn.errors import HaltServer
-
-    state = master()
-    reason = state.forget(worker.pid)
-    if reason is None or state.halting or stopping(server):
-        return
-    raise HaltServer(f"worker {worker.pid} could not start: {reason}", EXIT_STARTUP)
 
 
 def close_in_worker() -> None:
