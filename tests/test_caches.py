@@ -1,6 +1,7 @@
 """The cache folder (webapp/caches.py): made as a start-up makes it, or refused in one line naming the setting."""
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,20 @@ def test_a_tilde_of_no_known_user_is_left_as_the_shell_leaves_it():
     assert caches.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~no-such-user-here/c"})) == Path(
         "~no-such-user-here/c")
     assert caches.cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": "~/c"})) == Path.home() / "c"
+
+
+def test_a_full_disk_is_named_with_what_each_folder_has_free(tmp_path, monkeypatch):
+    """"No space left on device" names no disk; the cache folder and TMPDIR often are on different ones."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    values = {"CACHE_DIR": str(tmp_path / "cache")}
+    caches.make_cache_dir(values)
+    reason = "compiling failed: InductorError: OSError: [Errno 28] No space left on device (...)"
+    said = caches.where_space_ran_out(reason, values)
+    assert said.startswith(reason + "; ")
+    assert re.search(rf"CLASSIFIER_CACHE_DIR {re.escape(str(tmp_path / 'cache'))} has [\d,]+ MB free", said), said
+    assert re.search(rf"TMPDIR {re.escape(str(tmp_path / 'tmp'))} has [\d,]+ MB free", said), said
+    assert caches.where_space_ran_out("self-test failed: ...", values) == "self-test failed: ..."

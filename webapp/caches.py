@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,3 +48,19 @@ def make_cache_dir(values: Mapping[str, Any]) -> Path:
         raise SettingsError(f"{what} cannot be written: {why} (start-up writes there: the precision record, and "
                             f"the compiled model where it is not built yet)")
     return path
+
+
+def where_space_ran_out(reason: str, values: Mapping[str, Any]) -> str:
+    """``reason`` (a failed start-up's line), with the free space of the folders start-up writes to where it says
+    a disk is full (ENOSPC): the cache folder and the temporary one, each named with its MB free. The OS's
+    "No space left on device" names neither, and the two are often on different disks."""
+    if os.strerror(errno.ENOSPC) not in reason:
+        return reason
+    where = []
+    for what, path in ((f"{PREFIX}CACHE_DIR", cache_dir(values)), ("TMPDIR", Path(tempfile.gettempdir()))):
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            continue
+        where.append(f"{what} {path} has {st.f_bavail * st.f_frsize / 2**20:,.0f} MB free")
+    return f"{reason}; {', '.join(where)} (a first compile writes ~150 MB to the cache)" if where else reason
