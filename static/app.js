@@ -216,9 +216,11 @@ async function classify(item) {
       break;
     }
     if (resp.status === 401) return submitPlainForm();   // API token set: the page itself stays open
-    if (original && (resp.status === 400 || resp.status === 415)) {
-      // The server refused the scaled copy: send the photo itself, as if it had never been scaled.
-      item.sent = { ...item.sent, blob: item.file, original: null, why: "refused" };
+    if (item.sent.blob !== item.file && (resp.status === 400 || resp.status === 415)) {
+      // The server refused the scaled copy: send the photo without its metadata, as if it had never been scaled;
+      // refused that too, the file itself (the optimisations never lose a photo).
+      const next = original ? item.sent.bare : item.file;
+      item.sent = { ...item.sent, blob: next, original: null, why: "refused", kept: next === item.file };
       item.card.dataset.sent = "refused";
       continue;
     }
@@ -247,8 +249,9 @@ async function classify(item) {
 }
 
 // The API needs a token this page does not have: send the photos not yet answered through the plain form
-// instead, as they would have gone (the scaled copy, without EXIF, with its original_* fields; the others as
-// they are, their four fields empty), so the page's promise about location and camera data still holds.
+// instead, as they would have gone (the scaled copy, without EXIF, with its original_* fields; the others without
+// their metadata where strip.js takes it, their four fields empty), so the page's promise about location and
+// camera data still holds.
 let submitted = false;
 async function submitPlainForm() {
   if (submitted) return;
@@ -257,8 +260,9 @@ async function submitPlainForm() {
   const fields = { original_width: [], original_height: [], original_format: [], original_bytes: [] };
   for (const it of state.items.filter((x) => !x.answer)) {
     if (!it.sent) await prepareItem(it).catch(() => {});
-    const copy = it.sent?.original ? it.sent : null;
-    dt.items.add(copy ? new File([copy.blob], it.name, { type: copy.blob.type }) : it.file);
+    const copy = it.sent?.original ? it.sent : null, bare = it.sent?.bare ?? it.file;   // (strip.js: no metadata)
+    dt.items.add(copy ? new File([copy.blob], it.name, { type: copy.blob.type })
+      : bare === it.file ? it.file : new File([bare], it.name, { type: it.file.type }));
     for (const key of ["width", "height", "format", "bytes"]) fields[`original_${key}`].push(copy ? copy.original[key] : "");
   }
   if (fields.original_width.some((v) => v !== "")) {
@@ -287,8 +291,9 @@ const ms = (v) => (v < 10 ? v.toFixed(1) : v.toFixed(0));
 const size = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : n >= 1e3 ? `${Math.round(n / 1e3)} KB` : `${n} B`);
 
 function sentWords(item) {
-  const { blob, original } = item.sent;
-  return original ? tr("scaled", { from: size(original.bytes), to: size(blob.size) }) : tr("sent_as_is", { size: size(blob.size) });
+  const { blob, original, kept } = item.sent;
+  if (original) return tr("scaled", { from: size(original.bytes), to: size(blob.size) });
+  return tr(kept ? "sent_as_is" : "sent_bare", { size: size(blob.size) });
 }
 
 function labelOf(p) {

@@ -1,6 +1,7 @@
 // Make each photo's upload and preview from one decode: the photo scaled in the browser to what the
 // model needs, so a 3 MB phone photo goes up as a ~130 KB lossless copy without its EXIF (no GPS
-// position, no camera serial), or, whenever that cannot be done or gains nothing, the original bytes.
+// position, no camera serial), or, whenever that cannot be done or gains nothing, the original's bytes
+// without its metadata where static/strip.js can take it out losslessly, else the original itself.
 //
 // The copy is the very image the server's own first step would make from the original: scaled to
 // `send_short_side` (the serving model's resize size, from GET /api/v1/models) with Pillow's
@@ -16,6 +17,7 @@
 // or anything fails on the way: the optimisation never loses a photo.
 
 import { FILTERS, resize, resizedSize } from "./resample.js";
+import { withoutMetadata } from "./strip.js";
 
 const THUMB_QUALITY = 0.9;  // the preview's JPEG (only shown on the page, never sent)
 const THUMB_PX = 320;       // preview size (long side), drawn to a canvas: the CSP allows data: images only
@@ -250,16 +252,26 @@ async function orientationOf(file, format) {
 
 /**
  * What to send for `file`, and its preview, from one decode. `send` is sendSize()'s { short, resample }.
- * Resolves to { blob, original, thumb, why }: `blob` the bytes to upload (the file itself, or the
- * scaled lossless copy); `original` {width, height, format, bytes} of the photo when `blob` is a
- * scaled copy (the page sends it as the original_* fields), else null; `thumb` a data: URL or null
- * (not decodable here); `why` a word for tests and the console: scaled | off | unknown | undecodable |
- * small | incomplete (a JPEG perhaps cut short: the server judges it) | oriented (not a JPEG, with an
- * EXIF orientation: the server turns it) | larger (the copy would be no smaller) | failed. Never rejects.
+ * Resolves to { blob, original, thumb, why, kept, bare }: `blob` the bytes to upload (the scaled lossless copy,
+ * or the file without its metadata: static/strip.js, or the file itself); `original` {width, height, format,
+ * bytes} of the photo when `blob` is a scaled copy (the page sends it as the original_* fields), else null;
+ * `thumb` a data: URL or null (not decodable here); `why` a word for tests and the console: scaled | off |
+ * unknown | undecodable | small | incomplete (a JPEG perhaps cut short: the server judges it) | oriented (not a
+ * JPEG, with an EXIF orientation: the server turns it) | larger (the copy would be no smaller) | failed; `kept`
+ * true where the file goes as it is, with whatever metadata it holds (a format or a structure strip.js does not
+ * take, scaling off); `bare` the file as it goes where not scaled (what the page sends if the server refuses the
+ * copy). Never rejects.
  */
 export async function prepare(file, send) {
-  const plain = (why, thumb = null) => ({ blob: file, original: null, thumb, why });
   const format = await sniff(file).catch(() => null);
+  const plain = async (why, thumb = null) => {
+    // Decodable here, and scaling on: the photo goes without its metadata. The file itself goes where the server
+    // must judge it as it is (not decodable here, perhaps cut short: its answer names where the data ends) and
+    // under ?scale=0 (a diagnostic).
+    const { blob, kept } = ["off", "undecodable", "unknown", "incomplete"].includes(why)
+      ? { blob: file, kept: true } : await withoutMetadata(file, format);
+    return { blob, original: null, thumb, why, kept, bare: blob };
+  };
   let bmp;
   try {
     // EXIF orientation applied: width/height are upright. Colours as stored: the server applies no ICC profile.
@@ -285,8 +297,10 @@ export async function prepare(file, send) {
     const rgba = resize(pixels(bmp, vw, vh, x, y), vw, vh, w, h, send.resample);
     const { blob, canvas: copy } = await lossless(rgba, w, h);
     const thumb = await thumbFrom(copy);
-    if (blob.size >= file.size) return plain("larger", thumb);
-    return { blob, thumb, why: "scaled", original: { width, height, format, bytes: file.size } };
+    const bare = await plain("larger", thumb);
+    if (blob.size >= bare.blob.size) return bare;
+    return { blob, thumb, why: "scaled", original: { width, height, format, bytes: file.size }, kept: false,
+      bare: bare.blob };
   } catch {
     return plain("failed", await thumbnail(bmp).catch(() => null));
   } finally {

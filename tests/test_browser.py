@@ -35,6 +35,7 @@ from bench.servers import http_json
 from conftest import SHARED_IMAGES, encode, shared_image
 from serving import Server
 from webapp import imaging
+from webapp.i18n import STRINGS
 
 pytestmark = pytest.mark.browser
 
@@ -310,17 +311,20 @@ def test_a_token_protected_api_falls_back_to_the_form_with_the_scaled_copies(ser
             status=401, content_type="application/json",
             body=json.dumps({"error": {"code": "unauthorized", "message": "token needed", "status": 401}})))
         page.goto(server.url + "/")
+        laden = metadata_laden("JPEG", (300, 240), quality=90)  # small already: goes as it is, its metadata not
         page.set_input_files("#file", files=[{"name": "phone.jpg", "mimeType": "image/jpeg", "buffer": phone},
-                                             {"name": "small.png", "mimeType": "image/png", "buffer": small}])
+                                             {"name": "small.png", "mimeType": "image/png", "buffer": small},
+                                             {"name": "laden.jpg", "mimeType": "image/jpeg", "buffer": laden}])
         page.locator(".results[data-server] .label").first.wait_for()
         fields, files = sent_form(posted[0])
         sent = dict(files)
-        assert sorted(sent) == ["phone.jpg", "small.png"] and sent["small.png"] == small
+        assert sorted(sent) == ["laden.jpg", "phone.jpg", "small.png"] and sent["small.png"] == small
+        assert same_photo_without_metadata(sent["laden.jpg"], laden) and b"PhoneMaker" not in sent["laden.jpg"]
         assert len(sent["phone.jpg"]) < len(phone) / 5 and b"PhoneMaker" not in sent["phone.jpg"]
         order = [name for name, _ in files]
         assert fields["original_format"] == ["JPEG" if n == "phone.jpg" else "" for n in order]
         assert fields["original_bytes"] == [str(len(phone)) if n == "phone.jpg" else "" for n in order]
-        assert page.locator(".results[data-server] article.result:not(.failed)").count() == 2
+        assert page.locator(".results[data-server] article.result:not(.failed)").count() == 3
         assert "German shepherd" in page.locator(".results[data-server]").inner_text()
     finally:
         tab.close()
@@ -600,6 +604,87 @@ def with_camera_exif(jpeg: bytes) -> bytes:
     return jpeg[:2] + b"\xff\xe1" + (len(block) + 2).to_bytes(2, "big") + block + jpeg[2:]
 
 
+def metadata_laden(fmt: str, size: tuple[int, int], **save) -> bytes:
+    """dog.jpg at ``size``, stored turned (EXIF Orientation 6: shown upright only where it is applied), as
+    ``fmt`` with what a phone or an editor writes beside the pixels: camera make, model and serial, a GPS
+    position, XMP (with a location), a comment or text chunks."""
+    with Image.open(shared_image("dog.jpg")) as im:
+        upright = im.convert("RGB").resize(size, Image.Resampling.LANCZOS)
+    exif = Image.Exif()
+    exif[0x010F], exif[0x0110], exif[0x0112] = "PhoneMaker", "Phone 12", 6
+    exif.get_ifd(0x8769)[0xA431] = "SN-0042-TEST"
+    exif.get_ifd(0x8825).update({1: "N", 2: (48.0, 51.0, 29.0), 3: "E", 4: (2.0, 17.0, 40.0)})
+    xmp = b'<x:xmpmeta xmlns:x="adobe:ns:meta/"><photoshop:City>Secretville</photoshop:City></x:xmpmeta>'
+    out = io.BytesIO()
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # Orientation 6 turns it back
+    if fmt == "PNG":
+        from PIL.PngImagePlugin import PngInfo
+
+        text = PngInfo()
+        text.add_text("Comment", "taken at Secretville")
+        text.add_itxt("XML:com.adobe.xmp", xmp.decode())
+        stored.save(out, "PNG", exif=exif, pnginfo=text)
+    elif fmt == "MPO":  # a phone's photo with a second image after it (a gain map, a depth map)
+        stored.save(out, "MPO", save_all=True, append_images=[stored.resize((64, 48))], exif=exif, **save)
+    else:
+        stored.save(out, fmt, exif=exif, xmp=xmp, **({"comment": b"taken at Secretville"} if fmt == "JPEG" else {}),
+                    **save)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("name, fmt, size, save", [
+    ("small.jpg", "JPEG", (300, 240), {"quality": 90}),  # at the model's size already: goes as it is
+    ("larger.jpg", "JPEG", (1200, 795), {"quality": 35}),  # a copy would be no smaller (tryout16)
+    ("small.png", "PNG", (300, 240), {}),
+    ("small.webp", "WEBP", (300, 240), {"quality": 90}),
+    ("phone.mpo.jpg", "MPO", (300, 240), {"quality": 90}),
+])
+def test_a_photo_sent_as_it_is_goes_without_its_metadata_and_keeps_its_answer(server, browser, name, fmt, size,
+                                                                                save):
+    """The page says photos go up without their location or camera data; a photo it does not scale (small
+    already, a copy no smaller, another format with an orientation) went up whole, GPS and all (tryout16).
+    It goes without its metadata now, its orientation kept, and the server answers it as it answers the file."""
+    original = metadata_laden(fmt, size, **save)
+    assert b"PhoneMaker" in original and b"SN-0042" in original and (fmt == "MPO" or b"Secretville" in original)
+    tab = Page(browser, locale="en-US", viewport={"width": 1100, "height": 900})
+    page = tab.page
+    rec = Recorder(page)
+    try:
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=[{"name": name, "mimeType": "image/jpeg", "buffer": original}])
+        card = page.locator(".result").first
+        wait_for_labels(page, card, DOG_EN)
+        _, data, _ = rec.sent()[name]
+        assert not any(secret in data for secret in (b"PhoneMaker", b"SN-0042", b"Secretville", b"xmpmeta")), name
+        how = card.get_attribute("data-sent")
+        print(f"\n{name}: {len(original):,} bytes, sent {how}: {len(data):,} bytes")
+        with Image.open(io.BytesIO(data)) as sent:
+            if how != "scaled":  # as it is, without its metadata: the same pixels, the orientation alone kept
+                with Image.open(io.BytesIO(original)) as im:
+                    assert sent.format == ("JPEG" if fmt == "MPO" else im.format) and sent.size == im.size
+                    assert np.array_equal(np.asarray(sent.convert("RGB")), np.asarray(im.convert("RGB")))
+                assert dict(sent.getexif()) == {0x0112: 6}, dict(sent.getexif())
+                assert card.locator(".timing .sent").inner_text() == \
+                    f"sent without its metadata: {round(len(data) / 1e3)} KB"
+        reference = api_answer(server, name, original)  # the file as it is, through the API
+        got = rec.answers[name]
+        assert [p["label"] for p in got["predictions"]] == [p["label"] for p in reference["predictions"]]
+        assert all(abs(a["probability"] - b["probability"]) < 1e-4
+                   for a, b in zip(got["predictions"], reference["predictions"]))
+        assert tab.errors == []
+    finally:
+        tab.close()
+
+
+def same_photo_without_metadata(sent: bytes, original: bytes) -> bool:
+    """Whether ``sent`` is ``original`` as static/strip.js sends a photo it does not scale: the same pixels, and
+    of its EXIF the orientation alone, if any."""
+    with Image.open(io.BytesIO(sent)) as a, Image.open(io.BytesIO(original)) as b:
+        exif = dict(a.getexif())
+        return (set(exif) <= {0x0112} and exif.get(0x0112, 1) == b.getexif().get(0x0112, 1) and a.size == b.size
+                and np.array_equal(np.asarray(a.convert("RGB")), np.asarray(b.convert("RGB"))))
+
+
 def api_answer(server, name: str, data: bytes) -> dict:
     """The API's result for ``data`` uploaded as it is (the reference the page must match)."""
     body, ctype = multipart_body(data, name)
@@ -677,8 +762,7 @@ def test_phone_photo_goes_up_scaled_upright_and_without_exif(server, browser, tm
     rec = Recorder(page)
     try:
         page.goto(server.url + "/")
-        assert page.locator("#privacy").inner_text() == ("Large photos are scaled down in your browser before "
-                                                         "upload, without their location or camera data (EXIF).")
+        assert page.locator("#privacy").inner_text() == STRINGS["en"]["privacy"]
         page.set_input_files("#file", files=[{"name": PHONE, "mimeType": "image/jpeg", "buffer": original}])
         card = page.locator(".result").first
         wait_for_labels(page, card, DOG_EN)
@@ -701,7 +785,7 @@ def test_phone_photo_goes_up_scaled_upright_and_without_exif(server, browser, tm
         page.click(".langs a[data-lang=zh]")
         wait_for_labels(page, card, DOG_ZH)
         assert card.locator(".timing .sent").inner_text().startswith("已在浏览器中缩小：3.3 MB → ")
-        assert page.locator("#privacy").inner_text() == "较大的照片会先在浏览器中缩小再上传，不含位置和相机信息（EXIF）。"
+        assert page.locator("#privacy").inner_text() == STRINGS["zh"]["privacy"]
         page.mouse.move(0, 0)
         page.screenshot(path=tmp_path / "phone-photo-zh.png", full_page=True)
         assert tab.errors == []
@@ -748,7 +832,8 @@ def test_every_shared_photo_scaled_in_the_browser_keeps_its_top1(server, browser
             # byte, and no original_* fields
             assert (how[path.name] == "small" and min(ref["width"], ref["height"]) <= SEND_SHORT_SIDE
                     or how[path.name] == "larger" and min(ref["width"], ref["height"]) > SEND_SHORT_SIDE)
-            assert data == path.read_bytes() and fields == {} and "scaled_by_client" not in got
+            assert same_photo_without_metadata(data, path.read_bytes()) and fields == {}
+            assert "scaled_by_client" not in got
         drift = abs(b["probability"] - a["probability"])
         rows[-1] += f"  {100 * drift:4.1f} points"
         assert b["index"] == a["index"], rows[-1]  # the same top-1, every photo
@@ -989,7 +1074,7 @@ def test_scaling_without_a_lossless_webp_or_with_a_failing_encoder(server, brows
                 assert im.convert("RGB").tobytes() == full.resize(im.size, Image.Resampling.BILINEAR).tobytes()
             assert len(original) / len(data) >= 10
         else:
-            assert data == original and fields == {}
-            assert card.locator(".timing .sent").inner_text() == "sent as is: 3.3 MB"
+            assert same_photo_without_metadata(data, original) and fields == {}
+            assert card.locator(".timing .sent").inner_text() == "sent without its metadata: 3.3 MB"
     finally:
         tab.close()
