@@ -746,7 +746,7 @@ def test_curl_d_and_text_of_a_photo_are_told_with_what_to_send(srv, tmp_path):
 
     dog = shared_image("dog.jpg")
     form = curl("-d", f"@{dog}")
-    assert form["status"] == 415 and "curl -d sends that" in form["message"] and "--data-binary" in form["message"]
+    assert form["status"] == 415 and "curl -d and --data-binary send that" in form["message"] and "--data-binary" in form["message"]
     stripped = curl("-d", f"@{dog}", "-H", "Content-Type: image/jpeg")
     assert (stripped["status"], stripped["code"]) == (400, "undecodable_image")
     assert "no CR or LF byte" in stripped["message"] and "--data-binary @photo.jpg" in stripped["message"]
@@ -759,3 +759,42 @@ def test_curl_d_and_text_of_a_photo_are_told_with_what_to_send(srv, tmp_path):
     assert "text.jpg: a JPEG changed on the way: it was read as UTF-8 text" in assert_error(utf8, 400,
                                                                                            "undecodable_image")
     assert predictions(classify(srv, dog.read_bytes(), "dog.jpg"))  # the same bytes unchanged: answered
+
+
+@pytest.mark.skipif(__import__("shutil").which("curl") is None, reason="curl is not installed (.ci/run installs it)")
+def test_the_advice_of_each_refusal_works_as_written(srv):
+    """A refusal's advice, done as it says with the real curl and requests, gets the photo answered (tryout16:
+    "data=open(path, 'rb')" from the advice got a 415 for its missing Content-Type, and --data-binary without
+    -H was told it had used -d)."""
+    import json
+    import subprocess
+
+    dog = shared_image("dog.jpg")
+
+    def curl(*args: str) -> dict:
+        out = subprocess.run(["curl", "-sS", *args, predict_url(srv)], capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout)
+
+    def done_as_said(message: str) -> None:  # each curl and requests way the message names, on dog.jpg
+        ways = 0
+        if "-F file=@photo.jpg" in message:
+            ways += bool(curl("-F", f"file=@{dog}")["results"])
+        if said := re.search(r"--data-binary @photo\.jpg -H '([^']+)'", message):
+            ways += bool(curl("--data-binary", f"@{dog}", "-H", said[1])["results"])
+        if "files={'file': open(path, 'rb')}" in message:
+            with open(dog, "rb") as f:
+                ways += bool(requests.post(predict_url(srv), files={"file": f}, timeout=60).json()["results"])
+        if said := re.search(r"headers=\{'Content-Type': '([^']+)'\}", message):
+            ways += bool(requests.post(predict_url(srv), data=dog.read_bytes(), headers={"Content-Type": said[1]},
+                                       timeout=60).json()["results"])
+        assert ways >= 2, message
+
+    binary = curl("--data-binary", f"@{dog}")["error"]  # curl's default type: form data
+    assert binary["status"] == 415 and "--data-binary send that unless told otherwise" in binary["message"]
+    done_as_said(binary["message"])
+    none = requests.post(predict_url(srv), data=dog.read_bytes(), timeout=60).json()["error"]  # no Content-Type
+    assert none["status"] == 415 and "Python requests sends none for data=" in none["message"]
+    done_as_said(none["message"])
+    stripped = curl("-d", f"@{dog}", "-H", "Content-Type: image/jpeg")["error"]  # the photo's CR and LF bytes gone
+    assert stripped["status"] == 400
+    done_as_said(stripped["message"])

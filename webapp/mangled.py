@@ -78,8 +78,9 @@ def _path(fmt: str) -> str:
 def _send(fmt: str) -> str:
     """What to send instead of a ``fmt`` photo changed on the way."""
     path = _path(fmt)
-    return (f"send the file's bytes unchanged (curl --data-binary @{path} or -F file=@{path}, not -d; Python "
-            f"requests: data=open(path, 'rb'); JavaScript: the File itself as the body or in FormData)")
+    return (f"send the file's bytes unchanged (curl -F file=@{path}, or --data-binary @{path} -H 'Content-Type: "
+            f"image/{'jpeg' if fmt == 'JPEG' else fmt.lower()}', not -d; Python requests: files={{'file': open(path, "
+            f"'rb')}}; JavaScript: the File itself in FormData, or as the body with its type)")
 
 
 def _a(fmt: str) -> str:

@@ -381,7 +381,11 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     if _no_body(request):  # nothing sent at all: no photo, whatever the Content-Type says
         raise NoFile("no image: the request has no body; send the photo as multipart field 'file', or as the raw "
                      "body with Content-Type image/*")
-    form = (" (curl -d sends that, and strips the file's CR and LF bytes: use -F file=@photo.jpg, or --data-binary "
-            "@photo.jpg -H 'Content-Type: image/jpeg')" if mimetype == "application/x-www-form-urlencoded" else "")
+    form = {  # what sent it, and what to send instead: the clients people use
+        "application/x-www-form-urlencoded": " (curl -d and --data-binary send that unless told otherwise, and -d "
+        "strips the file's CR and LF bytes: use -F file=@photo.jpg, or --data-binary @photo.jpg -H 'Content-Type: "
+        "image/jpeg')",
+        "": " (Python requests sends none for data=: use files={'file': open(path, 'rb')}, or data= with "
+        "headers={'Content-Type': 'image/jpeg'})"}.get(mimetype, "")
     raise NotAnImage(f"Content-Type {mimetype or '(none)'} is not accepted{form}: send multipart/form-data with an "
                      f"image in field 'file', or the raw image with Content-Type image/*")
