@@ -151,9 +151,10 @@ def test_too_large_is_413(small_limits_app):
     big = png_bytes(Image.effect_noise((64, 64), 100).convert("RGB"))
     assert len(big) > 4096
     resp = client.post("/api/v1/predict", data=big, content_type="image/png")
-    assert "4,096 bytes" in assert_error(resp, 413, "too_large")
+    said = assert_error(resp, 413, "too_large")
+    assert said.startswith(f"the upload is {len(big):,} bytes; the limit is 4,096 (CLASSIFIER_MAX_UPLOAD_BYTES): ")
     resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(big), "big.png")})
-    assert_error(resp, 413, "too_large")
+    assert "; the limit is 4,096 (" in assert_error(resp, 413, "too_large")  # the whole form's bytes
     files = [(io.BytesIO(small_png(size=(8, 8))), f"{i}.png") for i in range(3)]
     assert "limit is 2" in assert_error(client.post("/api/v1/predict", data={"file": files}), 413, "too_large")
     resp = client.post("/api/v1/predict", data=small_png(size=(200, 60)), content_type="image/png")

@@ -54,7 +54,10 @@ def test_unknown_code_from_a_replica_is_a_plain_500():
 
 def test_message_templates():
     assert errors.TooLarge.body(33554432).message == \
-        "the upload is larger than 33,554,432 bytes (CLASSIFIER_MAX_UPLOAD_BYTES)"
+        ("the upload is larger than 33,554,432 bytes (CLASSIFIER_MAX_UPLOAD_BYTES): send fewer photos per request, "
+         "or smaller ones (scaled down: the model looks at far fewer pixels than a phone photo has)")
+    assert errors.TooLarge.body(33554432, 40_000_000).message.startswith(
+        "the upload is 40,000,000 bytes; the limit is 33,554,432 (CLASSIFIER_MAX_UPLOAD_BYTES): send fewer")
     assert errors.TooLarge.file(40_000_000, 33554432).message == \
         "the file is 40,000,000 bytes; the limit is 33,554,432 (CLASSIFIER_MAX_UPLOAD_BYTES)"
     assert errors.InferenceTimeout.after(2.5, "cluster").message == \

@@ -99,9 +99,12 @@ class TooLarge(ServiceError):
     settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS", "MAX_REQUEST_PIXELS")
 
     @classmethod
-    def body(cls, limit: int) -> "TooLarge":
-        """A request body over ``limit`` bytes (``MAX_UPLOAD_BYTES``)."""
-        return cls(f"the upload is larger than {limit:,} bytes (CLASSIFIER_MAX_UPLOAD_BYTES)")
+    def body(cls, limit: int, declared: int | None = None) -> "TooLarge":
+        """A request body over ``limit`` bytes (``MAX_UPLOAD_BYTES``): of ``declared`` bytes (its Content-Length),
+        or None where it came chunked (counted as it came)."""
+        size = f"is {declared:,} bytes; the limit is {limit:,}" if declared else f"is larger than {limit:,} bytes"
+        return cls(f"the upload {size} (CLASSIFIER_MAX_UPLOAD_BYTES): send fewer photos per request, or smaller "
+                   f"ones (scaled down: the model looks at far fewer pixels than a phone photo has)")
 
     @classmethod
     def form(cls, parts: int | None, field_bytes: int | None, max_files: int) -> "TooLarge":
@@ -364,7 +367,7 @@ def init_errors(app, settings) -> None:
             if declared is not None and declared <= settings.MAX_UPLOAD_BYTES:  # within it: the form's limits
                 message = TooLarge.form(request.max_form_parts, request.max_form_memory_size, settings.MAX_FILES).message
             else:
-                message = TooLarge.body(settings.MAX_UPLOAD_BYTES).message
+                message = TooLarge.body(settings.MAX_UPLOAD_BYTES, declared).message
         return render(exc.code or 500, code, message, headers)
 
     @app.errorhandler(Exception)

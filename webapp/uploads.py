@@ -244,7 +244,7 @@ def _no_body(request: Request) -> bool:
 
 
 def _too_large(request: Request) -> TooLarge:
-    return TooLarge.body(request.max_content_length)
+    return TooLarge.body(request.max_content_length, request.content_length)
 
 
 def _header_text(value: str | None) -> str | None:
