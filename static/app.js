@@ -35,6 +35,12 @@ else document.getElementById("privacy").hidden = true;   // ?scale=0 (a diagnost
 
 // The page's own words are in it (webapp/ui.py's page_words): right from the first paint, even if the bundle
 // (which adds the labels in this language) is slow or never comes.
+// The paste shortcut as this keyboard has it: ⌘V on a Mac (the hint said Ctrl+V there too: tryout16).
+const MAC = /Mac/.test(navigator.userAgentData?.platform ?? navigator.platform ?? "");
+function pasteKey() {
+  if (MAC) for (const el of document.querySelectorAll(".drop-hint")) el.textContent = el.textContent.replace("Ctrl+V", "⌘V");
+}
+pasteKey();
 const embedded = (() => { try { return JSON.parse(document.getElementById("words").textContent); } catch { return null; } })();
 const state = { lang: body.dataset.lang, i18n: embedded, items: [], queue: [], running: 0, batch: null };
 let loading = loadI18n(body.dataset.i18n);
@@ -148,6 +154,8 @@ function retry(item) {
   item.waiting = null;
   joinBatch([item]);
   render(item);
+  item.card.tabIndex = -1;   // the button is gone with the failure: keep the keyboard on this card, not <body>
+  item.card.focus();
   state.queue.push(item);
   showStatus();
   pump();
@@ -360,6 +368,7 @@ function applyStrings() {
   body.dataset.lang = state.lang;
   document.title = tr("title");   // (pages with an error in the title reload instead)
   for (const el of document.querySelectorAll("[data-t]")) el.textContent = tr(el.dataset.t);
+  pasteKey();
   for (const el of document.querySelectorAll("[data-t-aria-label]")) el.setAttribute("aria-label", tr(el.dataset.tAriaLabel));
   for (const el of document.querySelectorAll("[data-model]")) el.textContent = modelTitle({ name: el.dataset.model, title: el.textContent });
   for (const a of document.querySelectorAll(".langs a")) {

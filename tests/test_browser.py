@@ -358,9 +358,12 @@ def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_on
         assert card.locator(".problem").inner_text() == (  # not "on the server (it is logged there)": it is not
             "The answer did not come from the classifier (HTTP 200: a proxy or gateway in between may have failed, "
             "or the server is restarting): try again.")
-        card.locator("button.retry").click()
+        card.locator("button.retry").focus()
+        page.keyboard.press("Enter")  # from the keyboard: focus stays on the card, not <body> (tryout16)
+        assert page.evaluate("document.activeElement === document.querySelector('.result')")
         wait_for_labels(page, card, DOG_EN)
         assert card.locator("button.retry").count() == 0
+        assert page.evaluate("document.activeElement === document.querySelector('.result')")
         sync_api.expect(page.locator("#status")).to_have_text("Photo classified.")
         # Not for a file the server cannot read: trying again would only be refused again.
         page.set_input_files("#file", files=[{"name": "notes.jpg", "mimeType": "image/jpeg", "buffer": b"not a photo"}])
@@ -506,6 +509,22 @@ def test_labels_per_photo_outside_the_forms_rule_is_brought_into_it_and_shown(se
         tab.close()
 
 
+@pytest.mark.parametrize("platform, key", [("MacIntel", "⌘V"), ("Win32", "Ctrl+V")])
+def test_the_paste_hint_names_this_keyboards_shortcut(server, browser, platform, key):
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    page.add_init_script(f"Object.defineProperty(navigator, 'platform', {{ get: () => '{platform}' }});"
+                         "Object.defineProperty(navigator, 'userAgentData', { get: () => undefined });")
+    try:
+        page.goto(server.url + "/")
+        sync_api.expect(page.locator(".drop-hint")).to_have_text(f"You can also drop photos here, or paste one ({key}).")
+        page.click(".langs a[data-lang=zh]")  # the strings applied again: the key stays this keyboard's
+        sync_api.expect(page.locator(".drop-hint")).to_have_text(STRINGS["zh"]["drop_hint"].replace("Ctrl+V", key))
+        assert tab.errors == []
+    finally:
+        tab.close()
+
+
 def test_phone_layout(server, browser, tmp_path):
     tab = Page(browser, locale="zh-CN", viewport={"width": 375, "height": 740}, device_scale_factor=2,
                is_mobile=True, has_touch=True)
@@ -514,6 +533,7 @@ def test_phone_layout(server, browser, tmp_path):
         page.goto(server.url + "/")
         assert page.locator("html").get_attribute("lang") == "zh-Hans"  # from Accept-Language
         assert page.locator("label[for=camera]").is_visible()  # "Take a photo" on a touch screen
+        assert not page.locator(".drop-hint").is_visible()  # no dropping and no Ctrl+V on a phone (tryout16)
         page.set_input_files("#file", str(shared_image("dog.jpg")))
         wait_for_labels(page, page.locator(".result").first, DOG_ZH)
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")  # no sideways scrolling
@@ -534,6 +554,7 @@ def test_plain_form_without_javascript(server, browser, tmp_path):
         page.click("button[type=submit]")
         page.wait_for_load_state()
         assert set(page.locator(".result .label").all_inner_texts()) & set(DOG_ZH)
+        assert page.locator("#status").inner_text() == STRINGS["zh"]["done_one"]  # the summary, as with a script
         assert page.locator(".result img.thumb").get_attribute("alt") == "上传的照片 dog.jpg"
         page.screenshot(path=tmp_path / "nojs.png", full_page=True)
         # The language link works without a script too.

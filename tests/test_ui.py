@@ -30,7 +30,8 @@ def test_index_has_a_plain_form(client):
     assert words["lang"] == "en" and words["strings"]["pending"] and "labels" not in words
     assert not re.search(r"<[^>]+\s(style|on[a-z]+)=", html)  # no inline style or event handler (CSP)
     assert "untrained" in html  # the seeded model is marked on the page
-    assert '<html lang="en"' in html and 'aria-live="polite"' in html
+    assert '<html lang="en"' in html and '<p id="status" class="status" role="status">' in html
+    assert "aria-live" not in html  # the status line (role=status) is the one live region, not the cards
 
 
 def test_security_headers(client):
