@@ -64,6 +64,7 @@ def srv(tmp_path_factory):
     try:
         (main.pid, health), = main.wait_ready(workers=1).items()
         assert health["model"]["name"] == "efficientnet_lite0" and health["self_test"]["passed"] is True
+        assert health["self_test"]["photo"].startswith("webapp/golden/dog.jpg (224x224 crop")  # not the shared one
         capped.wait_ready(workers=1)
     except BaseException:
         main.stop()

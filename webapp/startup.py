@@ -27,7 +27,7 @@ import torch
 from torchvision.transforms import v2
 
 from . import caches, catalog, children, cpu, imaging
-from .assets import GOLDEN, calibration_files
+from .assets import GOLDEN, GOLDEN_SHOWN, calibration_files
 from .bf16 import BF16_KEEP_FP32, judge_bf16
 from .engine import Engine, GraphsDisagree, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
@@ -374,7 +374,7 @@ def judge_self_test(model: LoadedModel, top: list[dict]) -> dict:
     :raises StartupError: no dog breed among them (wrong weights or preprocessing).
     """
     passed = any(p["index"] in model.self_test_classes for p in top)
-    record = {"passed": passed, "photo": GOLDEN.name, "top3": [p["label"] for p in top]}
+    record = {"passed": passed, "photo": GOLDEN_SHOWN, "top3": [p["label"] for p in top]}
     if not passed:
         raise StartupError(f"self-test failed: the golden dog photo {GOLDEN} came out as "
                            f"{[p['label'] for p in top]}, no dog breed in the top 3; the weights "
