@@ -85,3 +85,20 @@ def test_a_full_disk_is_named_with_what_each_folder_has_free(tmp_path, monkeypat
     assert re.search(rf"CLASSIFIER_CACHE_DIR {re.escape(str(tmp_path / 'cache'))} has [\d,]+ MB free", said), said
     assert re.search(rf"TMPDIR {re.escape(str(tmp_path / 'tmp'))} has [\d,]+ MB free", said), said
     assert caches.where_space_ran_out("self-test failed: ...", values) == "self-test failed: ..."
+
+
+@pytest.mark.parametrize("there", ["file", "fifo"])
+def test_a_kernel_folder_that_is_not_a_folder_is_refused_before_listening(tmp_path, there):
+    """An ``inductor`` file in the cache folder failed every worker's compile after the port was open (tryout15)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    if there == "file":
+        (cache / "inductor").write_text("not a folder")
+    else:
+        os.mkfifo(cache / "inductor")
+    with pytest.raises(SettingsError, match=r"/inductor \(where compiled kernels go\) is not a folder: remove it"):
+        caches.make_cache_dir({"CACHE_DIR": str(cache)})
+    (cache / "inductor").unlink()
+    assert caches.make_cache_dir({"CACHE_DIR": str(cache)}) == cache  # absent: fine (the start makes it)
+    (cache / "inductor").mkdir()
+    assert caches.make_cache_dir({"CACHE_DIR": str(cache)}) == cache

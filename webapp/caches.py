@@ -29,7 +29,7 @@ def make_cache_dir(values: Mapping[str, Any]) -> Path:
 
     :raises SettingsError: naming ``CLASSIFIER_CACHE_DIR`` and the folder: it cannot be created (the OS's
         reason: no such file or directory, permission denied, read-only file system, file name too long...),
-        it exists and is not a folder, or this process cannot write in it.
+        it exists and is not a folder, this process cannot write in it, or its ``inductor`` is not a folder.
     """
     path = cache_dir(values)
     what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
@@ -47,6 +47,10 @@ def make_cache_dir(values: Mapping[str, Any]) -> Path:
         why = os.strerror(errno.EROFS if read_only else errno.EACCES)  # a read-only mount is not a permission
         raise SettingsError(f"{what} cannot be written: {why} (start-up writes there: the precision record, and "
                             f"the compiled model where it is not built yet)")
+    inductor = path / "inductor"  # where compiled kernels go (startup.inductor_cache_dir): a worker's compile
+    if look(inductor)[0] not in (None, "folder"):  # failed on a file there, after the port was open
+        raise SettingsError(f"{what}: {inductor} (where compiled kernels go) is not a folder: remove it, and the "
+                            f"next start makes the folder")
     return path
 
 
