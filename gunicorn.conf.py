@@ -130,6 +130,11 @@ def on_starting(server):
         lifecycle.exit_now(lifecycle.EXIT_LISTEN)
     lifecycle.master()  # the pipe the workers report on: made before the first fork
     lifecycle.guard_halt(server)
+    from webapp import preload
+
+    # Before the 503 responder's thread allocates: it got an arena of its own, which every worker inherited
+    # (/healthz showed malloc_arenas 2 with the setting at 1; tryout14). Each worker sets it again as it forks.
+    preload.limit_arenas(_s.MALLOC_ARENAS)
     metrics_dir = _clear_metrics_dir()
     if metrics_dir:
         server.log.info("/metrics counts all workers: PROMETHEUS_MULTIPROC_DIR=%s", metrics_dir)

@@ -233,9 +233,9 @@ SETTINGS: tuple[Setting, ...] = (
             "decoding and batches freed back to the OS (glibc malloc_trim): after 12 MP uploads a worker drops from "
             "~165 to ~100 MB private. The first photo after that pays the pages again (~3-5 ms). 0: never.",
             low=0, high=86_400, commands=(SERVE,)),
-    Setting("MALLOC_ARENAS", _int, 1, "glibc malloc arenas a worker's threads share (mallopt M_ARENA_MAX, set as "
-            "it forks). glibc gives each thread that allocates its own, up to 8 per core, and each keeps what its "
-            "thread freed: 12 MP uploads left a loaded worker at 148-175 MB private, 143-150 with one arena, at the "
+    Setting("MALLOC_ARENAS", _int, 1, "glibc malloc arenas a worker's threads share (mallopt M_ARENA_MAX, set before "
+            "and as it forks). glibc gives each thread that allocates its own, up to 8 per core, and each keeps what "
+            "its thread freed: 12 MP uploads left a loaded worker at 148-175 MB private, 143-150 with one arena, at the "
             "same CPU per image. 0: glibc's own default.", low=0, high=1024, commands=(SERVE,)),
     Setting("QUEUE_SIZE", _int, 64, "Most images waiting in one worker's queue; more get 429 with Retry-After.",
             low=1, high=100_000),
