@@ -550,6 +550,7 @@ def test_plain_form_without_javascript(server, browser, tmp_path):
     try:
         page.goto(server.url + "/?lang=zh")
         assert page.locator("html").get_attribute("class") == "no-js"
+        assert page.get_by_text("未启用 JavaScript 时照片按原文件上传：一次最多 16 张，合计不超过 33 MB。").is_visible()
         page.set_input_files("#file", str(shared_image("dog.jpg")))
         page.click("button[type=submit]")
         page.wait_for_load_state()

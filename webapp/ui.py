@@ -55,6 +55,10 @@ def i18n_context() -> dict:
         # static/app.js waits this long (s), plus the upload's time, before saying no answer came: the server's own
         # bound on an answer (REQUEST_TIMEOUT_S: body read to result) and 30 s for the network and the queue to it
         "answer_within_s": clf.settings.REQUEST_TIMEOUT_S + 30 if clf else "",
+        # the plain form sends photos as they are, all in one body: its limits, said before they refuse it (a 40 MB
+        # photo beside a good one failed both without a word before: tryout16)
+        "form_limits": i18n.strings(lang)["nojs_limits"].format(
+            files=clf.settings.MAX_FILES, mb=f"{clf.settings.MAX_UPLOAD_BYTES // 10**6:,}") if clf else "",
     }
 
 
