@@ -67,4 +67,5 @@ def where_space_ran_out(reason: str, values: Mapping[str, Any]) -> str:
         except OSError:
             continue
         where.append(f"{what} {path} has {st.f_bavail * st.f_frsize / 2**20:,.0f} MB free")
-    return f"{reason}; {', '.join(where)} (a first compile writes ~150 MB to the cache)" if where else reason
+    return (f"{reason}; {', '.join(where)} (a first compile writes about 100 MB to the cache, and the compiler's "
+            f"temporary files to TMPDIR)") if where else reason

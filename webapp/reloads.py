@@ -10,10 +10,10 @@ cache disk took the service down). Here:
 - ``failed_start``: a worker whose start-up failed stops the server (exit 3, its reason as the last line) only
   where it was forked before any worker served (the first start: an operator is watching, and systemd shows
   the failure) or nothing serves now. Otherwise the workers that serve go on, and the master logs an error with
-  the reason: a reload is given up (the old workers stay, with the old settings; the reload's other new
-  workers still starting are stopped, so old and new settings never serve side by side); a replacement is not forked
-  again and again (each would fail the same way, for as long as a compile takes): the server serves with the
-  workers it has, until a SIGHUP (the count read again) or a SIGTTIN.
+  the reason: a reload is given up (the old workers stay; the reload's other new workers still starting are
+  stopped, as they would likely fail the same way); a replacement is not forked again and again (each would
+  fail the same way, for as long as a compile takes): the server serves with the workers it has, until a
+  SIGHUP (the count read again) or a SIGTTIN.
 
 Master side, torch- and Flask-free, as ``webapp.lifecycle``.
 """
@@ -110,7 +110,7 @@ def failed_start(server, worker) -> None:
         for _, w in sorted(server.WORKERS.items(), key=lambda item: item[1].age):  # the old workers are the current
             server.worker_age += 1  # generation now: gunicorn's reload waits (graceful_timeout, its main loop
             w.age = server.worker_age  # blocked) until every worker is younger than the reload
-        then = "the reload is given up: the workers started before it serve on, with the settings they had"
+        then = "the reload is given up: the workers started before it serve on"
     else:  # a replacement of a worker that died
         then = (f"serving with {left} of {server.num_workers} workers; it is not started again (it would fail "
                 f"the same way) until a SIGHUP reload or a SIGTTIN")
