@@ -45,6 +45,21 @@ function blockOrientation(raw) {
   return 1;
 }
 
+// Where the scans that start with the SOS segment at `pos` end: after the photo's EOI, or at the end of `b` (cut
+// short). Each scan's entropy-coded data is skipped to the next marker (its FF 00 and RSTn are data), and the
+// segments between scans (a progressive JPEG's DHT and SOS) by their lengths, so no byte pair inside a table is
+// taken for the EOI.
+function scansEnd(b, pos) {
+  for (let at = pos; at + 4 <= b.length;) {
+    at += 2 + u16be(b, at + 2);   // past the segment (SOS: its header; the scan's data follows)
+    while (at + 1 < b.length && !(b[at] === 0xff && b[at + 1] !== 0 && b[at + 1] !== 0xff
+                                  && !(b[at + 1] >= 0xd0 && b[at + 1] <= 0xd7))) at += 1;
+    if (at + 1 >= b.length) return b.length;
+    if (b[at + 1] === 0xd9) return at + 2;
+  }
+  return b.length;
+}
+
 /**
  * JPEG bytes `b` without metadata: [parts], or null where its header does not parse (then it goes as it is).
  * The first EXIF segment's orientation (the one Pillow reads) is written back as a minimal EXIF.
@@ -57,11 +72,7 @@ function jpeg(b) {
     const marker = b[pos + 1];
     if (marker === 0xff) { pos += 1; continue; }   // fill byte
     if (marker === 0xda) {   // SOS: the scans, up to the photo's EOI (or to the end, where it has none: cut short)
-      let end = b.length;
-      for (let i = pos + 2; i + 1 < b.length; i += 1) {
-        if (b[i] === 0xff && b[i + 1] === 0xd9) { end = i + 2; break; }
-      }
-      parts.push(b.subarray(pos, end));
+      parts.push(b.subarray(pos, scansEnd(b, pos)));
       if (orientation > 1) {
         const app1 = new Uint8Array([0xff, 0xe1, 0, 2 + 6 + 26, 0x45, 0x78, 0x69, 0x66, 0, 0]);   // "Exif\0\0"
         parts.splice(1, 0, app1, orientationTiff(orientation));

@@ -648,10 +648,21 @@ def metadata_laden(fmt: str, size: tuple[int, int], **save) -> bytes:
         stored.save(out, "PNG", exif=exif, pnginfo=text)
     elif fmt == "MPO":  # a phone's photo with a second image after it (a gain map, a depth map)
         stored.save(out, "MPO", save_all=True, append_images=[stored.resize((64, 48))], exif=exif, **save)
+    elif fmt == "MOTION":  # a Motion Photo: the JPEG, then its video after the EOI
+        stored.save(out, "JPEG", exif=exif, xmp=xmp, **save)
+        out.write(b"\0\0\0\x18ftypmp42\0\0\0\0mp42isom" + bytes(2000) + b"Secretville video")
     else:
         stored.save(out, fmt, exif=exif, xmp=xmp, **({"comment": b"taken at Secretville"} if fmt == "JPEG" else {}),
                     **save)
     return out.getvalue()
+
+
+def data_after_eoi(jpeg: bytes) -> bytes:
+    """What follows a JPEG's EOI (its marker segments and scans walked, as the server walks them)."""
+    from webapp.formats import jpeg_segments
+
+    last = list(jpeg_segments(jpeg, scans=True))[-1]
+    return jpeg[last.end:]
 
 
 @pytest.mark.parametrize("name, fmt, size, save", [
@@ -660,6 +671,8 @@ def metadata_laden(fmt: str, size: tuple[int, int], **save) -> bytes:
     ("small.png", "PNG", (300, 240), {}),
     ("small.webp", "WEBP", (300, 240), {"quality": 90}),
     ("phone.mpo.jpg", "MPO", (300, 240), {"quality": 90}),
+    ("motion.jpg", "MOTION", (300, 240), {"quality": 90}),
+    ("progressive.jpg", "JPEG", (300, 240), {"quality": 90, "progressive": True}),
 ])
 def test_a_photo_sent_as_it_is_goes_without_its_metadata_and_keeps_its_answer(server, browser, name, fmt, size,
                                                                                 save):
@@ -668,6 +681,8 @@ def test_a_photo_sent_as_it_is_goes_without_its_metadata_and_keeps_its_answer(se
     It goes without its metadata now, its orientation kept, and the server answers it as it answers the file."""
     original = metadata_laden(fmt, size, **save)
     assert b"PhoneMaker" in original and b"SN-0042" in original and (fmt == "MPO" or b"Secretville" in original)
+    if fmt == "MOTION":
+        assert data_after_eoi(original)
     tab = Page(browser, locale="en-US", viewport={"width": 1100, "height": 900})
     page = tab.page
     rec = Recorder(page)
@@ -678,12 +693,14 @@ def test_a_photo_sent_as_it_is_goes_without_its_metadata_and_keeps_its_answer(se
         wait_for_labels(page, card, DOG_EN)
         _, data, _ = rec.sent()[name]
         assert not any(secret in data for secret in (b"PhoneMaker", b"SN-0042", b"Secretville", b"xmpmeta")), name
+        if fmt in ("JPEG", "MPO", "MOTION"):
+            assert data_after_eoi(data) == b"", name  # nothing after the photo: no video, no second image
         how = card.get_attribute("data-sent")
         print(f"\n{name}: {len(original):,} bytes, sent {how}: {len(data):,} bytes")
         with Image.open(io.BytesIO(data)) as sent:
             if how != "scaled":  # as it is, without its metadata: the same pixels, the orientation alone kept
                 with Image.open(io.BytesIO(original)) as im:
-                    assert sent.format == ("JPEG" if fmt == "MPO" else im.format) and sent.size == im.size
+                    assert sent.format == ("JPEG" if fmt in ("MPO", "MOTION") else im.format) and sent.size == im.size
                     assert np.array_equal(np.asarray(sent.convert("RGB")), np.asarray(im.convert("RGB")))
                 assert dict(sent.getexif()) == {0x0112: 6}, dict(sent.getexif())
                 assert card.locator(".timing .sent").inner_text() == \
