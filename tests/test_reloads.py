@@ -66,6 +66,7 @@ def test_a_reload_that_cannot_start_leaves_the_old_worker_serving(tmp_path):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a rare path (a worker dies, then its replacement cannot start), ~10 s: with `-m extended`
 def test_a_replacement_that_cannot_start_is_not_forked_again_and_again(tmp_path):
     srv = faulty_server(tmp_path, workers=2)
     try:
