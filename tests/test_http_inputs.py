@@ -30,6 +30,7 @@ from PIL import Image, ImageOps
 
 from conftest import DOG_BREEDS, ROOT, encode, png_bytes, png_chunk, png_declaring, shared_image, small_png
 from bench import exif_blocks
+from bench.fuzz import fix_png_crcs
 from serving import Server
 
 pytestmark = pytest.mark.server
@@ -666,17 +667,6 @@ def _fuzz_seeds() -> list[bytes]:
 FUZZ_SEEDS = _fuzz_seeds()
 
 
-def _fix_png_crcs(data: bytes) -> bytes:
-    out, pos = bytearray(data), 8
-    while data.startswith(b"\x89PNG") and pos + 12 <= len(out):
-        end = pos + 8 + struct.unpack(">I", out[pos:pos + 4])[0]
-        if end + 4 > len(out):
-            break
-        out[end:end + 4] = struct.pack(">I", zlib.crc32(bytes(out[pos + 4:end])))
-        pos = end + 4
-    return bytes(out)
-
-
 @st.composite
 def mutated(draw) -> bytes:
     data = bytearray(draw(st.sampled_from(FUZZ_SEEDS)))
@@ -697,7 +687,7 @@ def mutated(draw) -> bytes:
             del data[pos:pos + draw(st.integers(1, 64))]
         else:
             del data[pos:]
-    return _fix_png_crcs(bytes(data)) if draw(st.booleans()) else bytes(data)
+    return fix_png_crcs(bytes(data)) if draw(st.booleans()) else bytes(data)
 
 
 def _send_and_check(srv, data: bytes, how: str) -> None:
