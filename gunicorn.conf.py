@@ -20,8 +20,9 @@ sdnotify.take_notify_socket()  # systemd's Type=notify: READY=1 once a worker se
 try:
     _s = settings.load()
     # The workers' cache folder, made here as a worker would: one that cannot be is a setting's fault, said
-    # before listening, not each worker's "loading model failed" and exit 3.
-    caches.make_cache_dir(_s)
+    # before listening, not each worker's "loading model failed" and exit 3. (One that cannot be written is
+    # used as it is: a warm cache shipped read-only; each worker says so.)
+    caches.make_cache_dir(_s, read_only_ok=True)
 except settings.SettingsError as exc:
     lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {exc}")
 

@@ -44,14 +44,17 @@ def test_a_folder_that_cannot_be_made_names_the_setting_and_the_reason(tmp_path,
 @pytest.mark.parametrize("read_only, why", [(False, "Permission denied"), (True, "Read-only file system")])
 def test_a_folder_that_cannot_be_written_is_refused_saying_why(tmp_path, monkeypatch, read_only, why):
     """Not writable: for this user (permission denied), or on a read-only mount, which said "Permission denied"
-    too (tryout15). Told by the mount's flag. (Faked: root writes in any folder, and a test cannot mount.)"""
+    too (tryout15). Told by the mount's flag. (Faked: root writes in any folder; tests/test_records.py mounts.)"""
     folder = tmp_path / "locked"
     folder.mkdir(mode=0o500)
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     monkeypatch.setattr(os, "statvfs", lambda path: type("Vfs", (), {"f_flag": os.ST_RDONLY if read_only else 0}))
-    with pytest.raises(SettingsError, match=f"^CLASSIFIER_CACHE_DIR={folder} cannot be written: {why} \\(start-up "
-                                            f"writes there: the precision record, and the compiled model"):
-        caches.make_cache_dir(settings.load({"CLASSIFIER_CACHE_DIR": str(folder)}))
+    values = settings.load({"CLASSIFIER_CACHE_DIR": str(folder)})
+    with pytest.raises(SettingsError, match=f"^CLASSIFIER_CACHE_DIR={folder} cannot be written: {why} \\(warm "
+                                            f"writes the compiled model and the precision record there\\)$"):
+        caches.make_cache_dir(values)  # warm's way: it is there to write
+    # A server's and classify's way: a warm cache shipped read-only is used as it is (it was refused: tryout15).
+    assert caches.make_cache_dir(values, read_only_ok=True) == folder and caches.unwritable(folder) == why
 
 
 def test_start_up_makes_it_the_same_way(tmp_path):

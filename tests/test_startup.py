@@ -1,4 +1,4 @@
-"""``auto`` precision decided once per host and CPU (webapp/startup.py ``recorded_precision``).
+"""``auto`` precision decided once per host and CPU (webapp/records.py ``recorded_precision``).
 
 Unit tests drive the record with a scripted decision; the server test checks that the two workers
 of one real gunicorn, and a second start, serve one precision for one reason, from one record.
@@ -15,7 +15,7 @@ import requests
 
 from conftest import small_png
 from serving import Server
-from webapp import startup
+from webapp import records, startup
 
 KEY = {"torch": "2.14.1", "model": "m", "weights": "w.pth", "threads": 1, "cpu": "x", "capability": "AVX512",
        "onednn_max_cpu_isa": "", "native_bf16": True}
@@ -35,9 +35,9 @@ class Decider:
 
 def test_decided_once_then_read_from_the_record(tmp_path):
     decide = Decider()
-    first = startup.recorded_precision(tmp_path, KEY, decide)
-    second = startup.recorded_precision(tmp_path, KEY, decide)
-    path = startup.precision_record_path(tmp_path, KEY)
+    first = records.recorded_precision(tmp_path, KEY, decide)
+    second = records.recorded_precision(tmp_path, KEY, decide)
+    path = records.precision_record_path(tmp_path, KEY)
     record = json.loads(path.read_text())
     assert decide.calls == 1
     assert first == second == ("bf16", f"auto: measured bf16 2.00x fp32 (decided once for this host and CPU: "
@@ -51,27 +51,27 @@ def test_decided_once_then_read_from_the_record(tmp_path):
                                           ("threads", 2), ("capability", "AVX2"), ("onednn_max_cpu_isa", "AVX2")])
 def test_a_changed_key_measures_again(tmp_path, field, value):
     decide = Decider()
-    startup.recorded_precision(tmp_path, KEY, decide)
+    records.recorded_precision(tmp_path, KEY, decide)
     changed = {**KEY, field: value}
-    startup.recorded_precision(tmp_path, changed, Decider(("fp32", "auto: measured bf16 0.90x fp32, so fp32")))
-    assert startup.precision_record_path(tmp_path, changed) != startup.precision_record_path(tmp_path, KEY)
-    assert startup.recorded_precision(tmp_path, KEY, decide)[0] == "bf16"  # each key keeps its own record
-    assert startup.recorded_precision(tmp_path, changed, decide)[0] == "fp32"
+    records.recorded_precision(tmp_path, changed, Decider(("fp32", "auto: measured bf16 0.90x fp32, so fp32")))
+    assert records.precision_record_path(tmp_path, changed) != records.precision_record_path(tmp_path, KEY)
+    assert records.recorded_precision(tmp_path, KEY, decide)[0] == "bf16"  # each key keeps its own record
+    assert records.recorded_precision(tmp_path, changed, decide)[0] == "fp32"
     assert decide.calls == 1
 
 
 def test_a_damaged_record_is_measured_again(tmp_path):
-    path = startup.precision_record_path(tmp_path, KEY)
+    path = records.precision_record_path(tmp_path, KEY)
     path.write_text('{"key": ')
     decide = Decider()
-    assert startup.recorded_precision(tmp_path, KEY, decide)[0] == "bf16"
+    assert records.recorded_precision(tmp_path, KEY, decide)[0] == "bf16"
     assert decide.calls == 1 and json.loads(path.read_text())["precision"] == "bf16"
 
 
 def test_workers_starting_together_wait_for_one_measurement(tmp_path):
     decide = Decider(delay=0.3)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(startup.recorded_precision(tmp_path, KEY, decide)))
+    threads = [threading.Thread(target=lambda: results.append(records.recorded_precision(tmp_path, KEY, decide)))
                for _ in range(4)]
     for t in threads:
         t.start()
@@ -84,9 +84,32 @@ def test_an_unusable_cache_decides_alone_and_says_so(tmp_path):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     decide = Decider()
-    precision, reason = startup.recorded_precision(not_a_folder, KEY, decide)
+    precision, reason = records.recorded_precision(not_a_folder, KEY, decide)
     assert precision == "bf16" and decide.calls == 1
     assert reason.startswith("auto: measured bf16 2.00x fp32 (decided by this process only: the record ")
+
+
+def test_a_record_in_a_cache_that_cannot_be_written_is_read_without_its_lock(tmp_path, monkeypatch):
+    """A warm cache shipped read-only: its lock file cannot be made, and its record was not used: each worker
+    measured alone, and said the record was unusable (tryout15). A record is renamed in whole: read as it is."""
+    import errno
+
+    from filelock import FileLock
+
+    records.recorded_precision(tmp_path, KEY, Decider())  # the record, made where the cache was warmed
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", f"{self.lock_file}")
+
+    monkeypatch.setattr(FileLock, "acquire", read_only)
+    decide = Decider(("fp32", "auto: measured here"))
+    precision, reason = records.recorded_precision(tmp_path, KEY, decide)
+    assert (precision, decide.calls) == ("bf16", 0)
+    assert reason.startswith("auto: measured bf16 2.00x fp32 (decided once for this host and CPU: precision-")
+    other = {**KEY, "threads": 3}  # no record for this key: measured alone, as before
+    assert records.recorded_precision(tmp_path, other, decide) == (
+        "fp32", f"auto: measured here (decided by this process only: the record "
+                f"{records.precision_record_path(tmp_path, other).name} was unusable)")
 
 
 def test_the_key_names_the_cpu_as_this_process_runs_it(monkeypatch):

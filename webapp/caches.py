@@ -24,12 +24,29 @@ def cache_dir(values: Mapping[str, Any]) -> Path:
     return expand(values["CACHE_DIR"] or Path.home() / ".cache" / "photo-classifier")
 
 
-def make_cache_dir(values: Mapping[str, Any]) -> Path:
+def unwritable(path: Path) -> str | None:
+    """Why this process cannot write in the folder ``path`` ("Read-only file system", "Permission denied"), or
+    None where it can. A read-only mount is told by its flag: it said "Permission denied" too (tryout15)."""
+    if os.access(path, os.W_OK | os.X_OK):
+        return None
+    try:
+        read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    return os.strerror(errno.EROFS if read_only else errno.EACCES)
+
+
+def make_cache_dir(values: Mapping[str, Any], *, read_only_ok: bool = False) -> Path:
     """Create the cache folder (``cache_dir``) with its parents if it is missing, as every start-up does; return it.
+
+    ``read_only_ok``: a folder that exists and cannot be written is taken as it is (a warm cache shipped on a
+    read-only mount, a container's read-only root: what it holds is used, ``startup.use_cache_dir`` says so);
+    ``warm``, whose work is to write there, refuses it.
 
     :raises SettingsError: naming ``CLASSIFIER_CACHE_DIR`` and the folder: it cannot be created (the OS's
         reason: no such file or directory, permission denied, read-only file system, file name too long...),
-        it exists and is not a folder, this process cannot write in it, or its ``inductor`` is not a folder.
+        it exists and is not a folder, this process cannot write in it (unless ``read_only_ok``), or its
+        ``inductor`` is not a folder.
     """
     path = cache_dir(values)
     what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
@@ -39,14 +56,9 @@ def make_cache_dir(values: Mapping[str, Any]) -> Path:
         # Asked with paths.look, not path.exists(): that raises again for a name part over 255 bytes.
         why = "it exists and is not a folder" if look(path)[0] not in (None, "folder") else reason(exc)
         raise SettingsError(f"{what} cannot be created: {why}") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        try:
-            read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
-        except OSError:
-            read_only = False
-        why = os.strerror(errno.EROFS if read_only else errno.EACCES)  # a read-only mount is not a permission
-        raise SettingsError(f"{what} cannot be written: {why} (start-up writes there: the precision record, and "
-                            f"the compiled model where it is not built yet)")
+    if (why := unwritable(path)) and not read_only_ok:
+        raise SettingsError(f"{what} cannot be written: {why} (warm writes the compiled model and the precision "
+                            f"record there)")
     inductor = path / "inductor"  # where compiled kernels go (startup.inductor_cache_dir): a worker's compile
     if look(inductor)[0] not in (None, "folder"):  # failed on a file there, after the port was open
         raise SettingsError(f"{what}: {inductor} (where compiled kernels go) is not a folder: remove it, and the "

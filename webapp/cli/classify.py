@@ -160,7 +160,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     if args.out or args.address:
         err("error: --out and --address go with --cluster")
         return EXIT_USAGE
-    caches.make_cache_dir(s)  # a folder that cannot be made is a setting's fault (SettingsError: exit 2)
+    caches.make_cache_dir(s, read_only_ok=True)  # one that cannot be made is a setting's fault (SettingsError: 2)
     items, skipped = collect_files(args.paths, all_files=args.all_files)
     report_skipped(skipped)
     if not any(path for _, path, _ in items):
