@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.server
 import io
 import json
+import os
 import random
 import subprocess
 import sys
@@ -212,11 +213,13 @@ NOT_READY = {"code": "not_ready", "status": 503, "message": "the model is not re
 
 
 class Stub(http.server.ThreadingHTTPServer):
-    """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200; records arrival times.
+    """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200 (or, ``stall``, never);
+    records arrival times.
     GET /api/v1/models answers ``starting`` times as a starting server does (503 not_ready, Retry-After:
     ``retry_after``) first; ``probes`` records those GETs' arrival times."""
 
-    def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1"):
+    def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1",
+                 stall: bool = False):
         self.plan, self.arrivals, self.probes, self.starting = list(plan), [], [], starting
         stub = self
 
@@ -246,6 +249,8 @@ class Stub(http.server.ThreadingHTTPServer):
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 stub.arrivals.append(time.monotonic())
+                if stall:  # takes the upload and never answers (a stuck server)
+                    time.sleep(3600)
                 if stub.plan:
                     status, after = stub.plan.pop(0)
                     body = {"error": {"code": "overloaded", "message": "server busy", "status": status}}
@@ -365,7 +370,7 @@ def test_a_server_that_stays_starting_is_said_to_be_starting(tmp_path, monkeypat
 
 def test_a_server_that_never_answers_the_probe_is_named_within_the_probe_timeout(tmp_path, monkeypatch, capsys):
     """A server that takes the connection and says nothing: an error after PROBE_READ_TIMEOUT_S (30 s; 0.5 here),
-    not after the uploads' READ_TIMEOUT_S (300 s; 20 here), exit 1."""
+    not after the uploads' READ_TIMEOUT_S (120 s; 20 here), exit 1."""
     import socket
 
     from webapp import cli
@@ -385,6 +390,55 @@ def test_a_server_that_never_answers_the_probe_is_named_within_the_probe_timeout
         silent.close()
     assert status == 1 and took < 5, took
     assert capsys.readouterr().err.splitlines() == [f"error: no answer from {url} within 0.5 s (GET /api/v1/models)"]
+
+
+def test_a_server_that_takes_uploads_and_never_answers_ends_the_run_soon(tmp_path, monkeypatch, capsys):
+    """tryout17: each try waited READ_TIMEOUT_S (300 s) and a timed-out try was tried again, 8 times: ~40 minutes
+    per file. Now the file that got no answer fails (``no_answer``), and the files not yet sent fail unsent."""
+    from webapp import cli
+
+    assert remote.READ_TIMEOUT_S == 120.0
+    monkeypatch.setattr(remote, "READ_TIMEOUT_S", 1.0)
+    for i in range(6):
+        Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / f"{i}.png")
+    stub = Stub([], stall=True)
+    try:
+        start = time.monotonic()
+        status = cli.main(["classify", "-q", "-f", "json", "--jobs", "2", str(tmp_path), "--server", stub.url])
+        took = time.monotonic() - start
+    finally:
+        stub.shutdown()
+    out = capsys.readouterr().out
+    rows = json.loads(out)
+    assert status == 1 and took < 5 and len(stub.arrivals) == 2, (took, len(stub.arrivals))  # one try each, 2 sent
+    errors = [r["error"] for r in rows]
+    assert len(errors) == 6 and {e["code"] for e in errors} == {"no_answer"}, errors
+    assert sum(e["message"].startswith("not sent: ") for e in errors) == 4
+    assert all("gave no answer within 1 s" in e["message"] for e in errors)
+
+
+def test_ctrl_c_ends_a_run_waiting_on_answers_at_once(tmp_path):
+    """tryout17: Ctrl-C said "interrupted" and went on waiting for the pool's threads (up to their read timeout);
+    a second one printed a traceback."""
+    import signal
+
+    stub = Stub([], stall=True)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "webapp", "classify", str(tiny_file(tmp_path)), "--server",
+                                 stub.url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 60
+        while not stub.arrivals and time.monotonic() < deadline:  # the upload is in: it waits on the answer
+            time.sleep(0.05)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        out, errors = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        stub.shutdown()
+    assert proc.returncode == 130 and took < 3, (proc.returncode, took, errors[-2000:])
+    assert errors.rstrip().endswith("interrupted") and "Traceback" not in errors, errors[-2000:]
 
 
 # -- local scaling ----------------------------------------------------------------------------------------

@@ -22,7 +22,9 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
 - **Files read as locally** (``files.read_limited``): one over ``MAX_UPLOAD_BYTES`` is ``too_large``
   unread, and no more than the limit + 1 bytes of any file are ever held.
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
-  and message, or ``connection_error`` / ``read_error``, with how many tries it took). At the start,
+  and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
+  no answer within ``READ_TIMEOUT_S`` is ``no_answer``, not tried again, and the files not yet sent are
+  ``no_answer`` too, unsent: the server is stuck. At the start,
   ``GET /api/v1/models`` waits out a 429/503 (a server still starting) as a file does, saying so; a
   server that cannot be reached, stays starting, or says nothing for ``PROBE_READ_TIMEOUT_S`` is one
   error line and exit 1.
@@ -43,7 +45,7 @@ import time
 from pathlib import Path
 
 from .. import settings as settings_mod
-from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plural
 from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
 from .output import write_results
@@ -53,7 +55,11 @@ DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full,
 MAX_TRIES = 8  # per file: the first try and up to 7 more after 429/503 or a dropped connection
 MAX_WAIT_S = 120.0  # per file: the most seconds spent waiting between tries
 JITTER = 0.5  # a wait is Retry-After x uniform(1, 1 + JITTER)
-CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 300.0  # READ: a photo's answer may wait behind a busy server's queue
+# READ: after an upload, the longest silence before its answer. The server bounds an answer by its
+# CLASSIFIER_REQUEST_TIMEOUT_S (30 s by default) from the body's end and refuses what it cannot take in time at
+# once (429), so 120 s of silence is a stuck server: that file fails, not tried again, and no more files are
+# sent to it (tryout17: 300 s per try, 8 tries, ~40 minutes per file on a server that took uploads and stalled).
+CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
 # GET /api/v1/models is answered at once, even by a starting server (its 503): one that takes the connection and
 # says nothing for this long is stuck, and the user is told so now rather than after READ_TIMEOUT_S of silence.
 PROBE_READ_TIMEOUT_S = 30.0
@@ -128,11 +134,14 @@ class Client:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = urllib3.PoolManager(num_pools=1, maxsize=jobs, block=True, retries=False)
+        self.stalled: str | None = None  # set once an upload got no answer within READ_TIMEOUT_S: send no more
 
     def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None,
-                read_timeout_s: float = READ_TIMEOUT_S):
-        """One request, waiting at most ``read_timeout_s`` seconds for each read of the answer; returns urllib3's
-        response. Raises urllib3's errors for a failed connection (``ReadTimeoutError`` for no answer in time)."""
+                read_timeout_s: float | None = None):
+        """One request, waiting at most ``read_timeout_s`` seconds (``READ_TIMEOUT_S`` where None) for each read of
+        the answer; returns urllib3's response. Raises urllib3's errors for a failed connection
+        (``ReadTimeoutError`` for no answer in time)."""
+        read_timeout_s = READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
         import urllib3
 
         return self.http.request(method, self.url + path, body=body, headers={**self.headers, **(headers or {})},
@@ -247,12 +256,19 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
     body, info = scaled(data, short_side, resample, max_pixels) if short_side else (data, None)
     waited, tries = 0.0, 0
     while True:
+        if client.stalled:
+            return {"error": _error("no_answer", f"not sent: {client.stalled}"), "retries": max(tries - 1, 0)}
         tries += 1
         wait = None
         try:
             resp = client.request("POST", f"/api/v1/predict?topk={topk}", body=body,
                                   headers={"Content-Type": "application/octet-stream"})
-        except urllib3.exceptions.HTTPError as exc:  # refused, reset, timed out: the server may be restarting
+        except urllib3.exceptions.ReadTimeoutError:  # it took the upload and said nothing: stuck, not restarting
+            client.stalled = (f"{client.url} took an upload and gave no answer within {READ_TIMEOUT_S:g} s (its "
+                              f"answers are bounded by its CLASSIFIER_REQUEST_TIMEOUT_S: the server is stuck)")
+            return {"error": _error("no_answer", client.stalled.replace("took an upload", "took this upload")),
+                    "retries": tries - 1}
+        except urllib3.exceptions.HTTPError as exc:  # refused, reset: the server may be restarting
             failure = _error("connection_error", f"no answer from {client.url}: {_reason(exc)}")
             wait = min(0.5 * 2 ** (tries - 1), 8.0) * random.uniform(1, 1 + JITTER)
         else:
@@ -355,10 +371,13 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
             failed += result["error"] is not None
             bar.set_postfix(failed=failed, retried=retries, refresh=False)
             bar.update(1)
-    except KeyboardInterrupt:
-        pool.shutdown(wait=False, cancel_futures=True)
-        bar.close()
-        raise
+    except KeyboardInterrupt:  # out at once: the pool's threads may be waiting on answers, and the interpreter
+        pool.shutdown(wait=False, cancel_futures=True)  # would join them at exit (a second Ctrl-C then printed a
+        bar.close()  # traceback: tryout17); nothing of theirs needs saving
+        err("interrupted")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_INTERRUPTED)
     bar.close()
     pool.shutdown()
     elapsed = time.perf_counter() - start
