@@ -63,6 +63,7 @@ CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
 # GET /api/v1/models is answered at once, even by a starting server (its 503): one that takes the connection and
 # says nothing for this long is stuck, and the user is told so now rather than after READ_TIMEOUT_S of silence.
 PROBE_READ_TIMEOUT_S = 30.0
+START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
 RETRY_STATUSES = (429, 503)
 # Settings the server decides; given with --server they would silently do nothing, so they are refused.
 _CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL")
@@ -151,9 +152,9 @@ class Client:
     def serving_model(self, say=None) -> dict:
         """The serving model's ``/api/v1/models`` entry (the one asked for, before the server has loaded one).
 
-        A 429 or 503 (a server still starting answers ``503 not_ready`` on every route) is tried again as an
-        upload is (``retry_wait``, ``out_of_tries``: at most ``MAX_TRIES`` tries, ``MAX_WAIT_S`` seconds of
-        waiting); ``say(line)``, where given, is told of each wait. Each answer may take at most
+        A 429 is tried again as an upload is (``retry_wait``, ``out_of_tries``: at most ``MAX_TRIES`` tries,
+        ``MAX_WAIT_S`` seconds of waiting); a ``503 not_ready`` (a server still starting answers it on every
+        route) for up to ``START_WAIT_S`` seconds of waiting; ``say(line)``, where given, is told of each wait. Each answer may take at most
         ``PROBE_READ_TIMEOUT_S`` seconds.
 
         :raises Unreachable: no connection, no answer within ``PROBE_READ_TIMEOUT_S`` s, still 429/503 when the
@@ -175,14 +176,20 @@ class Client:
             if wait is None:
                 break
             refusal = _refusal(resp)
-            state = "still starting" if refusal["code"] == "not_ready" else "busy"
+            starting = refusal["code"] == "not_ready"
+            wait = max(wait, 1.0) if starting else wait  # (bounded by time: a Retry-After of 0 must not spin)
+            state = "still starting" if starting else "busy"
             said = f"{resp.status} {refusal['code']}: {refusal['message']}"
-            if out_of_tries(tries, waited, wait):
+            # A first start compiles for a minute or more (tryout17: given up after 41 s, ready at 77 s): a
+            # starting server is waited for up to START_WAIT_S, however many tries that takes.
+            if waited + wait > START_WAIT_S if starting else out_of_tries(tries, waited, wait):
                 raise Unreachable(f"the server at {self.url} is {state} ({said}); gave up after {tries} tries, "
                                   f"{waited:.0f} s of waiting")
             if say:
-                say(f"waiting for the server at {self.url} to {'start' if state == 'still starting' else 'take more'}"
-                    f" ({said}); trying again in {wait:.0f} s (try {tries + 1} of {MAX_TRIES})")
+                left = (f"waited {waited:.0f} of at most {START_WAIT_S:.0f} s" if starting
+                        else f"try {tries + 1} of {MAX_TRIES}")
+                say(f"waiting for the server at {self.url} to {'start' if starting else 'take more'}"
+                    f" ({said}); trying again in {wait:.0f} s ({left})")
             time.sleep(wait)
             waited += wait
         try:
