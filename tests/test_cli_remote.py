@@ -330,6 +330,24 @@ def test_a_file_over_the_upload_limit_is_too_large_unread_as_locally(tmp_path):
 
 
 # -- the first probe (GET /api/v1/models): a server still starting, one that never answers -------------------
+def test_the_clients_own_limits_can_be_raised_for_a_server_set_higher(tmp_path):
+    """--max-upload-bytes was refused with --server ("the server's own settings decide") while the client applied
+    its default to every file (tryout17): a server that takes bigger files could not be sent them."""
+    from webapp import cli
+
+    big = tmp_path / "big.png"
+    Image.effect_noise((64, 64), 100).convert("RGB").save(big)
+    assert big.stat().st_size > 2048
+    stub = Stub([])
+    try:
+        refused = cli.main(["classify", "-q", str(big), "--server", stub.url, "--max-upload-bytes", "2048"])
+        sent = cli.main(["classify", "-q", str(big), "--server", stub.url, "--max-upload-bytes", "100000000",
+                         "--max-pixels", "100000000"])
+    finally:
+        stub.shutdown()
+    assert (refused, sent) == (1, 0) and len(stub.arrivals) == 1
+
+
 def test_a_server_still_starting_is_waited_for(tmp_path):
     """503 not_ready + Retry-After on the probe is waited out as an upload's 429/503 is (with the jitter), saying
     so on stderr (not with -q); then the run goes on as usual."""

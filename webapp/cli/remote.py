@@ -66,7 +66,10 @@ PROBE_READ_TIMEOUT_S = 30.0
 START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
 RETRY_STATUSES = (429, 503)
 # Settings the server decides; given with --server they would silently do nothing, so they are refused.
-_CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL")
+# What the client itself uses with --server: the labels asked for, its log, and the limits it reads and scales files
+# by (a file over MAX_UPLOAD_BYTES is not read; over MAX_PIXELS it is sent unscaled): a server set higher needs them
+# raised here too (tryout17: refused as "the server's own settings", yet applied from the environment).
+_CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL", "MAX_UPLOAD_BYTES", "MAX_PIXELS")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
