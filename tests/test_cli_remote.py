@@ -253,8 +253,9 @@ class Stub(http.server.ThreadingHTTPServer):
                 if stall:  # takes the upload and never answers (a stuck server)
                     time.sleep(3600)
                 if stub.plan:
-                    status, after = stub.plan.pop(0)
-                    body = {"error": {"code": "overloaded", "message": "server busy", "status": status}}
+                    status, after, *code = stub.plan.pop(0)  # (a third item: the error's code)
+                    body = {"error": {"code": code[0] if code else "overloaded", "message": "server busy",
+                                      "status": status}}
                 else:
                     status, after = 200, None
                     body = {"results": [{"width": 1, "height": 1, "format": "PNG", "batch_size": 1,
@@ -436,6 +437,23 @@ def test_a_server_that_takes_uploads_and_never_answers_ends_the_run_soon(tmp_pat
     assert len(errors) == 6 and {e["code"] for e in errors} == {"no_answer"}, errors
     assert sum(e["message"].startswith("not sent: ") for e in errors) == 4
     assert all("gave no answer within 1 s" in e["message"] for e in errors)
+
+
+def test_a_missing_token_is_said_once_and_no_more_files_are_sent(tmp_path, capsys):
+    """tryout17: without the token each of 10,000 photos would be read, scaled, uploaded and refused with its own
+    401. After the first 401 the files not yet sent end unsent, with the server's words."""
+    from webapp import cli
+
+    for i in range(6):
+        Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / f"{i}.png")
+    stub = Stub([(401, None, "unauthorized")] * 6)
+    try:
+        status = cli.main(["classify", "-q", "-f", "json", "--jobs", "1", str(tmp_path), "--server", stub.url])
+    finally:
+        stub.shutdown()
+    errors = [r["error"] for r in json.loads(capsys.readouterr().out)]
+    assert status == 1 and len(stub.arrivals) == 1 and {e["code"] for e in errors} == {"unauthorized"}
+    assert sum(e["message"] == "not sent: server busy" for e in errors) == 5, errors
 
 
 def test_ctrl_c_ends_a_run_waiting_on_answers_at_once(tmp_path):

@@ -24,7 +24,8 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
   and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
   no answer within ``READ_TIMEOUT_S`` is ``no_answer``, not tried again, and the files not yet sent are
-  ``no_answer`` too, unsent: the server is stuck. At the start,
+  ``no_answer`` too, unsent: the server is stuck. After a 401 (the token missing or wrong) the files not yet
+  sent are ``unauthorized``, unsent. At the start,
   ``GET /api/v1/models`` waits out a 429/503 (a server still starting) as a file does, saying so; a
   server that cannot be reached, stays starting, or says nothing for ``PROBE_READ_TIMEOUT_S`` is one
   error line and exit 1.
@@ -138,7 +139,9 @@ class Client:
         self.url = url.rstrip("/")
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = urllib3.PoolManager(num_pools=1, maxsize=jobs, block=True, retries=False)
-        self.stalled: str | None = None  # set once an upload got no answer within READ_TIMEOUT_S: send no more
+        # (code, why) once sending more is pointless: an upload got no answer within READ_TIMEOUT_S (the server is
+        # stuck), or a 401 (no token, or a wrong one: every file would get the same); the files not yet sent end so
+        self.stopped: tuple[str, str] | None = None
 
     def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None,
                 read_timeout_s: float | None = None):
@@ -266,17 +269,18 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
     body, info = scaled(data, short_side, resample, max_pixels) if short_side else (data, None)
     waited, tries = 0.0, 0
     while True:
-        if client.stalled:
-            return {"error": _error("no_answer", f"not sent: {client.stalled}"), "retries": max(tries - 1, 0)}
+        if client.stopped:
+            return {"error": _error(client.stopped[0], f"not sent: {client.stopped[1]}"), "retries": max(tries - 1, 0)}
         tries += 1
         wait = None
         try:
             resp = client.request("POST", f"/api/v1/predict?topk={topk}", body=body,
                                   headers={"Content-Type": "application/octet-stream"})
         except urllib3.exceptions.ReadTimeoutError:  # it took the upload and said nothing: stuck, not restarting
-            client.stalled = (f"{client.url} took an upload and gave no answer within {READ_TIMEOUT_S:g} s (its "
-                              f"answers are bounded by its CLASSIFIER_REQUEST_TIMEOUT_S: the server is stuck)")
-            return {"error": _error("no_answer", client.stalled.replace("took an upload", "took this upload")),
+            why = (f"{client.url} took an upload and gave no answer within {READ_TIMEOUT_S:g} s (its answers are "
+                   f"bounded by its CLASSIFIER_REQUEST_TIMEOUT_S: the server is stuck)")
+            client.stopped = ("no_answer", why)
+            return {"error": _error("no_answer", why.replace("took an upload", "took this upload")),
                     "retries": tries - 1}
         except urllib3.exceptions.HTTPError as exc:  # refused, reset: the server may be restarting
             failure = _error("connection_error", f"no answer from {client.url}: {_reason(exc)}")
@@ -291,6 +295,8 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                 return {**{k: r[k] for k in ("width", "height", "format")}, **(info or {}),
                         "predictions": r["predictions"], "batch_size": r.get("batch_size"), "retries": tries - 1}
             failure, wait = _refusal(resp, doc), retry_wait(resp)
+            if resp.status == 401:  # the token (CLASSIFIER_API_TOKEN) is missing or wrong: so for every file
+                client.stopped = (failure["code"], failure["message"])
         if wait is None:
             return {"error": failure, "retries": tries - 1}
         if out_of_tries(tries, waited, wait):
