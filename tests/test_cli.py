@@ -864,3 +864,17 @@ def test_output_is_valid_unicode_for_a_name_that_is_not_utf8(fmt):
         assert rows[0]["path"] == "/photos/caf\\xe9.jpg" and rows[1]["error"] == "m (x)"
     else:
         assert len(text.splitlines()) == 3 and "/photos/two\\nlines.jpg" in text and "caf\\xe9" in text
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback():
+    """``classify ... > /dev/full``: a traceback and exit 1, as if files had failed (tryout17). Now one line, and
+    the caller exits 1 (EXIT_FAILED); nothing more is written at the interpreter's exit."""
+    code = ("import sys; from webapp.cli.output import print_results; "
+            "ok = print_results([{'path': 'a.jpg', 'predictions': [], 'error': None}], 'csv', 3); "
+            "sys.exit(0 if ok is False else 5)")
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "error: cannot write the results to standard output: No space left on device\n"

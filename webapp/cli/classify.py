@@ -25,7 +25,7 @@ from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, r
                     skipped_note, unreadable)
 from .options import (EMPTY_PATH, HelpFormatter, add_setting_options, address_arg, given_settings, positive_int,
                       settings_epilog)
-from .output import write_results
+from .output import print_results
 from .remote import add_arguments as add_remote_arguments
 from .remote import classify_remote
 
@@ -261,8 +261,8 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 
     for r in results:
         r.pop("_path", None)
-    write_results(results, args.format or "table", topk, sys.stdout)
-    sys.stdout.flush()
+    if not print_results(results, args.format or "table", topk):
+        return EXIT_FAILED
     ok = len(results) - failed
     if not args.quiet:
         rate = f", {images / elapsed:.1f} images/s" if elapsed > 0 and images else ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 
 
 def _unicode(path: str) -> str:
@@ -50,3 +51,22 @@ def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
             text = _error_text(r["error"]) if r["error"] else "  ".join(
                 f"{p['label']} {100 * p['probability']:.1f}%" for p in r["predictions"])
             out.write(f"{r['path']:<{width}}  {text}\n")
+
+
+def print_results(results: list[dict], fmt: str, topk: int) -> bool:
+    """``write_results`` to standard output, flushed; False (said in one line on stderr) where the output cannot be
+    written: a full disk (``> /dev/full``), a quota, an I/O error. It was a traceback and exit 1, as if files had
+    failed (tryout17). A closed pipe (``| head``) still propagates: the reader left, and ``main`` says nothing."""
+    try:
+        write_results(results, fmt, topk, sys.stdout)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        print(f"error: cannot write the results to standard output: {exc.strerror or exc}", file=sys.stderr)
+        try:  # the interpreter's own flush at exit would fail again, with a traceback of its own
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return False

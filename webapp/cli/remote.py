@@ -49,7 +49,7 @@ from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plural
 from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
-from .output import write_results
+from .output import print_results
 from .scaling import scaled
 
 DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full, few enough for its queue
@@ -399,8 +399,8 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
     elapsed = time.perf_counter() - start
     for r in results:
         r.pop("_path", None)
-    write_results(results, args.format or "table", topk, sys.stdout)
-    sys.stdout.flush()
+    if not print_results(results, args.format or "table", topk):
+        return EXIT_FAILED
     if not args.quiet:
         done = len(todo) - (failed - (len(results) - len(todo)))
         rate = f", {done / elapsed:.1f} images/s" if elapsed > 0 and done else ""
