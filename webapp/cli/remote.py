@@ -1,18 +1,14 @@
 """``python -m webapp classify --server URL PATH...``: photos to a running server, over N connections.
 
 The same files as local ``classify`` (``files.collect_files``), the same results, progress bar,
-table/JSON/CSV (``output.write_results``) and exit status; the labels come from the server's
+table/JSON/CSV (``output.print_results``) and exit status; the labels come from the server's
 ``POST /api/v1/predict``. What makes it fit for a big folder and a busy server:
 
-- **Scaled locally first** (unless ``--no-scale``): a JPEG whose short side is over what
-  ``GET /api/v1/models`` says is worth sending for the serving model (``send_short_side``: its resize
-  size) goes through the server's own first steps here (decoded at reduced scale with Pillow ``draft``
-  exactly as the server's fast decode would, turned upright (EXIF), resized with the model's filter
-  ``send_resample`` to that short side) and is sent as lossless WebP: the server's resize of it is then
-  the identity, so the very same pixels reach the model, and the same answers (``scaling.scaled``). A 3.2 MB
-  12 MP phone photo is sent as ~130 KB (341x256). The results still report the original's upright size
-  and format, as local ``classify`` does. Any other file is sent as it is (the server says what is wrong,
-  if anything).
+- **Scaled locally first** (unless ``--no-scale``): a JPEG whose short side is over the serving model's
+  ``send_short_side`` (``GET /api/v1/models``) goes through the server's own first steps here (``draft``
+  decode as the server's, upright, resized with ``send_resample``) and is sent as lossless WebP, so the
+  same pixels reach the model (``scaling.scaled``): a 3.2 MB 12 MP photo as ~130 KB. Results report the
+  original's size and format. Any other file is sent as it is (the server says what is wrong, if anything).
 - **N concurrent connections** (``--jobs``, default ``DEFAULT_JOBS``): a thread pool
   (``concurrency.client_pool``) over one urllib3 pool of keep-alive connections.
 - **Back-pressure honoured**: a 429 (``overloaded``, ``rate_limited``) or 503 (``not_ready``) is
@@ -25,10 +21,9 @@ table/JSON/CSV (``output.write_results``) and exit status; the labels come from 
   and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
   no answer within ``READ_TIMEOUT_S`` is ``no_answer``, not tried again, and the files not yet sent are
   ``no_answer`` too, unsent: the server is stuck. After a 401 (the token missing or wrong) the files not yet
-  sent are ``unauthorized``, unsent. At the start,
-  ``GET /api/v1/models`` waits out a 429/503 (a server still starting) as a file does, saying so; a
-  server that cannot be reached, stays starting, or says nothing for ``PROBE_READ_TIMEOUT_S`` is one
-  error line and exit 1.
+  sent are ``unauthorized``, unsent. At the start, ``GET /api/v1/models`` waits out a 429 as a file does, a
+  starting server for ``START_WAIT_S``, saying so; a server that cannot be reached, stays starting, or says
+  nothing for ``PROBE_READ_TIMEOUT_S`` is one error line and exit 1.
 
 The token, where the server needs one, is read from ``CLASSIFIER_API_TOKEN`` (not an option: a
 command line shows in ``ps``).
@@ -56,20 +51,16 @@ DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full,
 MAX_TRIES = 8  # per file: the first try and up to 7 more after 429/503 or a dropped connection
 MAX_WAIT_S = 120.0  # per file: the most seconds spent waiting between tries
 JITTER = 0.5  # a wait is Retry-After x uniform(1, 1 + JITTER)
-# READ: after an upload, the longest silence before its answer. The server bounds an answer by its
-# CLASSIFIER_REQUEST_TIMEOUT_S (30 s by default) from the body's end and refuses what it cannot take in time at
-# once (429), so 120 s of silence is a stuck server: that file fails, not tried again, and no more files are
-# sent to it (tryout17: 300 s per try, 8 tries, ~40 minutes per file on a server that took uploads and stalled).
+# READ: an answer's longest silence. The server bounds answers by CLASSIFIER_REQUEST_TIMEOUT_S (30 s) and refuses
+# at once what it cannot take: 120 s of silence is a stuck server (it was 300 s, retried: 40 minutes a file).
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
-# GET /api/v1/models is answered at once, even by a starting server (its 503): one that takes the connection and
-# says nothing for this long is stuck, and the user is told so now rather than after READ_TIMEOUT_S of silence.
+# GET /api/v1/models is answered at once, even by a starting server (its 503): silence this long is a stuck one.
 PROBE_READ_TIMEOUT_S = 30.0
 START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
 RETRY_STATUSES = (429, 503)
-# Settings the server decides; given with --server they would silently do nothing, so they are refused.
-# What the client itself uses with --server: the labels asked for, its log, and the limits it reads and scales files
-# by (a file over MAX_UPLOAD_BYTES is not read; over MAX_PIXELS it is sent unscaled): a server set higher needs them
-# raised here too (tryout17: refused as "the server's own settings", yet applied from the environment).
+# The settings the client itself uses with --server (the others are the server's, refused): the labels asked for,
+# its log, and its own file limits (over MAX_UPLOAD_BYTES unread, over MAX_PIXELS unscaled), to raise for a server
+# set higher.
 _CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL", "MAX_UPLOAD_BYTES", "MAX_PIXELS")
 
 
