@@ -197,9 +197,9 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
                    _json("V2ServerMetadata", "Name, version, extensions."), 503),  # 503: the master, while starting
         "/v2/health/live": get("v2Live", "Liveness", [], _json("V2Live", "`{\"live\": true}`."), 503),
         "/v2/health/ready": get("v2Ready", "Readiness (as `/readyz`)", [], ready),
-        "/v2/models/{name}": get("v2ModelMetadata", "Model metadata", model, meta, 404, 405),
+        "/v2/models/{name}": get("v2ModelMetadata", "Model metadata", model, meta, 404, 405, 503),  # 503: starting
         "/v2/models/{name}/versions/{version}": get("v2ModelVersionMetadata", "Model metadata", versioned, meta,
-                                                    404, 405),
+                                                    404, 405, 503),
         "/v2/models/{name}/ready": get("v2ModelReady", "Model readiness", model, ready, 404, 405),
         "/v2/models/{name}/versions/{version}/ready": get("v2ModelVersionReady", "Model readiness", versioned,
                                                           ready, 404, 405),
