@@ -150,9 +150,9 @@ class Client:
         """The serving model's ``/api/v1/models`` entry (the one asked for, before the server has loaded one).
 
         A 429 is tried again as an upload is (``retry_wait``, ``out_of_tries``: at most ``MAX_TRIES`` tries,
-        ``MAX_WAIT_S`` seconds of waiting); a ``503 not_ready`` (a server still starting answers it on every
-        route) for up to ``START_WAIT_S`` seconds of waiting; ``say(line)``, where given, is told of each wait. Each answer may take at most
-        ``PROBE_READ_TIMEOUT_S`` seconds.
+        ``MAX_WAIT_S`` seconds of waiting); a ``503 not_ready`` (a starting server's, on every route) for up to
+        ``START_WAIT_S`` seconds of waiting; ``say(line)``, where given, is told of each wait. Each answer may
+        take at most ``PROBE_READ_TIMEOUT_S`` seconds.
 
         :raises Unreachable: no connection, no answer within ``PROBE_READ_TIMEOUT_S`` s, still 429/503 when the
             tries run out, or not this service's answer.
