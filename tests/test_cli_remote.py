@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT, SHARED_IMAGES, encode, shared_image
-from serving import Server, free_port
+from serving import Server, as_a_terminal_job, free_port
 from webapp.cli import remote
 from webapp.settings import PREFIX
 
@@ -465,7 +465,8 @@ def test_ctrl_c_ends_a_run_waiting_on_answers_at_once(tmp_path):
     try:
         proc = subprocess.Popen([sys.executable, "-m", "webapp", "classify", str(tiny_file(tmp_path)), "--server",
                                  stub.url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=as_a_terminal_job)  # SIGINT as a terminal's job has it (CI: ignored)
         deadline = time.monotonic() + 60
         while not stub.arrivals and time.monotonic() < deadline:  # the upload is in: it waits on the answer
             time.sleep(0.05)
