@@ -206,3 +206,53 @@ print(json.dumps({"orphan": orphan, "found": found, "ended": ended, "after": psu
     assert result["found"] == [result["orphan"]]  # re-parented to us, so found
     assert len(result["ended"]) == 1 and f"({result['orphan']})" in result["ended"][0]
     assert result["after"] is False  # SIGKILLed after the grace (it ignored SIGTERM) and collected
+
+
+def test_a_drain_given_up_cannot_start_a_new_ray(tmp_path):
+    """``shut_down``: the drain's thread, left running when the drain is given up, makes its Serve call after
+    ``ray.shutdown``; Serve's ``_connect`` then calls ``ray.init()``, which must refuse rather than start a new
+    local Ray mid-stop (seen in CI: the command killed after 60.6 s against a 50 s bound). Without Ray running:
+    the drain is a stand-in that waits for ``ray.shutdown`` and then connects as ``serve.delete`` does."""
+    script = """
+import json, threading, time
+from webapp.cluster import stopping
+from webapp.cluster.stopping import ray
+from ray.serve import context
+
+shut, outcome = threading.Event(), {}
+real_shutdown = ray.shutdown
+def shutdown(**kw):
+    shut.set()
+    real_shutdown(**kw)
+def delete(app_name):  # the abandoned drain: its next Serve call comes after ray.shutdown
+    shut.wait(30)
+    try:
+        context._connect()
+        outcome["error"] = None
+    except Exception as exc:
+        outcome["error"] = str(exc)
+    outcome["initialized"] = ray.is_initialized()
+ray.shutdown = shutdown
+stopping.wait_for_ingress = lambda *a, **k: True
+stopping.serve.delete = delete
+t0 = time.monotonic()
+done = stopping.shut_down("app", local=None, deadline=time.monotonic() + stopping.AFTER_DRAIN_S + 0.5)
+took = time.monotonic() - t0
+for _ in range(300):
+    if "initialized" in outcome:
+        break
+    time.sleep(0.1)
+print(json.dumps({"done": done, "took": took, **outcome}))
+if ray.is_initialized():
+    real_shutdown()
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=180,
+                         env=_env({}))
+    assert run.returncode == 0, run.stderr[-3000:]
+    import json
+
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["done"] is True and result["took"] < 5.0, result  # the drain given up after its 0.5 s
+    assert result["initialized"] is False, result  # no new Ray
+    assert "ray.init refused: this command is stopping" in result["error"], result
+    assert "Started a local Ray instance" not in run.stderr, run.stderr[-3000:]

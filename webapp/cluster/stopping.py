@@ -156,11 +156,28 @@ def wait_for_ingress(app_name: str, *, until: float, give_up=None, poll_s: float
     return False
 
 
+def refuse_ray_init(why: str) -> None:
+    """From now on ``ray.init`` in this process raises ``RuntimeError`` (naming ``why``) instead of starting a Ray.
+
+    A stop that gives up its drain leaves the drain's thread running (``call_with_timeout``). Once
+    ``ray.shutdown`` has run, that thread's next Serve call finds Ray not initialized, and Serve calls
+    ``ray.init()`` (``ray.serve.context._connect``; Ray's auto-init of its public APIs does the same):
+    a new local Ray started mid-stop, which the command could not then leave in time (seen in CI:
+    killed after 60.6 s, against a 50 s bound). Both look ``ray.init`` up on the module at each call,
+    so replacing it there reaches them; the thread's call then fails, and its error is dropped with it.
+    """
+    def refused(*args, **kwargs):
+        raise RuntimeError(f"ray.init refused: {why}")
+
+    ray.init = refused
+
+
 def shut_down(app_name: str, *, local: LocalRay | None, deadline: float) -> bool:
     """Remove ``app_name`` (its replicas drain), then leave Ray; with ``local``, shut that Ray down.
 
     ``deadline``: ``time.monotonic()`` by which this returns. The drain gets all but ``AFTER_DRAIN_S``
     of it, and is given up early when ``local`` is going down under us (``LocalRay.stopping``).
+    Afterwards ``ray.init`` refuses in this process (``refuse_ray_init``): the command is ending.
     Never raises: what went wrong is logged. Returns False only when ``ray.shutdown`` did not
     return in time (this process should then exit at once, without Ray's exit hooks, which would
     wait on it again).
@@ -186,6 +203,7 @@ def shut_down(app_name: str, *, local: LocalRay | None, deadline: float) -> bool
         if local is not None and local.stopping():
             why = "Ray's own processes got the signal too (signal only the command, or its process group, to drain)"
         log.warning("requests in flight were not all answered: %s", why)
+    refuse_ray_init("this command is stopping")  # before ray.shutdown: a drain given up runs on (see there)
     try:
         done, _ = call_with_timeout(lambda: ray.shutdown(wait_for_processes=local is not None),
                                     max(1.0, deadline - LEFTOVER_GRACE_S - 1.0 - time.monotonic()))
