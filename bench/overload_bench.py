@@ -56,7 +56,7 @@ if __package__ in (None, ""):
 from bench import PHOTO_12MP, log, main, num, percentile, photo, ratio, table
 from bench.load import PREDICT, cpu_window, multipart_body, run_load, summarize
 from bench.servers import Gunicorn, http_json, ours_plan, parse_settings, start_ours
-from webapp.cli.remote import JITTER
+from webapp.cli.retries import JITTER
 from webapp.settings import BY_NAME
 
 OFF_MS = BY_NAME["MAX_WAIT_MS"].high  # a day: admission by time never refuses

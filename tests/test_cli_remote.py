@@ -25,7 +25,7 @@ from PIL import Image
 
 from conftest import ROOT, SHARED_IMAGES, encode, shared_image
 from serving import Server, as_a_terminal_job, free_port
-from webapp.cli import remote
+from webapp.cli import remote, retries
 from webapp.settings import PREFIX
 
 QUICK = ("--model", "efficientnet_lite0", "--no-compile", "--precision", "fp32", "--max-batch-size", "4")
@@ -217,10 +217,10 @@ class Stub(http.server.ThreadingHTTPServer):
     """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200 (or, ``stall``, never);
     records arrival times.
     GET /api/v1/models answers ``starting`` times as a starting server does (503 not_ready, Retry-After:
-    ``retry_after``) first; ``probes`` records those GETs' arrival times."""
+    ``retry_after``) first; ``probes`` records those GETs' arrival times. Listens on ``port`` (0: any free one)."""
 
     def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1",
-                 stall: bool = False):
+                 stall: bool = False, port: int = 0):
         self.plan, self.arrivals, self.probes, self.starting = list(plan), [], [], starting
         stub = self
 
@@ -268,7 +268,7 @@ class Stub(http.server.ThreadingHTTPServer):
                 self.end_headers()
                 self.wfile.write(data)
 
-        super().__init__(("127.0.0.1", 0), Handler)
+        super().__init__(("127.0.0.1", port), Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -292,12 +292,25 @@ def test_429_is_retried_after_retry_after_with_jitter(tmp_path):
     assert "error" not in result
     assert result["predictions"][0]["label"] == "kite" and result["retries"] == 2
     first, second = (b - a for a, b in zip(stub.arrivals, stub.arrivals[1:]))
-    assert 1.0 <= first <= 1.0 * (1 + remote.JITTER) + 0.5, first
-    assert 2.0 <= second <= 2.0 * (1 + remote.JITTER) + 0.5, second
+    assert 1.0 <= first <= 1.0 * (1 + retries.JITTER) + 0.5, first
+    assert 2.0 <= second <= 2.0 * (1 + retries.JITTER) + 0.5, second
+
+
+def test_the_services_own_504_is_an_answer_not_tried_again(tmp_path):
+    """Only a proxy's 502/504 (not the service's JSON) is tried again: the service's own 504 ``timeout`` would be the
+    same for the same upload (tests/test_proxy.py has the proxy's, from a real nginx)."""
+    stub = Stub([(504, None, "timeout")])
+    try:
+        result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None,
+                                     max_bytes=2**20)
+    finally:
+        stub.shutdown()
+    assert len(stub.arrivals) == 1 and result == {"error": {"code": "timeout", "message": "server busy"},
+                                                  "retries": 0}
 
 
 def test_retries_are_bounded_and_end_in_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr(remote, "MAX_TRIES", 3)
+    monkeypatch.setattr(retries, "MAX_TRIES", 3)
     stub = Stub([(429, "0")] * 5)
     try:
         result = remote.classify_one(remote.Client(stub.url, jobs=1), tiny_file(tmp_path), topk=3, short_side=None,
@@ -361,7 +374,7 @@ def test_a_server_still_starting_is_waited_for(tmp_path):
         assert out.returncode == 0, out.stderr
         assert "kite" in out.stdout and len(stub.probes) == 3 and len(stub.arrivals) == 1
         for a, b in zip(stub.probes, stub.probes[1:]):
-            assert 1.0 <= b - a <= 1.0 * (1 + remote.JITTER) + 0.5, b - a
+            assert 1.0 <= b - a <= 1.0 * (1 + retries.JITTER) + 0.5, b - a
         waits = [line for line in out.stderr.splitlines() if line.startswith("waiting")]
         if quiet:
             assert waits == [] and out.stderr == "", out.stderr

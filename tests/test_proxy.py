@@ -13,6 +13,7 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -115,3 +116,32 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids  # nginx's ids
     assert [logged[i] for i in ids] == ["127.0.0.1"] * 4 + ["127.0.0.2", "127.0.0.3"], logged
     assert (tmp_path / "access.log").read_text().count("POST /api/v1/predict") == 6
+
+
+@pytest.mark.server
+def test_classify_server_waits_out_a_proxys_502_while_the_server_behind_it_is_down(tmp_path):
+    """``classify --server`` through the README's nginx, with nothing listening behind it at first (a restart):
+    nginx's own 502 page is tried again after a short pause, as a dropped connection is (webapp/cli/retries.py),
+    and the photo is classified once the server is back (a stub of its API here), not failed with ``http_error``."""
+    from test_cli_remote import Stub, tiny_file
+
+    from webapp.cli import remote
+
+    upstream, port = free_port(), free_port()
+    nginx = start_nginx(tmp_path, port, readme_location(upstream))
+    stubs: list = []
+    back = threading.Timer(2.0, lambda: stubs.append(Stub([], port=upstream)))
+    try:
+        assert post(port, PNG)[0] == 502  # nginx's page, not the service's JSON
+        back.start()
+        result = remote.classify_one(remote.Client(f"http://127.0.0.1:{port}", jobs=1), tiny_file(tmp_path), topk=3,
+                                     short_side=None, max_bytes=2**20)
+        assert "error" not in result, result
+        assert result["predictions"][0]["label"] == "kite" and result["retries"] >= 1, result
+    finally:
+        back.cancel()
+        back.join()
+        for stub in stubs:
+            stub.shutdown()
+        nginx.terminate()
+        nginx.wait(10)

@@ -11,10 +11,9 @@ table/JSON/CSV (``output.print_results``) and exit status; the labels come from 
   original's size and format. Any other file is sent as it is (the server says what is wrong, if anything).
 - **N concurrent connections** (``--jobs``, default ``DEFAULT_JOBS``): a thread pool
   (``concurrency.client_pool``) over one urllib3 pool of keep-alive connections.
-- **Back-pressure honoured**: a 429 (``overloaded``, ``rate_limited``) or 503 (``not_ready``) is
-  tried again after its ``Retry-After`` seconds times 1..1+``JITTER`` (so the clients told the same
-  moment do not all return at once), a dropped connection after a short growing pause; at most
-  ``MAX_TRIES`` tries and ``MAX_WAIT_S`` seconds of waiting per file.
+- **Back-pressure honoured** (``retries``): a 429 or 503 is tried again after its ``Retry-After``, a
+  dropped connection or a reverse proxy's own 502/504 after a short growing pause; a bounded number
+  of tries and seconds of waiting per file.
 - **Files read as locally** (``files.read_limited``): one over ``MAX_UPLOAD_BYTES`` is ``too_large``
   unread, and no more than the limit + 1 bytes of any file are ever held.
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
@@ -34,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import sys
 import time
@@ -45,19 +43,17 @@ from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plu
 from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
 from .output import print_results
+from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it)
+from .retries import backoff, error as _error, out_of_tries, parsed, refusal as _refusal, retry_wait
 from .scaling import scaled
 
 DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full, few enough for its queue
-MAX_TRIES = 8  # per file: the first try and up to 7 more after 429/503 or a dropped connection
-MAX_WAIT_S = 120.0  # per file: the most seconds spent waiting between tries
-JITTER = 0.5  # a wait is Retry-After x uniform(1, 1 + JITTER)
 # READ: an answer's longest silence. The server bounds answers by CLASSIFIER_REQUEST_TIMEOUT_S (30 s) and refuses
 # at once what it cannot take: 120 s of silence is a stuck server (it was 300 s, retried: 40 minutes a file).
 CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
 # GET /api/v1/models is answered at once, even by a starting server (its 503): silence this long is a stuck one.
 PROBE_READ_TIMEOUT_S = 30.0
 START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
-RETRY_STATUSES = (429, 503)
 # The settings the client itself uses with --server (the others are the server's, refused): the labels asked for,
 # its log, and its own file limits (over MAX_UPLOAD_BYTES unread, over MAX_PIXELS unscaled), to raise for a server
 # set higher.
@@ -169,13 +165,13 @@ class Client:
                                   f"(GET /api/v1/models)") from None
             except urllib3.exceptions.HTTPError as exc:
                 raise Unreachable(f"cannot reach the server at {self.url}: {_reason(exc)}") from None
-            wait = retry_wait(resp)
+            wait = retry_wait(resp, tries=tries)
             if wait is None:
                 break
             refusal = _refusal(resp)
             starting = refusal["code"] == "not_ready"
             wait = max(wait, 1.0) if starting else wait  # (bounded by time: a Retry-After of 0 must not spin)
-            state = "still starting" if starting else "busy"
+            state = "still starting" if starting else "busy" if refusal["code"] != "http_error" else "not answering"
             said = f"{resp.status} {refusal['code']}: {refusal['message']}"
             # A first start compiles for a minute or more (tryout17: given up after 41 s, ready at 77 s): a
             # starting server is waited for up to START_WAIT_S, however many tries that takes.
@@ -184,8 +180,8 @@ class Client:
                                   f"{waited:.0f} s of waiting")
             if say:
                 left = (f"waited {waited:.0f} of at most {START_WAIT_S:.0f} s" if starting
-                        else f"try {tries + 1} of {MAX_TRIES}")
-                say(f"waiting for the server at {self.url} to {'start' if starting else 'take more'}"
+                        else f"try {tries + 1} of {_retries.MAX_TRIES}")
+                say(f"waiting for the server at {self.url} to {'start' if starting else 'take more' if state == 'busy' else 'answer'}"
                     f" ({said}); trying again in {wait:.0f} s ({left})")
             time.sleep(wait)
             waited += wait
@@ -205,39 +201,6 @@ def _reason(exc: Exception) -> str:
         inner = inner.reason
     text = str(inner)
     return text.split(": ", 1)[-1] if "Failed to establish a new connection" in text else text
-
-
-def _error(code: str, message: str) -> dict:
-    return {"code": code, "message": message}
-
-
-def _refusal(resp, doc: dict | None = None) -> dict:
-    """A non-200 answer's ``{"code", "message"}`` (``doc``: its body, parsed already), ``http_error`` where the
-    body has none."""
-    if doc is None:
-        try:
-            doc = json.loads(resp.data)
-        except ValueError:
-            doc = {}
-    e = doc.get("error") if isinstance(doc, dict) and isinstance(doc.get("error"), dict) else {}
-    return _error(e.get("code", "http_error"), str(e.get("message") or f"HTTP {resp.status}")
-                  .removeprefix("upload: "))  # the server names a raw body "upload"; the path says it
-
-
-def retry_wait(resp) -> float | None:
-    """Seconds to wait before trying ``resp``'s request again: for a 429 or 503, its ``Retry-After`` (whole
-    seconds; 1 if absent or not a number) times uniform(1, 1 + ``JITTER``), so that clients told the same moment
-    spread out; None for any other status (not tried again). Raises nothing."""
-    if resp.status not in RETRY_STATUSES:
-        return None
-    after = resp.headers.get("Retry-After", "1")
-    return (int(after) if after.isdigit() else 1) * random.uniform(1, 1 + JITTER)
-
-
-def out_of_tries(tries: int, waited_s: float, wait_s: float) -> bool:
-    """Whether to give up rather than wait ``wait_s`` more seconds after ``tries`` tries and ``waited_s`` seconds
-    of waiting: ``MAX_TRIES`` tries or ``MAX_WAIT_S`` seconds of waiting at most. Raises nothing."""
-    return tries >= MAX_TRIES or waited_s + wait_s > MAX_WAIT_S
 
 
 def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int,
@@ -275,17 +238,14 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                     "retries": tries - 1}
         except urllib3.exceptions.HTTPError as exc:  # refused, reset: the server may be restarting
             failure = _error("connection_error", f"no answer from {client.url}: {_reason(exc)}")
-            wait = min(0.5 * 2 ** (tries - 1), 8.0) * random.uniform(1, 1 + JITTER)
+            wait = backoff(tries)
         else:
-            try:
-                doc = json.loads(resp.data)
-            except ValueError:
-                doc = {}
+            doc = parsed(resp)
             if resp.status == 200 and "results" in doc:
                 r = doc["results"][0]
                 return {**{k: r[k] for k in ("width", "height", "format")}, **(info or {}),
                         "predictions": r["predictions"], "batch_size": r.get("batch_size"), "retries": tries - 1}
-            failure, wait = _refusal(resp, doc), retry_wait(resp)
+            failure, wait = _refusal(resp, doc), retry_wait(resp, doc, tries)
             if resp.status == 401:  # the token (CLASSIFIER_API_TOKEN) is missing or wrong: so for every file
                 client.stopped = (failure["code"], failure["message"])
         if wait is None:
@@ -396,5 +356,5 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
         done = len(todo) - (failed - (len(results) - len(todo)))
         rate = f", {done / elapsed:.1f} images/s" if elapsed > 0 and done else ""
         err(f"{plural(len(results), 'file')}: {len(results) - failed} classified, {failed} failed; {elapsed:.1f} s"
-            f"{rate}; {retries} tries repeated after 429/503 or a dropped connection" + skipped_note(list(skipped)))
+            f"{rate}; {retries} tries repeated after 429/503, a proxy's 502/504 or a dropped connection" + skipped_note(list(skipped)))
     return EXIT_OK if failed == 0 else EXIT_FAILED
