@@ -354,9 +354,11 @@ def test_topk_the_query_wins_over_the_form_and_empty_means_the_default(client):
     assert labels("/api/v1/predict", topk="") == 3
 
 
-def test_a_decode_past_the_request_timeout_says_so(make_app, monkeypatch):
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_a_decode_past_the_request_timeout_says_so(make_app, monkeypatch, fmt):
     """A 504 that came while its photos were still being decoded said "the server is overloaded": wrong for one
-    slow-to-decode photo on an idle server. It says what was still going on, and both possible causes."""
+    slow-to-decode photo on an idle server. It says what was still going on, and both possible causes; a slow
+    lossless format only where the request has one (small JPEGs were told of "large PNG, TIFF or WebP images")."""
     prepare = imaging.prepare
 
     def slow(*args, **kwargs):
@@ -365,9 +367,15 @@ def test_a_decode_past_the_request_timeout_says_so(make_app, monkeypatch):
 
     app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, PRECISION="fp32", REQUEST_TIMEOUT_S=0.1)
     monkeypatch.setattr(imaging, "prepare", slow)
-    resp = app.test_client().post("/api/v1/predict", data=small_png(), content_type="image/png")
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 30, 30)).save(buf, fmt)
+    resp = app.test_client().post("/api/v1/predict", data=buf.getvalue(), content_type=f"image/{fmt.lower()}")
     msg = assert_error(resp, 504, "timeout")
     assert "still being decoded" in msg and "CLASSIFIER_REQUEST_TIMEOUT_S" in msg and "fewer or smaller" in msg
+    if fmt == "PNG":
+        assert "the server is busy, or its PNG images are slow to decode" in msg, msg
+    else:
+        assert "slow to decode" not in msg and "PNG" not in msg and "the server is busy: try again later" in msg, msg
 
 
 @pytest.mark.parametrize("how", ["raw", "multipart"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 
 class ServiceError(Exception):
@@ -188,12 +189,17 @@ class InferenceTimeout(ServiceError):
                    f"try again later")
 
     @classmethod
-    def decoding(cls, seconds: float) -> "InferenceTimeout":
+    def decoding(cls, seconds: float, formats: Iterable[str | None] = ()) -> "InferenceTimeout":
         """Its photos were still being decoded at ``seconds`` (``REQUEST_TIMEOUT_S``): not only an overload,
-        the photos themselves may be slow to decode (large lossless ones), so the message says both."""
+        the photos themselves may be slow to decode, so the message says both. ``formats``: the request's photos'
+        formats (``formats.claimed_format``); those other than JPEG (lossless ones: PNG, TIFF...; a large one
+        decodes for seconds) are named as the possible cause, and a request of JPEGs is not told of PNGs
+        (tryout17: a tiny request timeout on small JPEGs blamed "large PNG, TIFF or WebP images")."""
+        slow = sorted({f for f in formats if f and f != "JPEG"})
+        maybe = (f", or its {' and '.join(slow)} images are slow to decode (a large lossless one takes seconds)"
+                 if slow else "")
         return cls(f"no result within {seconds:g} s (CLASSIFIER_REQUEST_TIMEOUT_S): its photos were still being "
-                   f"decoded; the server is busy, or the photos are slow to decode (large PNG, TIFF or WebP "
-                   f"images): try again later, or send fewer or smaller photos per request")
+                   f"decoded; the server is busy{maybe}: try again later, or send fewer or smaller photos per request")
 
 
 class NotFound(ServiceError):

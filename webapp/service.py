@@ -25,6 +25,7 @@ from .batcher import InferenceBatcher
 from .concurrency import Offloader, StillRunning, keep_alive, lower_this_thread, peer_closed, peer_sending
 from .contract import Upload
 from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, StartupError
+from .formats import claimed_format
 from .answers import answer, check_originals
 from .imaging import Prepared
 from .models import encode
@@ -283,7 +284,7 @@ class Classifier:
                                                within=deadline - time.perf_counter())
                 except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
                     exc.when_done(self.admission.abandon(job, len(up.data)))
-                    raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S) from None
+                    raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S, _formats(uploads)) from None
                 self.admission.decoded(job, len(up.data), ms)
                 prepared.append(p)
             check_originals(uploads, prepared)  # a client's impossible original_*: 400 before the forward pass
@@ -291,7 +292,7 @@ class Classifier:
             if gone is not None and gone():
                 raise ClientGone.before("its photos were queued")
             if (left := deadline - time.perf_counter()) <= 0:  # the deadline passed while they decoded
-                raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S)
+                raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S, _formats(uploads))
             try:
                 outcomes = self.batcher.infer([p.tensor for p in prepared], gone, coming,
                                               timeout=min(left, self.batcher.request_timeout))
@@ -349,6 +350,11 @@ def _inference_thread_init(engine, nice: int) -> None:
     see ``concurrency``), then the engine's own per-thread set-up (intra-op threads)."""
     lower_this_thread(nice)
     engine.thread_init()
+
+
+def _formats(uploads: list[Upload]) -> list[str | None]:
+    """Each upload's format by its first bytes (``formats.claimed_format``), for a 504's words."""
+    return [claimed_format(up.data[:64]) for up in uploads]
 
 
 def _timed_prepare(data: bytes, *, gone: Callable[[], bool] | None = None, **kwargs) -> tuple[Prepared, float]:
