@@ -172,6 +172,21 @@ def test_server_settings_are_refused(folder, extra, message):
     assert out.returncode == 2 and out.stderr.startswith(message), out.stderr
 
 
+def test_server_settings_in_the_environment_are_named_not_ignored_unsaid(folder):
+    """Options of the server's are refused with --server; as variables (one shell may also start a local server)
+    they are named on stderr, while the client's own (TOP_K, API_TOKEN) are not."""
+    env = {f"{PREFIX}PRECISION": "fp32", f"{PREFIX}WORKERS": "4", f"{PREFIX}TOP_K": "5", f"{PREFIX}API_TOKEN": "t" * 16}
+    out = run_cli(str(folder / "dog.jpg"), "--server", f"http://127.0.0.1:{free_port()}", env=env, timeout=60)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1 and len(lines) == 2, out.stderr
+    assert lines[0] == (f"note: {PREFIX}PRECISION, {PREFIX}WORKERS are set here but are settings of the server: "
+                        f"with --server the server's own values apply"), lines[0]
+    assert lines[1].startswith("error: cannot reach the server at ")
+    quiet = run_cli(str(folder / "dog.jpg"), "-q", "--server", f"http://127.0.0.1:{free_port()}", env=env,
+                    timeout=60)
+    assert "note:" not in quiet.stderr and quiet.returncode == 1
+
+
 def test_server_must_be_a_url(folder):
     out = run_cli(str(folder / "dog.jpg"), "--server", "localhost:8000", timeout=60)
     assert out.returncode == 2 and out.stderr.startswith("error: --server must be an http:// or https:// URL")

@@ -280,6 +280,14 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"error: {problem}")
         return EXIT_USAGE
     s = settings_mod.load(os.environ, given)
+    # The same settings given as variables cannot be refused (one shell may also start a local server), but are
+    # not ignored unsaid either (tryout17: the options were refused, the variables silently did nothing).
+    unused = [settings_mod.PREFIX + x.name for x in settings_mod.SETTINGS
+              if settings_mod.PREFIX + x.name in os.environ and x.name not in (*_CLIENT_SETTINGS, "API_TOKEN")]
+    if unused and not args.quiet:
+        err(f"note: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set here but "
+            f"{'is a setting' if len(unused) == 1 else 'are settings'} of the server: with --server the server's "
+            f"own values apply")
     items, skipped = collect_files(args.paths, all_files=args.all_files)
     report_skipped(skipped)  # as local classify: a HEIC in a folder is named with why, not dropped unsaid
     if not any(path for _, path, _ in items):
