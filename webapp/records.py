@@ -50,8 +50,10 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     measurement instead of each measuring while the others load the CPU (which is how two workers
     came to serve in different precisions). Every worker, the one that measured included, reports
     the record's reason, with its file name (the log has its path) and when it was measured: the same words
-    in every ``/healthz``. Delete the file to measure again. Where the record cannot be used (an unwritable
-    folder, a lock held past ``RECORD_LOCK_TIMEOUT_S``), this process decides alone and says so.
+    in every ``/healthz``. Delete the file to measure again. Where the lock cannot be made (a read-only
+    cache: a warm cache shipped so), the record is read without it (it is only ever renamed in whole).
+    Where there is no record to read and none can be written, or the lock is held past
+    ``RECORD_LOCK_TIMEOUT_S``, this process decides alone and says so. Raises what ``decide()`` raises.
     """
     from filelock import FileLock, Timeout
 

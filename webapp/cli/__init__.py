@@ -26,12 +26,11 @@ it when they run.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from ..settings import SettingsError
 from . import bundle, classify, info, serve, settings_cmd, warm, weights
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, silence_stdout
 from .options import HelpFormatter, settings_epilog
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -71,8 +70,5 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `... | head`: the reader left; say nothing more
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except OSError:
-            pass
+        silence_stdout()
         return EXIT_FAILED

@@ -6,6 +6,7 @@ that wires them (no import cycle).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def exit_status_table(meanings: dict[int, str]) -> str:
 def err(message: str) -> None:
     """Print one line to stderr (results go to stdout; everything else goes here)."""
     print(message, file=sys.stderr)
+
+
+def silence_stdout() -> None:
+    """Point standard output's file descriptor at /dev/null, once it cannot be written (a reader that left, a full
+    disk): the interpreter's own flush at exit would fail again, with a traceback of its own. Raises nothing."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError:
+        pass
 
 
 def plural(count: int, noun: str) -> str:

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from .common import silence_stdout
+
 
 def _unicode(path: str) -> str:
     """``path`` as valid Unicode: bytes that are not UTF-8 (kept by Python as surrogates) written ``\\xNN``."""
@@ -65,8 +67,5 @@ def print_results(results: list[dict], fmt: str, topk: int) -> bool:
         raise
     except OSError as exc:
         print(f"error: cannot write the results to standard output: {exc.strerror or exc}", file=sys.stderr)
-        try:  # the interpreter's own flush at exit would fail again, with a traceback of its own
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except OSError:
-            pass
+        silence_stdout()
         return False
