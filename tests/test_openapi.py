@@ -324,3 +324,31 @@ def test_the_document_lists_the_rate_limit_headers_and_the_starting_503_everywhe
     assert not names & set(limited["components"]["responses"]["E401"]["headers"])  # a 401 counts against no one
     for path in ("/v2", "/v2/health/live"):
         assert "503" in plain["paths"][path]["get"]["responses"], path
+
+
+def test_every_v2_operation_lists_what_gunicorn_refuses_before_the_app():
+    """Found by a user: gunicorn answers 414, 417 and 431 (and 400, 501) on any path before the app sees the
+    request, in the protocol's shape under /v2 (webapp/worker.py), and no /v2 operation listed them. The statuses
+    gunicorn's own ``Worker.handle_error`` can send, read from its source (a gunicorn upgrade that adds one fails
+    here), are on every /v2 operation, each in the protocol's error shape; tests/test_v2.py provokes each of them
+    on a real server. Its 403s (PROXY protocol, TLS) come before a request line, and its 500 needs a SCRIPT_NAME."""
+    import inspect
+
+    from gunicorn.workers.base import Worker
+
+    from webapp import v2_openapi
+
+    sent = {int(s) for s in re.findall(r"status_int = (\d+)", inspect.getsource(Worker.handle_error))}
+    assert sent - {403, 500} == {400, *v2_openapi.REFUSED_BY_GUNICORN}, sent
+    doc = json.loads(json.dumps(build_spec(settings_mod.load(overrides={**CONFIG, "API_TOKEN": "x"}))))
+    operations = [(path, method, op) for path, ops in doc["paths"].items() if path.startswith("/v2")
+                  for method, op in ops.items()]
+    assert len(operations) == 9
+    for path, method, op in operations:
+        for status in (400, 405, *v2_openapi.REFUSED_BY_GUNICORN):
+            assert op["responses"].get(str(status)) == {"$ref": f"#/components/responses/V2E{status}"}, \
+                (method, path, status)
+    for status in v2_openapi.REFUSED_BY_GUNICORN:
+        response = doc["components"]["responses"][f"V2E{status}"]
+        assert response["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/V2Error"}
+        assert "`http_error`" in response["description"] and "X-Request-ID" in response["headers"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import re
 
 import numpy as np
 import pytest
@@ -396,3 +398,117 @@ def test_metrics_count_the_v2_routes(srv, triton):
               if s.name == "classifier_http_requests_total"}
     assert counts[("/v2/models/<name>/infer", "POST", "200", "")] >= 1
     assert counts[("/v2/models/<name>/ready", "GET", "200", "")] >= 1
+
+
+# -- what the server does not read is said, not ignored (a user's tryout, 2026-12-05) ------------------------
+def test_datatype_content_type_and_output_parameters_are_told_what_is_read(srv):
+    """Over HTTP, in the protocol's shape: a datatype in lower case was told "not decoded pixels"; base64 strings
+    declared ``"content_type": "str"`` a 415 saying to send the file's bytes with curl; an unknown content_type was
+    taken as if absent; ``topk`` on an output was ignored (TOP_K labels came back)."""
+    dog = shared_image("dog.jpg").read_bytes()
+    req = b64_request(dog)
+    tensor = req["inputs"][0]
+    for wrong, right in (("bytes", "BYTES"), ("Bytes", "BYTES"), ("fp32", "FP32"), ("uint8", "UINT8")):
+        msg = assert_v2_error(post_infer(srv, {"inputs": [{**tensor, "datatype": wrong}]}), 400, "bad_request")
+        assert msg == f'input \'image\' datatype "{wrong}" is not a datatype; the protocol\'s names are upper case: ' \
+                      f'"{right}"'
+    msg = assert_v2_error(post_infer(srv, b64_request(dog, content_type="str")), 415, "unsupported_media_type")
+    assert msg == 'element 0 of input \'image\' is base64 text of a JPEG, but content_type "str" takes each ' \
+                  'string\'s own UTF-8 bytes as the photo: send "content_type": "base64" for base64 strings (or ' \
+                  'leave content_type out)'
+    msg = assert_v2_error(post_infer(srv, b64_request(dog, content_type="np")), 400, "bad_request")
+    assert msg.startswith('input \'image\' content_type "np" is not one this server reads: it reads "base64"'), msg
+    msg = assert_v2_error(post_infer(srv, {**req, "outputs": [{"name": "labels", "parameters": {"topk": 5}}]}),
+                          400, "bad_request")
+    assert msg.startswith("output 'labels' has parameter \"topk\", which this server does not read there: it takes "
+                          "binary_data, classification; topk is a request parameter"), msg
+    # Where they belong, they are read.
+    ok = post_infer(srv, {**req, "parameters": {"topk": 5}, "outputs": [{"name": "labels"}]})
+    assert ok.status_code == 200 and ok.json()["outputs"][0]["shape"] == [1, 5], ok.text[:300]
+
+
+def test_class_count_beside_the_other_outputs(triton, reference):
+    """tritonclient's ``class_count`` (sent as the output's ``"classification"``) is honoured on 'probabilities'
+    while 'labels' and 'indices' keep the request's ``topk``: one request, both answers."""
+    import tritonclient.http as httpclient
+
+    outputs = [httpclient.InferRequestedOutput("labels", binary_data=True),
+               httpclient.InferRequestedOutput("probabilities", binary_data=True, class_count=7),
+               httpclient.InferRequestedOutput("indices", binary_data=False)]
+    assert outputs[1]._get_tensor()["parameters"] == {"classification": 7, "binary_data": True}  # what it sends
+    result = triton.infer("classifier", [triton_input(photo_bytes("dog.jpg"))], outputs=outputs,
+                          parameters={"topk": 2})
+    assert result.as_numpy("labels").shape == (1, 2) and result.as_numpy("indices").shape == (1, 2)
+    ranked = [s.decode().split(":", 2) for s in result.as_numpy("probabilities")[0]]
+    assert len(ranked) == 7
+    assert [(int(i), label) for _, i, label in ranked[:3]] == [(p["index"], p["label"]) for p in reference["dog.jpg"]]
+    assert [b.decode() for b in result.as_numpy("labels")[0]] == [p["label"] for p in reference["dog.jpg"][:2]]
+
+
+def _raw(srv, request: bytes) -> tuple[int, dict, bytes]:
+    """Send ``request`` as it is on a new connection; the answer's status, headers (lower-case names), body."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(srv.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + int(
+                re.search(rb"(?i)\r\ncontent-length: *(\d+)", data).group(1)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return int(lines[0].split()[1]), {k.strip().lower(): v.strip() for k, v in
+                                      (line.split(":", 1) for line in lines[1:])}, body
+
+
+# The /v2 operations of the document, each with a URL of it and its method.
+V2_OPERATIONS = [("/v2", "/v2", "get"), ("/v2/health/live", "/v2/health/live", "get"),
+                 ("/v2/health/ready", "/v2/health/ready", "get"),
+                 ("/v2/models/{name}", "/v2/models/classifier", "get"),
+                 ("/v2/models/{name}/versions/{version}", "/v2/models/classifier/versions/1", "get"),
+                 ("/v2/models/{name}/ready", "/v2/models/classifier/ready", "get"),
+                 ("/v2/models/{name}/versions/{version}/ready", "/v2/models/classifier/versions/1/ready", "get"),
+                 ("/v2/models/{name}/infer", "/v2/models/classifier/infer", "post"),
+                 ("/v2/models/{name}/versions/{version}/infer", "/v2/models/classifier/versions/1/infer", "post")]
+
+
+def test_every_status_gunicorn_answers_on_v2_is_documented_for_each_operation(srv):
+    """Found by a user: gunicorn refuses a request line over its limit (414), an Expect it does not know (417),
+    too many headers (431), in the protocol's shape under /v2, and no operation listed them. Each refusal the
+    server really sends, provoked on every /v2 operation: the document lists its status there, with the
+    protocol's error body, and the body fits it; so does the 405 of a method the path does not take."""
+    import jsonschema
+
+    doc = requests.get(srv.url + "/openapi.json", timeout=10).json()
+    error_schema = doc["components"]["schemas"]["V2Error"]
+    assert {p for p in doc["paths"] if p.startswith("/v2")} == {p for p, _, _ in V2_OPERATIONS}
+    for path, url, method in V2_OPERATIONS:
+        line = f"{method.upper()} {url} HTTP/1.1\r\nHost: x\r\n"
+        provoked = {
+            400: (line + "Content-Length: abc\r\n\r\n").encode(),
+            414: f"{method.upper()} {url}?q={'a' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+            417: (line + "Expect: 200-ok\r\nContent-Length: 0\r\n\r\n").encode(),
+            431: (line + "".join(f"X-Field-{i}: {i}\r\n" for i in range(101)) + "\r\n").encode(),
+            501: (line + "Transfer-Encoding: foo\r\n\r\n").encode(),
+        }
+        answers = {status: _raw(srv, request) for status, request in provoked.items()}
+        wrong = "POST" if method == "get" else "GET"
+        answers[405] = _raw(srv, f"{wrong} {url} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                                 .encode())
+        responses = doc["paths"][path][method]["responses"]
+        for status, (got, headers, body) in answers.items():
+            assert got == status, (path, status, got, body[:200])
+            assert headers["content-type"] == "application/json" and headers["x-request-id"], (path, status)
+            error = json.loads(body)
+            code = {400: "bad_request", 405: "method_not_allowed"}.get(status, "http_error")
+            assert set(error) == {"error"} and error["error"].startswith(f"{code}: "), (path, status, error)
+            assert str(status) in responses, f"{status} is not documented for {method.upper()} {path}"
+            ref = responses[str(status)]["$ref"].rsplit("/", 1)[1]
+            schema = doc["components"]["responses"][ref]["content"]["application/json"]["schema"]
+            assert schema == {"$ref": "#/components/schemas/V2Error"}, (path, status, schema)
+            jsonschema.validate(error, error_schema)

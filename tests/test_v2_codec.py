@@ -17,7 +17,8 @@ import schemathesis
 
 from conftest import small_png
 from webapp import v2_codec as codec
-from webapp.errors import BadRequest, NoFile, Overloaded, TooLarge
+from webapp import v2_inputs
+from webapp.errors import BadRequest, NoFile, NotAnImage, Overloaded, TooLarge
 
 LIMITS = dict(default_topk=3, max_files=4, max_bytes=10_000, categories=1000)
 PNG = small_png()
@@ -348,12 +349,11 @@ def test_binary_data_without_its_header_length_says_what_is_missing():
 
 @pytest.mark.parametrize("content_type, text, photo", [
     ("base64", base64.b64encode(PNG).decode(), PNG), ("str", "abc", b"abc"), ("string", "abc", b"abc"),
-    ("utf8", "aGk=", b"aGk="), ("utf-8", "aGk=", b"aGk="), ("np", base64.b64encode(PNG).decode(), PNG),
-    ("np", "not base64!", b"not base64!")])
+    ("utf8", "aGk=", b"aGk="), ("utf-8", "aGk=", b"aGk=")])
 def test_the_documented_content_type_takes_every_value_the_codec_reads(app, content_type, text, photo):
     """Found reviewing the document: it allowed only "base64" and "str" while the codec reads "string", "utf8" and
-    "utf-8" as str and any other value (an MLServer codec's own) as if absent, so a client validating against the
-    document refused requests the server answers. Both the request's and the input's ``parameters``."""
+    "utf-8" as str, so a client validating against the document refused requests the server answers. Both the
+    request's and the input's ``parameters``. (Any other value is refused by both: the test after this one.)"""
     from webapp.openapi import build_spec
 
     spec = build_spec(app.extensions["settings"])
@@ -421,3 +421,151 @@ def test_the_document_and_the_server_take_the_same_requests(app, client, params,
     resp = client.post(f"/v2/models/{codec.ALIAS}/infer", json=doc)
     assert resp.status_code in (200, 400), resp.get_data(as_text=True)
     assert validator.is_valid(doc) == (resp.status_code == 200), (resp.status_code, resp.get_data(as_text=True))
+
+
+# -- what the server does not read is said, not ignored (a user's tryout, 2026-12-05) --------------------------
+def _with(datatype=None, input_params=None, outputs=None, request_params=None, data=None) -> bytes:
+    doc = json.loads(json_request([PNG]))
+    tensor = doc["inputs"][0]
+    if datatype is not None:
+        tensor["datatype"] = datatype
+    if input_params is not None:
+        tensor["parameters"] = input_params
+    if data is not None:
+        tensor["data"] = data
+    if outputs is not None:
+        doc["outputs"] = outputs
+    if request_params is not None:
+        doc["parameters"] = request_params
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize("name", v2_inputs.DATATYPES)
+def test_a_datatype_in_the_wrong_case_is_told_so(name):
+    """``"datatype": "bytes"`` was told it was "not decoded pixels": every protocol name, in lower case and in
+    mixed case, is told its name is upper case, with that name; the right name in upper case is read (BYTES) or
+    told it is not BYTES (the others)."""
+    for wrong in {name.lower(), name.capitalize()} - {name}:
+        assert refused(BadRequest, _with(datatype=wrong)) == (
+            f"input 'image' datatype {json.dumps(wrong)} is not a datatype; the protocol's names are upper case: "
+            f"{json.dumps(name)}")
+    if name == "BYTES":
+        assert codec.parse_request(_with(datatype=name), None, **LIMITS).photos == [PNG]
+    else:
+        assert refused(BadRequest, _with(datatype=name)) == (
+            f"input 'image' is BYTES (encoded photos), not {json.dumps(name)}; send the photo files' bytes, not "
+            f"decoded pixels")
+
+
+@pytest.mark.parametrize("datatype, message", [
+    ("STRING", 'input \'image\' datatype "STRING" is not a datatype; the protocol\'s are BOOL, UINT8, UINT16, '
+               'UINT32, UINT64, INT8, INT16, INT32, INT64, BF16, FP16, FP32, FP64, BYTES, and this input is "BYTES" '
+               '(encoded photos)'),
+    ("float32", 'input \'image\' datatype "float32" is not a datatype; the protocol\'s are BOOL,'),
+    ("", 'input \'image\' datatype "" is not a datatype; the protocol\'s are BOOL,'),
+    (5, 'input \'image\' datatype must be a string, "BYTES", got 5'),
+])
+def test_a_datatype_the_protocol_does_not_have_is_told_so(datatype, message):
+    assert refused(BadRequest, _with(datatype=datatype)).startswith(message)
+    doc = json.loads(json_request([PNG]))
+    del doc["inputs"][0]["datatype"]
+    assert refused(BadRequest, json.dumps(doc).encode()) == \
+        "input 'image' has no datatype: it is \"BYTES\" (encoded photos)"
+
+
+@pytest.mark.parametrize("value", ["np", "pd", "img", "Base64", "BASE64", "STR", "", "base-64"])
+@pytest.mark.parametrize("where", ["input", "request"])
+def test_a_content_type_the_server_does_not_read_is_400_naming_it_and_those_it_reads(app, value, where):
+    """Any content_type but those read was taken as if absent (and "str" told base64 text of a photo to be sent
+    as bytes): each is now a 400 naming the value and the ones read, lower case said where only the case is
+    wrong; and the document refuses the same requests."""
+    from webapp.openapi import build_spec
+
+    body = _with(input_params={"content_type": value}) if where == "input" else \
+        _with(request_params={"content_type": value})
+    message = refused(BadRequest, body)
+    what = "input 'image'" if where == "input" else "the request's"
+    assert message.startswith(f"{what} content_type {json.dumps(value)} is not one this server reads"), message
+    assert 'it reads "base64" (each string is base64 of a photo) and "str" (each string\'s own UTF-8 bytes are ' \
+           'the photo; also "string", "utf8", "utf-8")' in message, message
+    assert ("content types are lower case" in message) == (value.lower() in v2_inputs.CONTENT_TYPES), message
+    spec = build_spec(app.extensions["settings"])
+    request = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert not _validator(spec, json.loads(json.dumps(request).replace('"#/', '"urn:doc#/'))).is_valid(json.loads(body))
+
+
+@pytest.mark.parametrize("content_type", v2_inputs.TEXT_TYPES)
+@pytest.mark.parametrize("encode, what", [
+    (lambda b: base64.b64encode(b).decode(), "base64 text of a PNG"),
+    (lambda b: "data:image/png;base64," + base64.b64encode(b).decode(), "a data: URL of a PNG"),
+    (lambda b: b.hex(), "hex text of a PNG")])
+def test_base64_of_a_photo_declared_text_is_told_which_content_type_reads_it(content_type, encode, what):
+    """``"content_type": "str"`` with base64 strings was a 415 telling a JSON client to send the file's bytes with
+    curl: it now names the content_type that made it text and the one to send."""
+    body = _with(input_params={"content_type": content_type}, data=[encode(PNG)])
+    assert refused(NotAnImage, body) == (
+        f"element 0 of input 'image' is {what}, but content_type {json.dumps(content_type)} takes each string's "
+        f"own UTF-8 bytes as the photo: send \"content_type\": \"base64\" for base64 strings (or leave "
+        f"content_type out)")
+    assert codec.parse_request(_with(input_params={"content_type": "base64"}), None, **LIMITS).photos == [PNG]
+
+
+@pytest.mark.parametrize("output, params, says", [
+    ("labels", {"topk": 5}, '; topk is a request parameter ({"parameters": {"topk": 5}} beside "outputs"), for every '
+                            'output; or ask \'probabilities\' for "classification": 5'),
+    ("probabilities", {"top_k": 5, "binary_data": True}, "; top_k is a request parameter"),
+    ("probabilities", {"class_count": 3}, '; class_count is tritonclient\'s name for "classification", the parameter '
+                                          'it sends'),
+    ("indices", {"shared_memory_region": "r", "shared_memory_byte_size": 80},
+     "; this server has no shared memory extension"),
+    ("labels", {"content_type": "str"}, "; content_type is an input's parameter"),
+    ("labels", {"binary_data_output": True}, "; binary_data_output is a request parameter"),
+    ("indices", {"whatever": 1}, ""),
+])
+def test_an_output_parameter_the_server_does_not_read_is_400_saying_where_it_goes(app, output, params, says):
+    """``topk`` on an output was ignored without a word (the answer had TOP_K labels): every parameter an output
+    does not take is a 400 naming it, what an output takes and, where known, where it goes; the document says
+    the same (``additionalProperties: false``)."""
+    from webapp.openapi import build_spec
+
+    body = _with(outputs=[{"name": output, "parameters": params}])
+    name = next(iter(params))
+    message = refused(BadRequest, body)
+    assert message.startswith(f"output '{output}' has parameter {json.dumps(name)}, which this server does not read "
+                              f"there: it takes binary_data, classification{says}"), message
+    spec = build_spec(app.extensions["settings"])
+    request = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    validator = _validator(spec, json.loads(json.dumps(request).replace('"#/', '"urn:doc#/')))
+    assert not validator.is_valid(json.loads(body))
+    # what real clients send on an output is read, and allowed by the document
+    ok = _with(outputs=[{"name": "probabilities", "parameters": {"binary_data": True, "classification": 4}}])
+    assert codec.parse_request(ok, None, **LIMITS).ranks == 4 and validator.is_valid(json.loads(ok))
+
+
+@pytest.mark.parametrize("params, says", [
+    ({"topk": 5}, '; topk is a request parameter ({"parameters": {"topk": 5}} beside "inputs")'),
+    ({"classification": 3}, "; classification is a parameter of output 'probabilities'"),
+    ({"shared_memory_region": "r"}, "; this server has no shared memory extension"),
+    ({"content_type": "base64", "shape": [1]}, ""),
+])
+def test_an_input_parameter_the_server_does_not_read_is_400(params, says):
+    name = next(n for n in params if n != "content_type")
+    assert refused(BadRequest, _with(input_params=params)).startswith(
+        f"input 'image' has parameter {json.dumps(name)}, which this server does not read there: it takes "
+        f"content_type, binary_data_size{says}")
+
+
+def test_the_document_says_binary_data_size_needs_its_header(app):
+    """A schema cannot make a body field need a header: ``binary_data_size`` without ``Inference-Header-Content-
+    Length`` fits the document and is a 400, so the field's description says so."""
+    from webapp.openapi import build_spec
+
+    spec = build_spec(app.extensions["settings"])
+    request = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    field = request["properties"]["inputs"]["items"]["properties"]["parameters"]["properties"]["binary_data_size"]
+    assert f"Only with the `{codec.HEADER}` header" in field["description"], field
+    assert "without it the request is 400" in field["description"], field
+    body, _ = binary_request([PNG])
+    head = json.loads(body[:int(binary_request([PNG])[1])])
+    assert _validator(spec, json.loads(json.dumps(request).replace('"#/', '"urn:doc#/'))).is_valid(head)
+    refused(BadRequest, body, None)  # the same request, without the header

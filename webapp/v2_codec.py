@@ -12,8 +12,9 @@ The model, as ``GET /v2/models/{name}`` describes it:
   ``binary_data_size`` parameter its share of the bytes after it, each element a 4-byte
   little-endian length then its bytes), as Triton's and KServe's clients do; or as JSON ``data``:
   one string per photo, base64 (``"content_type": "base64"`` in the input's or the request's
-  ``parameters``, as MLServer sends it; without ``content_type`` a string that is valid base64 is
-  decoded, any other is taken as its UTF-8 bytes, which then must be an image).
+  ``parameters``, as MLServer sends it; ``"str"``, also ``"string"``, ``"utf8"``, ``"utf-8"``: each
+  string's UTF-8 bytes; without ``content_type`` a string that is valid base64 is decoded, any other
+  is taken as its UTF-8 bytes, which then must be an image).
 - outputs ``labels`` ``BYTES [N, k]``, ``probabilities`` ``FP32 [N, k]``, ``indices`` ``INT64
   [N, k]``: the top-k (request parameter ``topk``, 1..10, default ``TOP_K``) highest first. The
   **classification extension** (``"classification": c`` in an output's parameters, on
@@ -23,26 +24,30 @@ The model, as ``GET /v2/models/{name}`` describes it:
   ``binary_data_output``, else JSON); a binary answer carries ``Inference-Header-Content-Length``
   and ``Content-Type: application/octet-stream``.
 
+The input is read by ``webapp/v2_inputs.py``. Every parameter the server does not read where it was
+sent (an output's ``topk``, a ``content_type`` other than those above) is refused, not ignored.
+
 Every refusal is a ``ServiceError`` with the API's status: 400 ``bad_request`` (malformed
-request: wrong input name, datatype, shape, data), 400 ``no_file`` (N = 0), 413 ``too_large``
-(N > ``MAX_FILES``, or decoded photos over ``MAX_UPLOAD_BYTES`` in all).
+request: wrong input name, datatype, shape, data, parameter), 400 ``no_file`` (N = 0), 413 ``too_large``
+(N > ``MAX_FILES``, or decoded photos over ``MAX_UPLOAD_BYTES`` in all), 415 ``unsupported_media_type``
+(a string declared text, ``"content_type": "str"``, that is base64 of a photo).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import struct
 from dataclasses import dataclass, field
 
-from .errors import BadRequest, NoFile, TooLarge
+from .errors import BadRequest
 from .uploads import parse_topk
+from .v2_inputs import (HEADER, INPUT, as_object, count, flag, json_kind, no_other_parameters, read_content_type,
+                        read_input)
+# The input's readers keep their names here too: webapp/v2.py and the tests know the codec as one module.
+from .v2_inputs import Text, bytes_elements, json_element  # noqa: F401
 
-INPUT = "image"
 OUTPUTS = {"labels": "BYTES", "probabilities": "FP32", "indices": "INT64"}  # name -> datatype, in answer order
 CLASSIFIABLE = "probabilities"  # the output the classification extension ranks
-HEADER = "Inference-Header-Content-Length"
 EXTENSIONS = ("binary_tensor_data", "classification")
 VERSION = "1"  # the model's one version: the weights are fixed for the life of the server
 ALIAS = "classifier"  # a model name that always means the serving model
@@ -91,33 +96,6 @@ class InferRequest:
 
 
 # -- reading -------------------------------------------------------------------------------------------------
-def _json_kind(value) -> str:
-    """What a parsed JSON value is, in JSON's words (the messages go to protocol clients, not Python readers)."""
-    return {dict: "an object", list: "a list", str: "a string", bool: "true/false",
-            type(None): "null"}.get(type(value), "a number")
-
-
-def _dict(value, what: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadRequest(f"{what} must be a JSON object, got {_json_kind(value)}")
-    return value
-
-
-def _count(value, what: str, lo: int, hi: int) -> int:
-    """``value`` as an int in ``lo..hi`` (JSON true/false and 3.0 are not integers)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"{what} must be an integer from {lo} to {hi}, got {json.dumps(value)[:40]}")
-    return value
-
-
-def _flag(value, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise BadRequest(f"{what} must be true or false, got {json.dumps(value)[:40]}")
-    return value
-
-
 def _not_json(name: str):
     """Python's ``json`` reads ``NaN``, ``Infinity`` and ``-Infinity``; JSON (RFC 8259) has no such values."""
     raise ValueError(f"{name} is not a JSON value (RFC 8259 has no NaN or Infinity)")
@@ -135,15 +113,6 @@ def _json_object_end(body: bytes) -> int | None:
     if not isinstance(doc, dict) or not text[end:].strip():
         return None
     return len(text[:end].encode("utf-8", "surrogateescape"))
-
-
-def _content_type(params: dict, what: str, default: str | None) -> str | None:
-    """``params``' ``content_type`` (``default`` where absent). :raises BadRequest: not a string (400)."""
-    value = params.get("content_type", default)
-    if value is not None and not isinstance(value, str):
-        raise BadRequest(f"{what} content_type must be a string such as \"base64\" or \"str\", got "
-                         f"{json.dumps(value)[:40]}")
-    return value
 
 
 def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
@@ -170,133 +139,19 @@ def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
             raise BadRequest(f"the body is a JSON header of {end:,} bytes followed by {len(head) - end:,} more (binary "
                              f"tensor data?): send the {HEADER} header with the JSON header's length, {end}") from None
         raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]})") from None
-    return _dict(doc, "the inference request"), rest
+    return as_object(doc, "the inference request"), rest
 
 
-def bytes_elements(data: bytes, count: int) -> list[bytes]:
-    """The binary extension's BYTES tensor: ``count`` elements, each a 4-byte little-endian length then its bytes.
-
-    :raises BadRequest: a length running past the data, or elements other than ``count`` (400).
-    """
-    out, pos = [], 0
-    while pos < len(data):
-        if len(out) == count:
-            raise BadRequest(f"input '{INPUT}' has binary data past its {count} element(s) (shape [{count}])")
-        if pos + 4 > len(data):
-            raise BadRequest(f"input '{INPUT}': element {len(out)} has a cut 4-byte length")
-        (size,) = struct.unpack_from("<I", data, pos)
-        if pos + 4 + size > len(data):
-            raise BadRequest(f"input '{INPUT}': element {len(out)} says {size:,} bytes, {len(data) - pos - 4:,} "
-                             f"are left")
-        out.append(data[pos + 4:pos + 4 + size])
-        pos += 4 + size
-    if len(out) != count:
-        raise BadRequest(f"input '{INPUT}' has shape [{count}] but its binary data holds {len(out)} element(s)")
-    return out
-
-
-def _flatten(data) -> list:
-    out: list = []
-    stack = [iter(data)]
-    while stack:  # no recursion: a deeply nested list is a 400, not a RecursionError
-        for item in stack[-1]:
-            if isinstance(item, list):
-                stack.append(iter(item))
-                break
-            out.append(item)
-        else:
-            stack.pop()
-    return out
-
-
-class Text(bytes):
-    """A ``data`` element's bytes read as its UTF-8 text, where it was not base64: its errors say so."""
-
-
-def json_element(text: str, index: int, content_type: str | None) -> bytes:
-    """One JSON ``data`` element -> the photo's bytes: base64 where ``content_type`` is ``base64`` (a
-    ``data:...;base64,`` prefix and whitespace allowed); its UTF-8 bytes where it is ``str``; without
-    one, base64 if the text is valid base64, else its UTF-8 bytes (a ``Text``).
-
-    :raises BadRequest: declared base64 that is not (400).
-    """
-    if content_type in ("str", "string", "utf8", "utf-8"):
-        return text.encode("utf-8", "surrogatepass")
-    cleaned = "".join(text.split())
-    if cleaned.startswith("data:") and ";base64," in cleaned[:200]:
-        cleaned = cleaned.split(";base64,", 1)[1]
-    try:
-        return base64.b64decode(cleaned, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        if content_type == "base64":
-            raise BadRequest(f"element {index} of input '{INPUT}' is not valid base64 ({exc})") from None
-        return Text(text.encode("utf-8", "surrogatepass"))
-
-
-def _input(doc: dict, rest: bytes, *, max_files: int, max_bytes: int, content_type: str | None) -> list[bytes]:
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list) or len(inputs) != 1:
-        if isinstance(inputs, list):
-            got = f"{len(inputs)} inputs"
-        elif "inputs" not in doc:
-            got = "no 'inputs' list"
-        else:
-            got = f"'inputs' as {_json_kind(inputs)}, not a list"
-        raise BadRequest(f"this model takes one input, '{INPUT}' (BYTES, shape [N]: N encoded photos); got {got}")
-    tensor = _dict(inputs[0], "an input")
-    name = tensor.get("name")
-    if name != INPUT:
-        raise BadRequest(f"unknown input {json.dumps(name)[:60]}: this model takes one input, '{INPUT}' (BYTES, "
-                         f"shape [N]: N encoded photos)")
-    if tensor.get("datatype") != "BYTES":
-        raise BadRequest(f"input '{INPUT}' is BYTES (encoded photos), not {json.dumps(tensor.get('datatype'))[:40]}; "
-                         f"send the photo files' bytes, not decoded pixels")
-    shape = tensor.get("shape")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
-            and not isinstance(shape[0], bool) and shape[0] >= 0):
-        raise BadRequest(f"input '{INPUT}' has shape {json.dumps(shape)[:60]}; it takes [N], N photos")
-    n = shape[0]
-    if n == 0:
-        raise NoFile(f"no image: input '{INPUT}' has shape [0]")
-    if n > max_files:
-        raise TooLarge(f"{n} photos in one request; the limit is {max_files} (CLASSIFIER_MAX_FILES)")
-    params = _dict(tensor.get("parameters"), f"input '{INPUT}' parameters")
-    content_type = _content_type(params, f"input '{INPUT}'", content_type)
-    if "binary_data_size" in params:
-        size = _count(params["binary_data_size"], f"input '{INPUT}' binary_data_size", 0, 2**62)
-        if "data" in tensor:
-            raise BadRequest(f"input '{INPUT}' has both 'data' and binary_data_size: send one")
-        if size != len(rest):
-            raise BadRequest(f"input '{INPUT}' binary_data_size is {size:,} bytes; {len(rest):,} follow the JSON "
-                             f"header ({HEADER})")
-        photos = bytes_elements(rest, n)
-    else:
-        if rest:
-            raise BadRequest(f"{len(rest):,} bytes follow the JSON header, but input '{INPUT}' has no "
-                             f"binary_data_size")
-        data = tensor.get("data")
-        if data is not None and not isinstance(data, list):
-            raise BadRequest(f"input '{INPUT}': 'data' must be a list (one base64 string per photo), got "
-                             f"{_json_kind(data)}")
-        if data is None:
-            raise BadRequest(f"input '{INPUT}' has no data: send 'data' (one base64 string per photo) or the binary "
-                             f"tensor data extension (binary_data_size)")
-        items = _flatten(data)
-        if len(items) != n:
-            raise BadRequest(f"input '{INPUT}' has shape [{n}] but {len(items)} data element(s)")
-        for i, item in enumerate(items):
-            if not isinstance(item, str):
-                raise BadRequest(f"element {i} of input '{INPUT}' is {_json_kind(item)}: send each photo as a "
-                                 f"base64 string")
-        encoded = sum(len(s) for s in items)
-        if encoded // 4 * 3 > max_bytes + 3 * len(items):  # over the limit however it decodes: do not decode
-            raise TooLarge(f"the photos are about {encoded // 4 * 3:,} bytes decoded; the limit is {max_bytes:,} "
-                           f"(CLASSIFIER_MAX_UPLOAD_BYTES)")
-        photos = [json_element(s, i, content_type) for i, s in enumerate(items)]
-    total = sum(len(p) for p in photos)
-    if total > max_bytes:
-        raise TooLarge(f"the photos are {total:,} bytes; the limit is {max_bytes:,} (CLASSIFIER_MAX_UPLOAD_BYTES)")
-    return photos
+# An output's parameters the server reads; any other is refused (400) rather than ignored.
+OUTPUT_PARAMETERS = ("binary_data", "classification")
+# Parameters sent on an output that are read elsewhere, or by another name: where, in the refusal's words.
+_TOPK = (f"a request parameter ({{\"parameters\": {{\"topk\": 5}}}} beside \"outputs\"), for every output; or ask "
+         f"'{CLASSIFIABLE}' for \"classification\": 5 (the classification extension: \"<probability>:<index>:<label>\" "
+         f"strings)")
+_ELSEWHERE = {"topk": _TOPK, "top_k": _TOPK, "binary_data_output": "a request parameter",
+              "class_count": f"tritonclient's name for \"classification\", the parameter it sends (on "
+                             f"'{CLASSIFIABLE}')",
+              "content_type": "an input's parameter (this model's outputs have one encoding each)"}
 
 
 def _outputs(doc: dict, *, binary_default: bool, categories: int) -> list[Wanted]:
@@ -304,23 +159,24 @@ def _outputs(doc: dict, *, binary_default: bool, categories: int) -> list[Wanted
     if asked is None or asked == []:
         return [Wanted(name, binary_default) for name in OUTPUTS]
     if not isinstance(asked, list):
-        raise BadRequest(f"'outputs' must be a list, got {_json_kind(asked)}")
+        raise BadRequest(f"'outputs' must be a list, got {json_kind(asked)}")
     wanted: list[Wanted] = []
     for item in asked:
-        out = _dict(item, "an output")
+        out = as_object(item, "an output")
         name = out.get("name")
         if not isinstance(name, str) or name not in OUTPUTS:
             raise BadRequest(f"unknown output {json.dumps(name)[:60]}: this model answers {', '.join(OUTPUTS)}")
         if any(w.name == name for w in wanted):
             raise BadRequest(f"output '{name}' is asked for twice")
-        params = _dict(out.get("parameters"), f"output '{name}' parameters")
-        binary = _flag(params["binary_data"], f"output '{name}' binary_data") if "binary_data" in params \
+        params = as_object(out.get("parameters"), f"output '{name}' parameters")
+        no_other_parameters(params, f"output '{name}'", OUTPUT_PARAMETERS, _ELSEWHERE)
+        binary = flag(params["binary_data"], f"output '{name}' binary_data") if "binary_data" in params \
             else binary_default
         classes = 0
         if "classification" in params:
             if name != CLASSIFIABLE:
                 raise BadRequest(f"classification applies to the '{CLASSIFIABLE}' output, not '{name}'")
-            classes = _count(params["classification"], f"output '{name}' classification", 1, categories)
+            classes = count(params["classification"], f"output '{name}' classification", 1, categories)
         wanted.append(Wanted(name, binary, classes))
     return wanted
 
@@ -336,21 +192,22 @@ def parse_request(body: bytes, header_length: str | None, *, default_topk: int, 
     :raises BadRequest: a malformed request (400; the message says what and where).
     :raises NoFile: shape [0] (400).
     :raises TooLarge: more than ``max_files`` photos, or more than ``max_bytes`` of them (413).
+    :raises NotAnImage: a string declared text that is base64 or hex of a photo (415).
     """
     doc, rest = split_header(body, header_length)
     req_id = doc.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise BadRequest(f"'id' must be a string, got {json.dumps(req_id)[:40]}")
-    params = _dict(doc.get("parameters"), "the request's parameters")
+    params = as_object(doc.get("parameters"), "the request's parameters")
     topk = default_topk
     if "topk" in params:
         raw = params["topk"]
         if isinstance(raw, bool) or not isinstance(raw, (int, str)):
             raise BadRequest(f"topk must be an integer from 1 to 10, got {json.dumps(raw)[:40]}")
         topk = parse_topk(str(raw), default_topk)
-    binary_default = _flag(params.get("binary_data_output", False), "binary_data_output")
-    content_type = _content_type(params, "the request's", None)
-    photos = _input(doc, rest, max_files=max_files, max_bytes=max_bytes, content_type=content_type)
+    binary_default = flag(params.get("binary_data_output", False), "binary_data_output")
+    content_type = read_content_type(params, "the request's", None)
+    photos = read_input(doc, rest, max_files=max_files, max_bytes=max_bytes, content_type=content_type)
     return InferRequest(req_id, photos, topk, _outputs(doc, binary_default=binary_default, categories=categories))
 
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import v2_codec as codec
-from .errors import Unauthorized
+from . import v2_inputs
+from .errors import OTHER_HTTP_CODE, Unauthorized
 
 TAG = "open inference protocol"
 _ID = {"$ref": "#/components/parameters/RequestId"}
@@ -81,9 +82,25 @@ RATE_LIMIT_HEADERS = {f"X-RateLimit-{k}": {"description": d, "schema": {"type": 
     ("Reset", "When the window resets (Unix time, s)."))}
 
 
+# What gunicorn refuses itself, on any path, before the app sees the request (webapp/worker.py answers it in the
+# protocol's shape under /v2): status -> when, for the statuses the error table has no row of (code http_error).
+# Its 400 (a header it cannot parse, e.g. `Content-Length: abc`) is the table's bad_request. Its 403s (a PROXY
+# protocol line from an address not allowed, a TLS error) come before any request line, so never in /v2's shape,
+# and its 500 needs a SCRIPT_NAME this server does not set. tests/test_openapi.py reads gunicorn's own list.
+REFUSED_BY_GUNICORN = {
+    414: "the request line (method, path and query) is longer than gunicorn's `limit_request_line`, 8190 bytes",
+    417: "an `Expect` header other than `100-continue`",
+    431: "more header fields than gunicorn's `limit_request_fields` (100), or one larger than 8190 bytes",
+    501: "a `Transfer-Encoding` gunicorn does not know (it knows chunked, gzip, deflate and compress)",
+}
+# The statuses every /v2 operation can answer, whatever its route does: gunicorn's refusals, its 400 included, and
+# 405 for a method the path does not take (e.g. `POST /v2`).
+EVERY_OPERATION = (400, 405, *REFUSED_BY_GUNICORN)
+
+
 def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]], *, rate_limited: bool = False) -> dict:
     """``V2E<status>``: each error status of the table in the protocol's shape, with its headers (``rate_limited``:
-    the rate-limit headers, ``CLASSIFIER_RATE_LIMIT`` being set)."""
+    the rate-limit headers, ``CLASSIFIER_RATE_LIMIT`` being set), and each of ``REFUSED_BY_GUNICORN``'s."""
     out = {}
     for status, (_codes, when) in errors_by_status.items():
         headers: dict[str, Any] = {**_ID_HEADER, **(RATE_LIMIT_HEADERS if rate_limited and status != 401 else {})}
@@ -92,6 +109,11 @@ def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]], *, rate_
         if status == 401:
             headers["WWW-Authenticate"] = WWW_AUTHENTICATE
         out[f"V2E{status}"] = {"description": when[0].upper() + when[1:] + ".", "headers": headers,
+                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}}}
+    for status, when in REFUSED_BY_GUNICORN.items():
+        out[f"V2E{status}"] = {"description": f"{when[0].upper() + when[1:]}: `{OTHER_HTTP_CODE}`, answered by "
+                                              f"gunicorn before the app sees the request (`Connection: close`).",
+                               "headers": dict(_ID_HEADER),
                                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}}}
     return out
 
@@ -102,7 +124,8 @@ def _json(schema: str, description: str) -> dict:
 
 
 def _errors(*statuses: int) -> dict:
-    return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in statuses}
+    """The responses of ``statuses`` and of ``EVERY_OPERATION``, by status, in order."""
+    return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in sorted({*statuses, *EVERY_OPERATION})}
 
 
 def _infer_request(settings) -> dict:
@@ -111,28 +134,36 @@ def _infer_request(settings) -> dict:
               "description": "One base64 string per photo (any format `/api/v1/predict` takes); nested arrays "
                              "(the protocol's row-major nesting) are read flattened, and their strings must "
                              "number as `shape` says."}
-    content_type = {"type": "string", "example": "base64",
+    content_type = {"type": "string", "example": "base64", "enum": list(v2_inputs.CONTENT_TYPES),
                     "description": "How `data` strings hold the photos: `base64`, or `str` (also `string`, `utf8`, "
-                                   "`utf-8`: their UTF-8 bytes). Absent or any other value (an MLServer codec's "
-                                   "own, e.g. `np`): base64 where the string is valid base64, else its UTF-8 bytes."}
+                                   "`utf-8`: their UTF-8 bytes). Absent: base64 where the string is valid base64, "
+                                   "else its UTF-8 bytes. Any other value (an MLServer codec's own, e.g. `np`; "
+                                   "`Base64`) is a 400 naming the ones read. The input's wins over the request's."}
     image = {"type": "object", "required": ["name", "datatype", "shape"],
              "properties": {"name": {"type": "string", "enum": [codec.INPUT]},
                             "datatype": {"type": "string", "enum": ["BYTES"]},
                             "shape": {"type": "array", "minItems": 1, "maxItems": 1,
                                       "items": {"type": "integer", "minimum": 1, "maximum": settings.MAX_FILES},
                                       "description": "`[N]`: N photos; N must equal the number of elements."},
-                            "parameters": {"type": "object", "properties": {
+                            "parameters": {"type": "object", "additionalProperties": False, "properties": {
                                 "content_type": content_type,
                                 "binary_data_size": {"type": "integer", "minimum": 0,
-                                                     "description": "Binary tensor data extension: the input's "
-                                                                    "bytes after the JSON header."}}},
+                                                     "description": f"Binary tensor data extension: the input's "
+                                                                    f"bytes after the JSON header. Only with the "
+                                                                    f"`{codec.HEADER}` header, which says where "
+                                                                    f"that header ends: without it the request is "
+                                                                    f"400 (a schema cannot require a header for a "
+                                                                    f"body field)."}},
+                                           "description": "Any other parameter is a 400 (not ignored)."},
                             "data": photos},
              # exactly one way to carry the photos, as the codec reads them (neither or both: 400 naming them)
              "oneOf": [{"required": ["data"]},
                        {"required": ["parameters"], "properties": {"parameters": {"required": ["binary_data_size"]}}}]}
     output = {"type": "object", "required": ["name"],
               "properties": {"name": {"type": "string", "enum": list(codec.OUTPUTS)},
-                             "parameters": {"type": "object", "properties": {
+                             "parameters": {"type": "object", "additionalProperties": False,
+                                            "description": "Any other parameter (e.g. `topk`, a request parameter) "
+                                                           "is a 400 (not ignored).", "properties": {
                                  "binary_data": {"type": "boolean"},
                                  "classification": {"type": "integer", "minimum": 1, "maximum": 1000,
                                                     "description": "Classification extension, on `probabilities` "
