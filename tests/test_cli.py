@@ -293,6 +293,27 @@ def test_a_folders_entry_that_cannot_be_looked_at_is_an_error_row(tmp_path, monk
     assert files.error_code("Permission denied") == "read_error"
 
 
+def test_a_folder_that_cannot_be_listed_is_an_error_row_in_its_place(tmp_path, monkeypatch):
+    """An unreadable sub-folder's row came after every file of the walk (tryout17): it sits where its files would
+    have, after the files beside it and before the next folder's. (Monkeypatched: root reads a mode-000 folder.)"""
+    for name in ("a.jpg", "b/x.jpg", "c.jpg", "d/y.jpg"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("/b"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    items, _ = files.collect_files([str(tmp_path)])
+    assert items == [(str(tmp_path / "a.jpg"), tmp_path / "a.jpg", None),
+                     (str(tmp_path / "c.jpg"), tmp_path / "c.jpg", None),
+                     (str(tmp_path / "b"), None, "cannot read the folder: Permission denied"),
+                     (str(tmp_path / "d" / "y.jpg"), tmp_path / "d" / "y.jpg", None)], items
+
+
 @pytest.mark.parametrize("mode", [[], ["--server", "http://127.0.0.1:9"]])
 def test_an_empty_path_is_a_usage_error_never_the_current_folder(no_classifier_env, monkeypatch, capsys, mode):
     """``classify "$DIR"`` with DIR unset: Path("") is ".", which would be walked recursively."""

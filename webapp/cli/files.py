@@ -69,8 +69,10 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
         except Unusable:  # unreadable says why, below
             folder = False
         if folder:
-            walk_errors: list[OSError] = []
-            for folder, dirs, names in os.walk(path, onerror=walk_errors.append):
+            def cannot_list(exc: OSError, top: Path = path) -> None:  # called where the walk reaches it: in order
+                items.append((str(exc.filename or top), None, f"cannot read the folder: {exc.strerror or exc}"))
+
+            for folder, dirs, names in os.walk(path, onerror=cannot_list):
                 dirs[:] = sorted(d for d in dirs if all_files or not d.startswith("."))
                 for name in sorted(names):
                     file = Path(folder) / name
@@ -84,8 +86,6 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
                         items.append((shown, None, why))
                     else:
                         add(shown, file)
-            for exc in walk_errors:
-                items.append((str(exc.filename or path), None, f"cannot read the folder: {exc.strerror or exc}"))
         elif (why := unreadable(path)) is None:
             add(arg, path)
         else:
