@@ -324,6 +324,22 @@ def test_the_services_own_504_is_an_answer_not_tried_again(tmp_path):
                                                   "retries": 0}
 
 
+def test_the_progress_bar_counts_the_files_that_failed_before_upload(tmp_path):
+    """Its total was the files sent (1/1 here) while the summary counted every file (2 files: 1 failed;
+    tryout17): both count 2 now."""
+    tiny_file(tmp_path)
+    (tmp_path / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")  # a broken link: an error row, never sent
+    stub = Stub([])
+    try:
+        out = run_cli(str(tmp_path), "--server", stub.url, "--no-scale", timeout=60)
+    finally:
+        stub.shutdown()
+    assert out.returncode == 1 and len(stub.arrivals) == 1, out.stderr
+    bar = out.stderr.replace("\r", "\n").splitlines()
+    assert any("classify: 100%" in line and "2/2" in line for line in bar), out.stderr
+    assert "2 files: 1 classified, 1 failed" in out.stderr
+
+
 def test_retries_are_bounded_and_end_in_an_error(tmp_path, monkeypatch):
     monkeypatch.setattr(retries, "MAX_TRIES", 3)
     stub = Stub([(429, "0")] * 5)

@@ -236,8 +236,10 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     from ..concurrency import client_pool
 
     pool = client_pool(jobs)
-    bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet, dynamic_ncols=True,
-               desc="classify", mininterval=0.2)
+    # Every file counts, those that failed before any work too (unreadable, not a file): the bar ends at the
+    # summary's number of files, not short of it (tryout17)
+    bar = tqdm(total=len(results), initial=len(results) - len(todo), unit="img", file=sys.stderr,
+               disable=args.quiet, dynamic_ncols=True, desc="classify", mininterval=0.2)
     try:
         futures = {pool.submit(one, results[i]["_path"]): i for i in todo}
         for future in as_completed(futures):

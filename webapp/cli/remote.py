@@ -333,8 +333,10 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
     failed, retries = len(results) - len(todo), 0
     start = time.perf_counter()
     pool = client_pool(jobs)
-    bar = tqdm(total=len(todo), unit="img", file=sys.stderr, disable=args.quiet, dynamic_ncols=True,
-               desc="classify", mininterval=0.2)
+    # Every file counts, those that failed before any work too (unreadable, not a file): the bar ends at the
+    # summary's number of files, not short of it (tryout17)
+    bar = tqdm(total=len(results), initial=len(results) - len(todo), unit="img", file=sys.stderr,
+               disable=args.quiet, dynamic_ncols=True, desc="classify", mininterval=0.2)
     try:
         futures = {pool.submit(classify_one, client, results[i]["_path"], topk=topk, short_side=short_side,
                                max_bytes=max_bytes, resample=resample, max_pixels=max_pixels): i
