@@ -891,8 +891,8 @@ def test_output_is_valid_unicode_for_a_name_that_is_not_utf8(fmt):
 def test_output_that_cannot_be_written_is_one_line_not_a_traceback():
     """``classify ... > /dev/full``: a traceback and exit 1, as if files had failed (tryout17). Now one line, and
     the caller exits 1 (EXIT_FAILED); nothing more is written at the interpreter's exit."""
-    code = ("import sys; from webapp.cli.output import print_results; "
-            "ok = print_results([{'path': 'a.jpg', 'predictions': [], 'error': None}], 'csv', 3); "
+    code = ("import sys; from webapp.cli.output import ResultStream; s = ResultStream('csv', 3, ['a.jpg']); "
+            "ok = s.put(0, {'path': 'a.jpg', 'predictions': [], 'error': None}) or s.close(); "
             "sys.exit(0 if ok is False else 5)")
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=full, stderr=subprocess.PIPE, text=True,

@@ -232,10 +232,11 @@ class Stub(http.server.ThreadingHTTPServer):
     """Answers POST /api/v1/predict with ``plan`` (a list of (status, Retry-After)), then 200 (or, ``stall``, never);
     records arrival times.
     GET /api/v1/models answers ``starting`` times as a starting server does (503 not_ready, Retry-After:
-    ``retry_after``) first; ``probes`` records those GETs' arrival times. Listens on ``port`` (0: any free one)."""
+    ``retry_after``) first; ``probes`` records those GETs' arrival times. Listens on ``port`` (0: any free one).
+    ``stall_from``: answer that many uploads, then stall as ``stall``."""
 
     def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1",
-                 stall: bool = False, port: int = 0):
+                 stall: bool = False, port: int = 0, stall_from: int | None = None):
         self.plan, self.arrivals, self.probes, self.starting = list(plan), [], [], starting
         stub = self
 
@@ -265,7 +266,8 @@ class Stub(http.server.ThreadingHTTPServer):
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 stub.arrivals.append(time.monotonic())
-                if stall:  # takes the upload and never answers (a stuck server)
+                if stall or stall_from is not None and len(stub.arrivals) > stall_from:  # takes the upload and
+                    # never answers (a stuck server), from the first upload or after ``stall_from`` answered
                     time.sleep(3600)
                 if stub.plan:
                     status, after, *code = stub.plan.pop(0)  # (a third item: the error's code)
@@ -523,6 +525,34 @@ def test_ctrl_c_ends_a_run_waiting_on_answers_at_once(tmp_path):
         stub.shutdown()
     assert proc.returncode == 130 and took < 3, (proc.returncode, took, errors[-2000:])
     assert errors.rstrip().endswith("interrupted") and "Traceback" not in errors, errors[-2000:]
+
+
+def test_rows_are_written_as_they_are_ready_and_ctrl_c_keeps_them(tmp_path):
+    """Every row was printed at the end of the run: a crash or Ctrl-C near the end lost them all (tryout17). The
+    first file's row is out while the second waits on its answer, and after Ctrl-C the output is a whole JSON
+    list of the rows done."""
+    import signal
+
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (4, 4)).save(tmp_path / name)
+    stub = Stub([], stall_from=1)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "webapp", "classify", "-f", "json", "--jobs", "1",
+                                 str(tmp_path), "--server", stub.url], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                preexec_fn=as_a_terminal_job)
+        deadline = time.monotonic() + 60
+        while len(stub.arrivals) < 2 and time.monotonic() < deadline:  # a.png answered, b.png waiting on its answer
+            time.sleep(0.05)
+        first = os.read(proc.stdout.fileno(), 1 << 16).decode()  # written already, with the run still going
+        assert proc.poll() is None and '"path": "' + str(tmp_path / "a.png") + '"' in first, first
+        proc.send_signal(signal.SIGINT)
+        out, errors = proc.communicate(timeout=30)
+    finally:
+        stub.shutdown()
+    assert proc.returncode == 130, errors[-2000:]
+    rows = json.loads(first + out)
+    assert [r["path"] for r in rows] == [str(tmp_path / "a.png")] and rows[0]["predictions"][0]["label"] == "kite"
 
 
 # -- local scaling ----------------------------------------------------------------------------------------

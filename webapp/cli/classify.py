@@ -25,7 +25,7 @@ from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, r
                     skipped_note, unreadable)
 from .options import (EMPTY_PATH, HelpFormatter, add_setting_options, address_arg, given_settings, positive_int,
                       settings_epilog)
-from .output import print_results
+from .output import ResultStream, public
 from .remote import add_arguments as add_remote_arguments
 from .remote import classify_remote
 
@@ -240,7 +240,11 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     # summary's number of files, not short of it (tryout17)
     bar = tqdm(total=len(results), initial=len(results) - len(todo), unit="img", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True, desc="classify", mininterval=0.2)
+    stream = ResultStream(args.format or "table", topk, [r["path"] for r in results], bar=bar)
     try:
+        for i, r in enumerate(results):
+            if r["error"] is not None:  # failed before any work: its row is ready now
+                stream.put(i, public(r))
         futures = {pool.submit(one, results[i]["_path"]): i for i in todo}
         for future in as_completed(futures):
             result = results[futures[future]]
@@ -249,21 +253,21 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
                 failed += 1
                 bar.set_postfix(failed=failed, refresh=False)
             bar.update(1)
+            if not stream.put(futures[future], public(result)):
+                break  # the output cannot be written: said, and nothing more to do
     except KeyboardInterrupt:
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
         classifier.stop()
+        stream.close()  # the rows written so far stay a whole table, CSV or JSON list
         raise
     bar.close()
-    pool.shutdown()
+    pool.shutdown(cancel_futures=not stream.ok)
     elapsed = time.perf_counter() - start
     batches = classifier.batcher.batches - batches_before
     images = classifier.batcher.images - images_before
     classifier.stop()
-
-    for r in results:
-        r.pop("_path", None)
-    if not print_results(results, args.format or "table", topk):
+    if not stream.close():
         return EXIT_FAILED
     ok = len(results) - failed
     if not args.quiet:

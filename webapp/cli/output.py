@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import sys
@@ -24,48 +25,107 @@ def _error_text(error: dict) -> str:
     return f"error: {error['message']} ({error['code']})"
 
 
-def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
-    """Write ``results`` to the text stream ``out`` as ``fmt``: ``"table"``, ``"json"`` or ``"csv"``.
+class ResultStream:
+    """Writes results to ``out`` (standard output where None) in the files' order as soon as each one and every one
+    before it is done, as ``fmt``: ``"table"``, ``"json"`` or ``"csv"``; flushed as it goes.
 
-    Each result is ``{"path", "predictions", "error", ...}`` (``error``: None or ``{"code",
-    "message"}``); ``topk`` only heads the table's column. Returns nothing; write errors (a closed
-    pipe) propagate.
+    A run over a big folder printed nothing until its last file: a crash or Ctrl-C near the end lost every row
+    (tryout17). ``paths``: every file's shown path, in order (the table's column width comes from them, as when
+    printed at the end); ``topk`` only heads the table's column. Each result is ``{"path", "predictions",
+    "error", ...}`` (``error``: None or ``{"code", "message"}``; other keys go to JSON as they are). ``close``
+    ends the JSON list, so an interrupted run's output is still valid JSON, of the files before the first one
+    not done. While ``bar`` (tqdm, on stderr) is drawn, rows are written in its external write mode, so that on
+    one terminal the bar is redrawn below them.
+
+    Write errors: a closed pipe (``| head``) propagates, the reader left and ``main`` says nothing; any other
+    (``> /dev/full``, a quota, an I/O error) is said in one line on stderr, standard output is silenced, and
+    ``put`` and ``close`` return False from then on (the caller stops and exits 1; it was a traceback).
     """
-    if fmt == "json":
-        # A file name that is not UTF-8 (bytes Python keeps as lone surrogates, "\udce9") would be JSON that
-        # strict readers (serde_json, Go's decoder) refuse or mangle: its bytes are written \xe9 instead.
-        json.dump([{**r, "path": _unicode(r["path"])} for r in results], out, indent=1)
-        out.write("\n")
-    elif fmt == "csv":
-        writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["path", "rank", "label", "index", "probability", "error"])
-        for r in results:  # a name that is not UTF-8: \xNN, as in JSON (a UTF-8 CSV reader refused the raw bytes)
-            path = _unicode(r["path"])
+
+    def __init__(self, fmt: str, topk: int, paths: list[str], out=None, bar=None):
+        self.fmt, self.topk, self.out, self.bar = fmt, topk, out, bar
+        self.held: dict[int, dict] = {}
+        self.next = 0
+        self.ok = True
+        self.width = min(max([len("path"), *(len(_printable(p)) for p in paths)]), 60)
+        self._csv = None
+        self._write(self._header())
+
+    def _stream(self):
+        return self.out if self.out is not None else sys.stdout
+
+    def _header(self) -> str:
+        if self.fmt == "json":
+            return "["
+        if self.fmt == "csv":
+            return "path,rank,label,index,probability,error\n"
+        return f"{'path':<{self.width}}  top-{self.topk}\n"
+
+    def _row(self, r: dict) -> str:
+        if self.fmt == "json":
+            # A file name that is not UTF-8 (bytes Python keeps as lone surrogates, "\udce9") would be JSON that
+            # strict readers (serde_json, Go's decoder) refuse or mangle: its bytes are written \xe9 instead.
+            # Each element as json.dump(list, indent=1) writes it: one more space before every line.
+            text = json.dumps({**r, "path": _unicode(r["path"])}, indent=1).replace("\n", "\n ")
+            return ("\n " if self.next == 0 else ",\n ") + text
+        if self.fmt == "csv":
+            buf = io.StringIO()
+            writer = csv.writer(buf, lineterminator="\n")
+            path = _unicode(r["path"])  # a name that is not UTF-8: \xNN, as in JSON (a UTF-8 CSV reader refused it)
             if r["error"]:
                 writer.writerow([path, "", "", "", "", f"{r['error']['message']} ({r['error']['code']})"])
             for rank, p in enumerate(r["predictions"], 1):
                 writer.writerow([path, rank, p["label"], p["index"], f"{p['probability']:.6f}", ""])
-    else:
-        results = [{**r, "path": _printable(r["path"])} for r in results]
-        width = min(max([len("path"), *(len(r["path"]) for r in results)]), 60)
-        out.write(f"{'path':<{width}}  top-{topk}\n")
-        for r in results:
-            text = _error_text(r["error"]) if r["error"] else "  ".join(
-                f"{p['label']} {100 * p['probability']:.1f}%" for p in r["predictions"])
-            out.write(f"{r['path']:<{width}}  {text}\n")
+            return buf.getvalue()
+        text = _error_text(r["error"]) if r["error"] else "  ".join(
+            f"{p['label']} {100 * p['probability']:.1f}%" for p in r["predictions"])
+        return f"{_printable(r['path']):<{self.width}}  {text}\n"
+
+    def _write(self, text: str) -> None:
+        if not self.ok or not text:
+            return
+        try:
+            if self.bar is not None and not self.bar.disable:
+                with self.bar.external_write_mode(file=self._stream()):
+                    self._stream().write(text)
+                    self._stream().flush()
+            else:
+                self._stream().write(text)
+                self._stream().flush()
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            self.ok = False
+            print(f"error: cannot write the results to standard output: {exc.strerror or exc}", file=sys.stderr)
+            if self.out is None:
+                silence_stdout()
+
+    def put(self, index: int, result: dict) -> bool:
+        """File ``index``'s result is done: write it, and those after it that were waiting for it. False once the
+        output cannot be written."""
+        self.held[index] = result
+        rows = []
+        while self.next in self.held:
+            rows.append(self._row(self.held.pop(self.next)))
+            self.next += 1
+        self._write("".join(rows))
+        return self.ok
+
+    def close(self) -> bool:
+        """End the output (the JSON list's ``]``); the rows still held (a file before them not done: an
+        interrupted run) are left out. False where the output could not be written."""
+        self._write(("\n]\n" if self.next else "]\n") if self.fmt == "json" else "")
+        return self.ok
 
 
-def print_results(results: list[dict], fmt: str, topk: int) -> bool:
-    """``write_results`` to standard output, flushed; False (said in one line on stderr) where the output cannot be
-    written: a full disk (``> /dev/full``), a quota, an I/O error. It was a traceback and exit 1, as if files had
-    failed (tryout17). A closed pipe (``| head``) still propagates: the reader left, and ``main`` says nothing."""
-    try:
-        write_results(results, fmt, topk, sys.stdout)
-        sys.stdout.flush()
-        return True
-    except BrokenPipeError:
-        raise
-    except OSError as exc:
-        print(f"error: cannot write the results to standard output: {exc.strerror or exc}", file=sys.stderr)
-        silence_stdout()
-        return False
+def public(result: dict) -> dict:
+    """A result without the keys a run keeps for itself (``_path``, the file to read)."""
+    return {k: v for k, v in result.items() if not k.startswith("_")}
+
+
+def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
+    """Write every result of ``results`` to the text stream ``out`` as ``fmt`` (``ResultStream``, all at once)."""
+    stream = ResultStream(fmt, topk, [r["path"] for r in results], out)
+    for i, r in enumerate(results):
+        stream.put(i, r)
+    stream.close()

@@ -1,7 +1,7 @@
 """``python -m webapp classify --server URL PATH...``: photos to a running server, over N connections.
 
 The same files as local ``classify`` (``files.collect_files``), the same results, progress bar,
-table/JSON/CSV (``output.print_results``) and exit status; the labels come from the server's
+table/JSON/CSV (``output.ResultStream``, as each file's row is ready) and exit status; the labels come from the server's
 ``POST /api/v1/predict``. What makes it fit for a big folder and a busy server:
 
 - **Scaled locally first** (unless ``--no-scale``): a JPEG whose short side is over the serving model's
@@ -42,7 +42,7 @@ from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plural
 from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
-from .output import print_results
+from .output import ResultStream, public
 from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it)
 from .retries import backoff, error as _error, out_of_tries, parsed, refusal as _refusal, retry_wait
 from .scaling import scaled
@@ -337,7 +337,11 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
     # summary's number of files, not short of it (tryout17)
     bar = tqdm(total=len(results), initial=len(results) - len(todo), unit="img", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True, desc="classify", mininterval=0.2)
+    stream = ResultStream(args.format or "table", topk, [r["path"] for r in results], bar=bar)
     try:
+        for i, r in enumerate(results):
+            if r["error"] is not None:  # failed before any work: its row is ready now
+                stream.put(i, public(r))
         futures = {pool.submit(classify_one, client, results[i]["_path"], topk=topk, short_side=short_side,
                                max_bytes=max_bytes, resample=resample, max_pixels=max_pixels): i
                    for i in todo}
@@ -348,19 +352,21 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
             failed += result["error"] is not None
             bar.set_postfix(failed=failed, retried=retries, refresh=False)
             bar.update(1)
+            if not stream.put(futures[future], public(result)):
+                client.stopped = ("not_sent", "the results cannot be written")  # the threads send no more
+                break
     except KeyboardInterrupt:  # out at once: the pool's threads may be waiting on answers, and the interpreter
         pool.shutdown(wait=False, cancel_futures=True)  # would join them at exit (a second Ctrl-C then printed a
-        bar.close()  # traceback: tryout17); nothing of theirs needs saving
+        bar.close()  # traceback: tryout17); the rows written so far stay a whole table, CSV or JSON list
+        stream.close()
         err("interrupted")
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_INTERRUPTED)
     bar.close()
-    pool.shutdown()
+    pool.shutdown(cancel_futures=not stream.ok)
     elapsed = time.perf_counter() - start
-    for r in results:
-        r.pop("_path", None)
-    if not print_results(results, args.format or "table", topk):
+    if not stream.close():
         return EXIT_FAILED
     if not args.quiet:
         done = len(todo) - (failed - (len(results) - len(todo)))
