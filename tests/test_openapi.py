@@ -49,7 +49,8 @@ def test_served_document_is_the_one_checked(st_app):
     assert {p for p in served["paths"] if not p.startswith("/v2")} == {"/api/v1/predict", "/api/v1/models", "/healthz", "/readyz", "/metrics",
                                     "/openapi.json"}
     predict = served["paths"]["/api/v1/predict"]["post"]
-    assert set(predict["responses"]) == {"200", "400", "405", "408", "411", "413", "415", "429", "500", "503", "504"}
+    assert set(predict["responses"]) == {"200", "400", "405", "408", "411", "413", "414", "415", "417", "429", "431",
+                                         "500", "501", "503", "504"}
     body = predict["requestBody"]["content"]
     assert body["multipart/form-data"]["schema"]["properties"]["file"]["items"]["format"] == "binary"
     assert body["multipart/form-data"]["schema"]["properties"]["file"]["maxItems"] == CONFIG["MAX_FILES"]
@@ -352,3 +353,31 @@ def test_every_v2_operation_lists_what_gunicorn_refuses_before_the_app():
         response = doc["components"]["responses"][f"V2E{status}"]
         assert response["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/V2Error"}
         assert "`http_error`" in response["description"] and "X-Request-ID" in response["headers"]
+
+
+def test_every_operation_lists_what_gunicorn_refuses_before_the_app_in_its_own_shape():
+    """Found reviewing the /v2 fix above: gunicorn refuses the same requests on every path, in the API's error shape
+    outside /v2 (webapp/worker.py, ``errors.error_body``), and the other operations listed none of 414, 417, 431,
+    501 (the GETs not even 400). In each configuration every operation lists ``BEFORE_THE_APP``'s statuses, each a
+    response of its own error shape (``E``: the API's, with code ``http_error`` and the status; ``V2E``: the
+    protocol's); tests/test_v2.py provokes each on every operation of a real server."""
+    from webapp import v2_openapi
+
+    assert v2_openapi.BEFORE_THE_APP == (400, *v2_openapi.REFUSED_BY_GUNICORN)
+    for overrides in ({**CONFIG, "API_TOKEN": "x", "RATE_LIMIT": "5/second"}, {"METRICS": False}):
+        doc = json.loads(json.dumps(build_spec(settings_mod.load(overrides=overrides))))
+        assert ("/metrics" in doc["paths"]) == ("METRICS" not in overrides)
+        for path, operations in doc["paths"].items():
+            prefix = "V2E" if path.startswith("/v2") else "E"
+            for method, op in operations.items():
+                for status in v2_openapi.BEFORE_THE_APP:
+                    assert op["responses"].get(str(status)) == {"$ref": f"#/components/responses/{prefix}{status}"}, \
+                        (method, path, status)
+                assert list(op["responses"]) == sorted(op["responses"]), (method, path)
+        for status in v2_openapi.REFUSED_BY_GUNICORN:
+            response = doc["components"]["responses"][f"E{status}"]
+            schema = response["content"]["application/json"]["schema"]
+            assert schema["allOf"] == [{"$ref": "#/components/schemas/Error"}]
+            assert schema["properties"]["error"]["properties"] == {"code": {"enum": ["http_error"]},
+                                                                   "status": {"enum": [status]}}
+            assert "`http_error`" in response["description"] and "X-Request-ID" in response["headers"]

@@ -477,6 +477,18 @@ V2_OPERATIONS = [("/v2", "/v2", "get"), ("/v2/health/live", "/v2/health/live", "
                  ("/v2/models/{name}/versions/{version}/infer", "/v2/models/classifier/versions/1/infer", "post")]
 
 
+def refused_by_gunicorn(method: str, url: str) -> dict[int, bytes]:
+    """A request to ``url`` with ``method`` that gunicorn refuses before the app sees it, by the status it answers:
+    a Content-Length it cannot parse (400), a request line over its 8190 bytes (414), an Expect it does not know
+    (417), more than its 100 header fields (431), a Transfer-Encoding it does not know (501)."""
+    line = f"{method.upper()} {url} HTTP/1.1\r\nHost: x\r\n"
+    return {400: (line + "Content-Length: abc\r\n\r\n").encode(),
+            414: f"{method.upper()} {url}?q={'a' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
+            417: (line + "Expect: 200-ok\r\nContent-Length: 0\r\n\r\n").encode(),
+            431: (line + "".join(f"X-Field-{i}: {i}\r\n" for i in range(101)) + "\r\n").encode(),
+            501: (line + "Transfer-Encoding: foo\r\n\r\n").encode()}
+
+
 def test_every_status_gunicorn_answers_on_v2_is_documented_for_each_operation(srv):
     """Found by a user: gunicorn refuses a request line over its limit (414), an Expect it does not know (417),
     too many headers (431), in the protocol's shape under /v2, and no operation listed them. Each refusal the
@@ -488,15 +500,7 @@ def test_every_status_gunicorn_answers_on_v2_is_documented_for_each_operation(sr
     error_schema = doc["components"]["schemas"]["V2Error"]
     assert {p for p in doc["paths"] if p.startswith("/v2")} == {p for p, _, _ in V2_OPERATIONS}
     for path, url, method in V2_OPERATIONS:
-        line = f"{method.upper()} {url} HTTP/1.1\r\nHost: x\r\n"
-        provoked = {
-            400: (line + "Content-Length: abc\r\n\r\n").encode(),
-            414: f"{method.upper()} {url}?q={'a' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n".encode(),
-            417: (line + "Expect: 200-ok\r\nContent-Length: 0\r\n\r\n").encode(),
-            431: (line + "".join(f"X-Field-{i}: {i}\r\n" for i in range(101)) + "\r\n").encode(),
-            501: (line + "Transfer-Encoding: foo\r\n\r\n").encode(),
-        }
-        answers = {status: _raw(srv, request) for status, request in provoked.items()}
+        answers = {status: _raw(srv, request) for status, request in refused_by_gunicorn(method, url).items()}
         wrong = "POST" if method == "get" else "GET"
         answers[405] = _raw(srv, f"{wrong} {url} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
                                  .encode())
@@ -512,3 +516,29 @@ def test_every_status_gunicorn_answers_on_v2_is_documented_for_each_operation(sr
             schema = doc["components"]["responses"][ref]["content"]["application/json"]["schema"]
             assert schema == {"$ref": "#/components/schemas/V2Error"}, (path, status, schema)
             jsonschema.validate(error, error_schema)
+
+
+def test_every_status_gunicorn_answers_before_the_app_is_documented_for_every_operation(srv):
+    """Found reviewing the /v2 fix above: gunicorn refuses the same requests on every path, /api/v1's and the
+    probes' too, in the API's ``{"error": {"code", "message", "status"}}`` there (webapp/worker.py), and those
+    operations listed none of 414, 417, 431, 501 (the GETs not even 400). Each refusal, provoked on every operation
+    of the served document (on this module's server: no other started): its status is listed there, the answer
+    has the documented content type and ``X-Request-ID``, and its body fits the documented schema."""
+    import jsonschema
+
+    doc = requests.get(srv.url + "/openapi.json", timeout=10).json()
+    operations = [(path, method) for path, ops in doc["paths"].items() for method in ops]
+    assert {p for p, _ in operations} >= {"/api/v1/predict", "/api/v1/models", "/healthz", "/readyz", "/metrics",
+                                         "/openapi.json", *(p for p, _, _ in V2_OPERATIONS)}
+    for path, method in operations:
+        url = path.format(name="classifier", version="1")
+        for status, request in refused_by_gunicorn(method, url).items():
+            got, headers, body = _raw(srv, request)
+            assert got == status, (method, path, status, got, body[:200])
+            documented = doc["paths"][path][method]["responses"].get(str(status))
+            assert documented, f"{status} is not documented for {method.upper()} {path}"
+            response = doc["components"]["responses"][documented["$ref"].rsplit("/", 1)[1]]
+            assert headers["content-type"] in response["content"] and headers["x-request-id"], (path, status, headers)
+            assert "X-Request-ID" in response["headers"], (path, status)
+            schema = response["content"][headers["content-type"]]["schema"]
+            jsonschema.validate(json.loads(body), {**schema, "components": doc["components"]})

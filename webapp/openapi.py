@@ -50,12 +50,13 @@ def _error_response(status: int, rate_limited: bool) -> dict:
         headers["WWW-Authenticate"] = v2_openapi.WWW_AUTHENTICATE
     if status == 405:
         headers["Allow"] = {"description": "The methods this path takes, e.g. `OPTIONS, POST`.", "schema": _STR}
-    return {
-        "description": when[0].upper() + when[1:] + ".",
-        "headers": headers,
-        "content": {"application/json": {"schema": {"allOf": [{"$ref": "#/components/schemas/Error"}], "properties": {
-            "error": {"properties": {"code": {"enum": list(codes)}, "status": {"enum": [status]}}}}}}},
-    }
+    return {"description": when[0].upper() + when[1:] + ".", "headers": headers, "content": _error_content(status, codes)}
+
+
+def _error_content(status: int, codes=(errors.OTHER_HTTP_CODE,)) -> dict:
+    """An error answer's body: ``Error`` with ``status`` and one of ``codes`` (gunicorn's refusals: ``http_error``)."""
+    return {"application/json": {"schema": {"allOf": [{"$ref": "#/components/schemas/Error"}], "properties": {
+        "error": {"properties": {"code": {"enum": list(codes)}, "status": {"enum": [status]}}}}}}}
 
 
 def _json(schema_ref: str, description: str) -> dict:
@@ -376,10 +377,12 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                            "`X-Request-ID`.",
         },
         "tags": [{"name": "classify"}, {"name": "operations"}, {"name": v2_openapi.TAG}],
-        "paths": {**paths, **v2_openapi.paths(settings, token=token)},  # the Open Inference Protocol's (/v2)
+        # gunicorn's refusals before the app, in the API's error shape (webapp/worker.py); then /v2's, in the protocol's
+        "paths": {**v2_openapi.add_refusals(paths, "E"), **v2_openapi.paths(settings, token=token)},
         "components": {
             "schemas": {**SCHEMAS, **v2_openapi.SCHEMAS},
             "responses": {**{f"E{status}": _error_response(status, bool(settings.RATE_LIMIT)) for status in ERRORS},
+                          **v2_openapi.refused_responses("E", _error_content),
                           **v2_openapi.responses(ERRORS, rate_limited=bool(settings.RATE_LIMIT))},
             "headers": {"RequestId": _REQUEST_ID, "RetryAfter": _RETRY_AFTER},
             "parameters": {"RequestId": {

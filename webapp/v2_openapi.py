@@ -2,11 +2,13 @@
 
 Their errors are the protocol's ``{"error": "<code>: <message>"}``, with the statuses and the
 ``when`` words of the error table (``errors_by_status``: ``openapi.ERRORS``, passed in so this
-module does not import the one that imports it).
+module does not import the one that imports it). What gunicorn refuses before the app, which every
+operation of the document lists, /v2's and the others' alike, is here too (``REFUSED_BY_GUNICORN``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import v2_codec as codec
@@ -83,19 +85,41 @@ RATE_LIMIT_HEADERS = {f"X-RateLimit-{k}": {"description": d, "schema": {"type": 
 
 
 # What gunicorn refuses itself, on any path, before the app sees the request (webapp/worker.py answers it in the
-# protocol's shape under /v2): status -> when, for the statuses the error table has no row of (code http_error).
-# Its 400 (a header it cannot parse, e.g. `Content-Length: abc`) is the table's bad_request. Its 403s (a PROXY
-# protocol line from an address not allowed, a TLS error) come before any request line, so never in /v2's shape,
-# and its 500 needs a SCRIPT_NAME this server does not set. tests/test_openapi.py reads gunicorn's own list.
+# protocol's shape under /v2, in the API's elsewhere, the page's path included): status -> when, for the statuses the
+# error table has no row of (code http_error). Its 400 (a header it cannot parse, e.g. `Content-Length: abc`) is the
+# table's bad_request. Its 403s (a PROXY protocol line from an address not allowed, a TLS error) come before any
+# request line, so for no operation, and its 500 needs a SCRIPT_NAME this server does not set. tests/test_openapi.py
+# reads gunicorn's own list. Every operation of the document lists them all (``refused_responses``, ``add_refusals``).
 REFUSED_BY_GUNICORN = {
     414: "the request line (method, path and query) is longer than gunicorn's `limit_request_line`, 8190 bytes",
     417: "an `Expect` header other than `100-continue`",
     431: "more header fields than gunicorn's `limit_request_fields` (100), or one larger than 8190 bytes",
     501: "a `Transfer-Encoding` gunicorn does not know (it knows chunked, gzip, deflate and compress)",
 }
-# The statuses every /v2 operation can answer, whatever its route does: gunicorn's refusals, its 400 included, and
-# 405 for a method the path does not take (e.g. `POST /v2`).
-EVERY_OPERATION = (400, 405, *REFUSED_BY_GUNICORN)
+# What gunicorn answers on any operation before the app sees the request: its 400 (the table's) and the others.
+BEFORE_THE_APP = (400, *REFUSED_BY_GUNICORN)
+
+
+def refused_responses(prefix: str, content: Callable[[int], dict]) -> dict:
+    """``<prefix><status>``: the component response of each of ``REFUSED_BY_GUNICORN``'s statuses, its body
+    ``content(status)`` (an OpenAPI ``content`` map: the error shape webapp/worker.py writes where the operations
+    that refer to ``prefix`` are), with ``X-Request-ID``. ``prefix``: ``V2E`` for /v2's, ``E`` for the API's."""
+    return {f"{prefix}{status}": {"description": f"{when[0].upper() + when[1:]}: `{OTHER_HTTP_CODE}`, answered by "
+                                                 f"gunicorn before the app sees the request (`Connection: close`).",
+                                  "headers": dict(_ID_HEADER), "content": content(status)}
+            for status, when in REFUSED_BY_GUNICORN.items()}
+
+
+def add_refusals(paths: dict, prefix: str) -> dict:
+    """Add ``BEFORE_THE_APP``'s statuses to every operation of ``paths`` (an OpenAPI ``paths`` map, changed in place
+    and returned) where absent, as references to the component responses ``<prefix><status>`` (``E``: the API's
+    error shape, ``V2E``: the protocol's); each operation's responses end up in status order."""
+    for operations in paths.values():
+        for operation in operations.values():
+            merged = {**{str(s): {"$ref": f"#/components/responses/{prefix}{s}"} for s in BEFORE_THE_APP},
+                      **operation["responses"]}
+            operation["responses"] = {status: merged[status] for status in sorted(merged)}
+    return paths
 
 
 def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]], *, rate_limited: bool = False) -> dict:
@@ -110,12 +134,8 @@ def responses(errors_by_status: dict[int, tuple[tuple[str, ...], str]], *, rate_
             headers["WWW-Authenticate"] = WWW_AUTHENTICATE
         out[f"V2E{status}"] = {"description": when[0].upper() + when[1:] + ".", "headers": headers,
                                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}}}
-    for status, when in REFUSED_BY_GUNICORN.items():
-        out[f"V2E{status}"] = {"description": f"{when[0].upper() + when[1:]}: `{OTHER_HTTP_CODE}`, answered by "
-                                              f"gunicorn before the app sees the request (`Connection: close`).",
-                               "headers": dict(_ID_HEADER),
-                               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}}}
-    return out
+    return {**out, **refused_responses("V2E", lambda _status: {
+        "application/json": {"schema": {"$ref": "#/components/schemas/V2Error"}}})}
 
 
 def _json(schema: str, description: str) -> dict:
@@ -124,8 +144,9 @@ def _json(schema: str, description: str) -> dict:
 
 
 def _errors(*statuses: int) -> dict:
-    """The responses of ``statuses`` and of ``EVERY_OPERATION``, by status, in order."""
-    return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in sorted({*statuses, *EVERY_OPERATION})}
+    """The responses of ``statuses`` and 405, by status, in order: every /v2 operation can answer 405, for a method
+    its path does not take (e.g. `POST /v2`), and gunicorn's refusals (``add_refusals`` adds those to each)."""
+    return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in sorted({*statuses, 405})}
 
 
 def _infer_request(settings) -> dict:
@@ -241,4 +262,4 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
     for path in ("/v2/health/ready", "/v2/models/{name}/ready", "/v2/models/{name}/versions/{version}/ready"):
         out[path]["get"]["responses"].update(not_ready)
     out["/v2/models/{name}/infer"]["post"]["parameters"] = [_NAME, header, _ID]
-    return out
+    return add_refusals(out, "V2E")
