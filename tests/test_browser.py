@@ -1117,3 +1117,35 @@ def test_scaling_without_a_lossless_webp_or_with_a_failing_encoder(server, brows
             assert card.locator(".timing .sent").inner_text() == "sent without its metadata: 3.3 MB"
     finally:
         tab.close()
+
+
+@pytest.mark.extended  # its own server, with a token (~15 s on 2 cores): with `-m extended`
+def test_with_an_api_token_each_pick_adds_its_card_and_the_earlier_ones_stay(tmp_path, browser):
+    """With CLASSIFIER_API_TOKEN set the page fell back to its plain form on the API's 401: each new pick reloaded
+    the page and the earlier cards were gone (tryout16). A real server with a token: the page sends each photo to
+    its own route as JSON, never gets a 401, and two picks leave two cards with their labels."""
+    srv = Server(tmp_path / "server.log", env={"TORCH_HOME": str(tmp_path / "torch")}, DOWNLOAD=0, COMPILE=0,
+                 WORKERS=1, THREADS=0, MAX_BATCH_SIZE=4, CACHE_DIR=tmp_path / "cache", PRECISION="fp32",
+                 API_TOKEN="s3cret-token-value")
+    tab = None
+    try:
+        srv.wait_ready(1)
+        tab = Page(browser, locale="en-US")
+        page = tab.page
+        statuses = []
+        page.on("response", lambda r: statuses.append((r.request.method, r.url, r.status)))
+        page.goto(srv.url + "/")
+        page.set_input_files("#file", str(shared_image("dog.jpg")))
+        wait_for_labels(page, page.locator(".result").first, DOG_EN)
+        page.set_input_files("#file", str(shared_image("eagle.jpg")))
+        sync_api.expect(page.locator(".result")).to_have_count(2)
+        wait_for_labels(page, page.locator(".result").nth(1), DOG_EN)  # the first pick's card, still there
+        page.locator(".result").first.locator(".predictions .label").first.wait_for()
+        posts = [(url, status) for method, url, status in statuses if method == "POST"]
+        assert [s for _, s in posts] == [200, 200] and all("/api/" not in url for url, _ in posts), posts
+        assert page.locator(".results[data-server]").count() == 0  # no server-rendered page: never reloaded
+        assert tab.errors == []
+    finally:
+        if tab is not None:
+            tab.close()
+        srv.stop()

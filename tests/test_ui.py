@@ -313,3 +313,30 @@ def test_the_forms_photos_on_a_classifier_that_decodes_elsewhere_are_answered(ma
     files = [(io.BytesIO(png_bytes(Image.new("RGB", (32, 32), (i * 40, 0, 0)))), f"p{i}.png") for i in range(2)]
     resp = app.test_client().post("/", data={"file": files}, headers={"Accept-Language": "en"})
     assert resp.status_code == 200 and resp.get_data(as_text=True).count('<article class="result">') == 2
+
+
+def test_with_an_api_token_the_page_sends_its_photos_to_its_own_route_as_json(make_app):
+    """With CLASSIFIER_API_TOKEN set the page's photos got the API's 401, and it fell back to its plain form: each
+    new pick reloaded the page, the earlier cards gone (tryout16). The page now sends them to its own open route,
+    which answers as the API does when asked for JSON, errors included."""
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32",
+                      API_TOKEN="s3cret-token-value").test_client()
+    assert 'data-api="/"' in client.get("/").get_data(as_text=True)
+    photo = png_bytes(Image.new("RGB", (64, 48), (30, 160, 90)))
+    asked = {"headers": {"Accept": "application/json"}, "content_type": "multipart/form-data"}
+    resp = client.post("/?topk=2", data={"file": (io.BytesIO(photo), "a.png")}, **asked)
+    assert resp.status_code == 200 and resp.mimetype == "application/json", resp.get_data(as_text=True)[:300]
+    api = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=4, PRECISION="fp32").test_client()
+    theirs = api.post("/api/v1/predict?topk=2", data={"file": (io.BytesIO(photo), "a.png")},
+                      content_type="multipart/form-data").get_json()
+    mine = resp.get_json()
+    assert set(mine) == set(theirs) and mine["results"][0]["predictions"] == theirs["results"][0]["predictions"]
+    assert len(mine["results"][0]["predictions"]) == 2 and "thumbnail" not in mine["results"][0]
+    refused = client.post("/", data={"file": (io.BytesIO(b"not a photo at all"), "a.png")}, **asked)
+    assert refused.status_code == 415 and refused.get_json()["error"]["code"] == "unsupported_media_type"
+    # The plain form (a browser's Accept: text/html first) still gets the page; the API still needs the token.
+    page = client.post("/", data={"file": (io.BytesIO(photo), "a.png")}, content_type="multipart/form-data",
+                       headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"})
+    assert page.mimetype == "text/html" and "a.png" in page.get_data(as_text=True)
+    assert client.post("/api/v1/predict", data=photo, content_type="image/png").status_code == 401
+    assert 'data-api="/api/v1/predict"' in api.get("/").get_data(as_text=True)  # no token: the API, as before

@@ -328,7 +328,7 @@ def init_errors(app, settings) -> None:
 
     def wants_json() -> bool:
         return request.path.startswith("/api/") or request.path in API_PATHS \
-            or request.path != "/" and request.accept_mimetypes.best == "application/json"
+            or request.accept_mimetypes.best == "application/json"
 
     def render(status: int, code: str, message: str, headers: dict | None = None):
         g.error_code = code  # /metrics counts requests by it (webapp/metrics.py)

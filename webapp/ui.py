@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import re
 
-from flask import Blueprint, abort, current_app, g, render_template, request
+from flask import Blueprint, abort, current_app, g, jsonify, render_template, request, url_for
 from . import i18n, imaging
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .uploads import parse_topk, read_uploads, require_identity
@@ -59,6 +59,10 @@ def i18n_context() -> dict:
         # photo beside a good one failed both without a word before: tryout16)
         "form_limits": i18n.strings(lang)["nojs_limits"].format(
             files=clf.settings.MAX_FILES, mb=f"{clf.settings.MAX_UPLOAD_BYTES // 10**6:,}") if clf else "",
+        # where static/app.js sends each photo: the JSON API, or, where the API needs a token (CLASSIFIER_API_TOKEN)
+        # the page has not, the page's own open route, which answers as the API does when asked for JSON. The page
+        # had fallen back to its plain form on the API's 401: each new pick reloaded it, the earlier cards gone.
+        "page_api": url_for("ui.classify") if clf and clf.settings.API_TOKEN else url_for("api.predict"),
     }
 
 
@@ -105,18 +109,27 @@ def index():
 
 @bp.post("/")
 def classify():
-    """Classify the form's photo(s) and show them with their top-k labels and percentages."""
+    """Classify the form's photo(s) and show them with their top-k labels and percentages.
+
+    Asked for JSON (``Accept: application/json``, as static/app.js asks where the API needs a token), it answers
+    as ``POST /api/v1/predict`` does, errors included (``topk`` from the query too): the page is open, the token
+    guards the API's scripted use, and the page's photos go here then, one request each."""
     clf = current_app.extensions["classifier"]
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
     require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
-    # the form's topk field; only a multipart body is read for it (any other type is refused by its headers)
-    topk = parse_topk(request.form.get("topk") if request.mimetype == "multipart/form-data" else None,
-                      clf.settings.TOP_K)
+    # the query's topk, else the form's field; only a multipart body is read for it (any other type is refused by
+    # its headers)
+    raw_topk = request.args.get("topk")
+    if raw_topk is None and request.mimetype == "multipart/form-data":
+        raw_topk = request.form.get("topk")
+    topk = parse_topk(raw_topk, clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
     # The form has two file inputs named "file" (choose, and take a photo); the one left empty
     # arrives as a part with no name and no bytes: not a photo the person sent.
     parts = request.files.getlist("file")
     uploads = [u for u, p in zip(uploads, parts) if p.filename or u.data] or uploads
+    if request.accept_mimetypes.best == "application/json":  # static/app.js (errors: JSON too, webapp/errors.py)
+        return jsonify(clf.classify(uploads, topk=topk))
     # Classified one by one below: the request's photos are bounded together here, where this process decodes
     # them (a cluster's RemoteClassifier has no ``started``: its replicas decode, and bound, each request's own).
     if len(uploads) > 1 and (started := getattr(clf, "started", None)) is not None:
