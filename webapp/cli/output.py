@@ -34,8 +34,8 @@ class ResultStream:
     printed at the end); ``topk`` only heads the table's column. Each result is ``{"path", "predictions",
     "error", ...}`` (``error``: None or ``{"code", "message"}``; other keys go to JSON as they are). ``close``
     ends the JSON list, so an interrupted run's output is still valid JSON, of the files before the first one
-    not done. While ``bar`` (tqdm, on stderr) is drawn, rows are written in its external write mode, so that on
-    one terminal the bar is redrawn below them.
+    not done. While ``bar`` (tqdm, on stderr) is drawn and the rows go to a terminal too, they are written in its
+    external write mode, so that the bar is redrawn below them.
 
     Write errors: a closed pipe (``| head``) propagates, the reader left and ``main`` says nothing; any other
     (``> /dev/full``, a quota, an I/O error) is said in one line on stderr, standard output is silenced, and
@@ -85,7 +85,7 @@ class ResultStream:
         if not self.ok or not text:
             return
         try:
-            if self.bar is not None and not self.bar.disable:
+            if self.bar is not None and not self.bar.disable and self._stream().isatty():  # a file needs no redraw
                 with self.bar.external_write_mode(file=self._stream()):
                     self._stream().write(text)
                     self._stream().flush()

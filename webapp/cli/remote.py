@@ -1,8 +1,8 @@
 """``python -m webapp classify --server URL PATH...``: photos to a running server, over N connections.
 
 The same files as local ``classify`` (``files.collect_files``), the same results, progress bar,
-table/JSON/CSV (``output.ResultStream``, as each file's row is ready) and exit status; the labels come from the server's
-``POST /api/v1/predict``. What makes it fit for a big folder and a busy server:
+table/JSON/CSV (``output.ResultStream``, each row as it is ready) and exit status; the labels come from the
+server's ``POST /api/v1/predict``. What makes it fit for a big folder and a busy server:
 
 - **Scaled locally first** (unless ``--no-scale``): a JPEG whose short side is over the serving model's
   ``send_short_side`` (``GET /api/v1/models``) goes through the server's own first steps here (``draft``
@@ -181,8 +181,8 @@ class Client:
             if say:
                 left = (f"waited {waited:.0f} of at most {START_WAIT_S:.0f} s" if starting
                         else f"try {tries + 1} of {_retries.MAX_TRIES}")
-                say(f"waiting for the server at {self.url} to {'start' if starting else 'take more' if state == 'busy' else 'answer'}"
-                    f" ({said}); trying again in {wait:.0f} s ({left})")
+                to = "start" if starting else "take more" if state == "busy" else "answer"
+                say(f"waiting for the server at {self.url} to {to} ({said}); trying again in {wait:.0f} s ({left})")
             time.sleep(wait)
             waited += wait
         try:
@@ -372,5 +372,6 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
         done = len(todo) - (failed - (len(results) - len(todo)))
         rate = f", {done / elapsed:.1f} images/s" if elapsed > 0 and done else ""
         err(f"{plural(len(results), 'file')}: {len(results) - failed} classified, {failed} failed; {elapsed:.1f} s"
-            f"{rate}; {retries} tries repeated after 429/503, a proxy's 502/504 or a dropped connection" + skipped_note(list(skipped)))
+            f"{rate}; {retries} tries repeated after 429/503, a proxy's 502/504 or a dropped connection"
+            + skipped_note(list(skipped)))
     return EXIT_OK if failed == 0 else EXIT_FAILED
