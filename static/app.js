@@ -337,7 +337,8 @@ function render(item) {
         item.roundTrip != null ? " · " + tr("round_trip", { ms: ms(item.roundTrip) }) : null));
   } else if (error) {
     parts.push(h("p", { className: "problem" }, errorWords(error)));
-    if (error.message) parts.push(h("p", { className: "detail", lang: "en" }, error.message));
+    // The server's own words are English: on another language's page they are said to be (i18n "server_said").
+    if (error.message) parts.push(h("p", { className: "detail" }, tr("server_said"), h("span", { lang: "en" }, error.message)));
     if (!THE_FILES_OWN.includes(error.code)) {
       parts.push(h("button", { type: "button", className: "button secondary retry", onclick: () => retry(item) },
         tr("try_again")));

@@ -182,6 +182,11 @@ def test_errors_in_chinese(client):
     html = resp.get_data(as_text=True)
     assert resp.status_code == 415 and "无法读取这种文件" in html and "无法识别" in html
     assert '<span lang="en">' in html  # the server's own (English) detail is marked as English
+    # ... and said to be the server's own words in English, not left unexplained under the Chinese (tryout16)
+    assert '服务器的原话（英文）：<span lang="en">' in html
+    client.set_cookie("lang", "en")
+    html = client.post("/", data={"file": (io.BytesIO(b"not a photo"), "notes.txt")}).get_data(as_text=True)
+    assert '<p class="code"><span lang="en">' in html  # in English, nothing before it
 
 
 def test_busy_is_said_in_words(client, app, monkeypatch):

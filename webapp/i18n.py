@@ -59,6 +59,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "predictions": "Top labels for {name}",
         "preview_alt": "Uploaded photo {name}",
         "no_preview": "No preview",
+        "server_said": "",  # before the server's own message, which is English: nothing to say in English
         "pending": "Classifying…",
         "retrying": "The server is busy: trying again in {n} s…",
         "retrying_not_ready": "The model is still starting: trying again in {n} s…",
@@ -131,6 +132,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "predictions": "{name} 最可能的标签",
         "preview_alt": "上传的照片 {name}",
         "no_preview": "无法预览",
+        "server_said": "服务器的原话（英文）：",
         "pending": "识别中…",
         "retrying": "服务器繁忙：{n} 秒后自动重试…",
         "retrying_not_ready": "模型仍在启动：{n} 秒后自动重试…",
