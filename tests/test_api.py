@@ -389,3 +389,19 @@ def test_original_fields_in_the_query_string_are_refused_not_ignored(client, how
         resp = client.post(f"/api/v1/predict?{query}", data={"file": (io.BytesIO(small_png()), "a.png")})
     msg = assert_error(resp, 400, "bad_request")
     assert "original_width" in msg and "query" in msg and "multipart form field" in msg
+
+
+def test_more_photos_than_the_queue_holds_is_413_not_a_429_for_ever(make_app):
+    """A request's images are queued together: 3 photos with QUEUE_SIZE=2 got "429 server busy: 0 images queued
+    (limit 2); try again in 1 s" on an idle server, every time (tryout18). It can never be served: 413, saying
+    how many to send; 2 photos are answered."""
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=2, PRECISION="fp32", QUEUE_SIZE=2)
+    client = app.test_client()
+
+    def photos(n):
+        return {"file": [(io.BytesIO(small_png()), f"p{i}.png") for i in range(n)]}
+
+    msg = assert_error(client.post("/api/v1/predict", data=photos(3)), 413, "too_large")
+    assert msg == ("3 photos in one request, and this server queues at most 2 images (CLASSIFIER_QUEUE_SIZE): send "
+                   "at most 2 per request"), msg
+    assert client.post("/api/v1/predict", data=photos(2)).status_code == 200

@@ -284,6 +284,18 @@ def test_a_compressed_upload_is_415_before_the_body_naming_what_is_taken(srv, pa
         assert b"Accept-Encoding: identity" in data and b"Content-Encoding gzip is not accepted" in data, data[:600]
 
 
+@pytest.mark.parametrize("coding, status, start", [
+    ("deflate, chunked", 415, b"HTTP/1.1 415 "), ("compress, chunked", 415, b"HTTP/1.1 415 "),
+    # one HTTP does not know: gunicorn's own 501, under its right name (it said "501 Bad Request"; tryout18)
+    ("foo, chunked", 501, b"HTTP/1.1 501 Not Implemented\r\n")])
+def test_each_transfer_coding_is_refused_as_the_error_table_says(srv, coding, status, start):
+    with connect(srv) as sock:
+        sock.sendall(head(chunked=True).replace(b"Transfer-Encoding: chunked", f"Transfer-Encoding: {coding}".encode())
+                     + b"5\r\nhello\r\n0\r\n\r\n")
+        got, data = read_status(sock)
+        assert got == status and data.startswith(start), data[:300]
+
+
 @pytest.mark.parametrize("path", ["/api/v1/predict", "/v2/models/classifier/infer"])
 def test_a_body_gzipped_as_its_transfer_coding_is_415_not_read_as_the_photo(srv, path):
     """gunicorn takes ``Transfer-Encoding: gzip, chunked`` and undoes the chunking only: the gzip bytes were read as

@@ -95,9 +95,15 @@ class LengthRequired(ServiceError):
 
 class TooLarge(ServiceError):
     status, code = 413, "too_large"
-    when = ("body over the byte limit; too many files; too many pixels in a photo or in the request's photos "
-            "together (read from the headers, before decoding)")
-    settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS", "MAX_REQUEST_PIXELS")
+    when = ("body over the byte limit; too many files (or more than a worker's queue holds); too many pixels in a "
+            "photo or in the request's photos together (read from the headers, before decoding)")
+    settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS", "MAX_REQUEST_PIXELS", "QUEUE_SIZE")
+
+    @classmethod
+    def queue(cls, n: int, queue_size: int) -> "TooLarge":
+        """``n`` images in one request, more than a worker's queue holds (``QUEUE_SIZE``): never servable."""
+        return cls(f"{n} photos in one request, and this server queues at most {queue_size} images "
+                   f"(CLASSIFIER_QUEUE_SIZE): send at most {queue_size} per request")
 
     @classmethod
     def body(cls, limit: int, declared: int | None = None) -> "TooLarge":
@@ -141,7 +147,8 @@ class NotAnImage(ServiceError):
             "lossless or arithmetic-coded CMYK JPEG, a raw body "
             "whose Content-Type is not `image/*` or `application/octet-stream`, or an upload with a "
             "`Content-Encoding` (gzip...: `Accept-Encoding: identity` says what is taken; `/v2` takes gzip and deflate) "
-            "or a `Transfer-Encoding` besides chunked")
+            "or a `Transfer-Encoding` that compresses (gzip, deflate, compress, beside chunked; a coding HTTP does "
+            "not know at all is gunicorn's 501 `http_error`)")
 
 
 class Overloaded(ServiceError):

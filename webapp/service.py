@@ -24,7 +24,7 @@ from .admission import Admission, Ticket
 from .batcher import InferenceBatcher
 from .concurrency import Offloader, StillRunning, keep_alive, lower_this_thread, peer_closed, peer_sending
 from .contract import Upload
-from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, StartupError
+from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, StartupError, TooLarge
 from .formats import claimed_format
 from .answers import answer, check_originals
 from .imaging import Prepared
@@ -239,6 +239,8 @@ class Classifier:
     def _check_serving(self, n: int) -> None:
         if not self.ready:
             raise NotReady(f"the model is not ready ({self.status}); try again shortly", headers={"Retry-After": "5"})
+        if n > self.batcher.queue_size:  # a request's images queue together: it would get 429 "try again" for ever
+            raise TooLarge.queue(n, self.batcher.queue_size)  # on an idle server (tryout18)
         self.batcher.check_capacity(n)
 
     def classify(self, uploads: list[Upload], *, topk: int, keep_images: bool = False) -> dict:

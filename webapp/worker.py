@@ -39,6 +39,7 @@ import signal
 import struct
 import termios
 import time
+from http import HTTPStatus
 
 import gevent
 from gevent.server import StreamServer
@@ -291,6 +292,10 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
                    f"and not together with Transfer-Encoding: chunked")
     path, request_id = _REFUSED.get(id(sock), (None, None))
     body = json.dumps(error_body(path, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message, status_int)).encode()
+    try:  # gunicorn 27 names its 501 (a transfer coding it does not know) "Bad Request"
+        reason = HTTPStatus(status_int).phrase
+    except ValueError:
+        pass
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id or request_id_from(None)}\r\n\r\n"
             ).encode("latin-1")
