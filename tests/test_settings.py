@@ -46,6 +46,8 @@ def test_bad_values_name_key_value_and_rule(env, value, words):
 @pytest.mark.parametrize("environ, overrides, message", [
     ({"CLASSIFIER_TOP_K": "abc"}, {}, "CLASSIFIER_TOP_K='abc' is not valid; allowed: an integer from 1 to 10"),
     ({"CLASSIFIER_TOP_K": "2.5"}, {}, "CLASSIFIER_TOP_K='2.5' is not valid; allowed: an integer from 1 to 10"),
+    # int() reads any script's digits; the API's topk does not, nor does a setting (tryout18: "٥" was 5)
+    ({"CLASSIFIER_TOP_K": "\u0665"}, {}, "CLASSIFIER_TOP_K='\u0665' is not valid; allowed: an integer from 1 to 10"),
     ({"CLASSIFIER_TOP_K": ""}, {}, "CLASSIFIER_TOP_K='' is not valid (empty: a shell variable not set? unset "
                                    "CLASSIFIER_TOP_K for the default, 3); allowed: an integer from 1 to 10"),
     ({"CLASSIFIER_TOP_K": "11"}, {}, "CLASSIFIER_TOP_K='11' is out of range; allowed: an integer from 1 to 10"),

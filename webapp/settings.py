@@ -40,8 +40,7 @@ class SettingsError(ValueError):
 
 
 def _bool(text: str) -> bool:
-    low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
+    if (low := text.strip().lower()) in ("1", "true", "yes", "on"):
         return True
     if low in ("0", "false", "no", "off"):
         return False
@@ -49,12 +48,13 @@ def _bool(text: str) -> bool:
 
 
 def _int(text: str) -> int:
-    return int(str(text).strip().replace("_", ""))
+    if not (digits := str(text).strip().replace("_", "")).isascii():  # int() reads any script's digits ("٥")
+        raise ValueError("expected an integer in ASCII digits")
+    return int(digits)
 
 
 def _float(text: str) -> float:
-    value = float(str(text).strip())
-    if value != value or value in (float("inf"), float("-inf")):
+    if (value := float(str(text).strip())) != value or value in (float("inf"), float("-inf")):
         raise ValueError("expected a finite number")
     return value
 
