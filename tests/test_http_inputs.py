@@ -432,6 +432,14 @@ def test_broken_multipart_boundary_is_bad_request(srv, ctype, boundary, problem)
     assert problem in assert_error(resp, 400, "bad_request")
 
 
+def test_a_short_body_without_the_boundary_is_bad_request_too(srv):
+    """5 bytes of text under a multipart header were ``no_file`` (tryout18): shorter than an empty form, it was taken
+    for one; any body that has no delimiter of its boundary is malformed."""
+    resp = requests.post(predict_url(srv), data=b"hello", headers={"Content-Type": "multipart/form-data; boundary=xyz"},
+                         timeout=30)
+    assert "no part is delimited by the boundary 'xyz'" in assert_error(resp, 400, "bad_request")
+
+
 def test_a_multipart_body_with_no_parts_is_still_no_file(srv):
     resp = requests.post(predict_url(srv), data=b"--b--\r\n", headers={"Content-Type": "multipart/form-data; boundary=b"},
                          timeout=30)

@@ -344,8 +344,10 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
                              f"'--{boundary[:70]}--' (a cut-off upload?)")
         if error and "cannot parse beyond" not in error:
             raise BadRequest(f"malformed multipart body: {error}")
-        if not parts and not request.files and not request.form and _longer_than_empty(request, boundary):
-            # Werkzeug finds no part when the body's delimiters are not the boundary the header names.
+        if not parts and not request.files and not request.form and (
+                "PREAMBLE" in error or _longer_than_empty(request, boundary)):
+            # Werkzeug finds no part when the body's delimiters are not the boundary the header names (however short
+            # the body: 5 bytes of text under a multipart header were "no file"; tryout18).
             raise BadRequest(f"malformed multipart body: no part is delimited by the boundary {boundary[:70]!r} "
                              f"that the Content-Type header names")
         if not parts and "file" in request.form:  # e.g. curl -F 'file=<photo.jpg': a part without a filename
