@@ -130,3 +130,12 @@ def test_the_servers_own_failures_are_logged_with_their_reason(client, app, monk
     (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.getMessage().startswith("POST /api/v1/predict: 504 timeout: no result within 0.1 s")
     assert any(r.levelno == logging.DEBUG and ": 400 no_file: " in r.getMessage() for r in caplog.records)
+
+
+def test_a_probe_path_with_a_trailing_slash_gets_json_not_the_page(client):
+    """``/healthz/``, ``/readyz/``, ``/metrics/``: a probe or scrape with a slip got the page's HTML 404 (tryout18)."""
+    for path in ("/healthz/", "/readyz/", "/metrics/", "/openapi.json/"):
+        resp = client.get(path, headers={"Accept": "*/*"})
+        assert resp.status_code == 404 and resp.mimetype == "application/json", (path, resp.mimetype)
+        assert resp.get_json()["error"]["code"] == "not_found"
+    assert client.get("/no-such-page", headers={"Accept": "text/html"}).mimetype == "text/html"  # a page: a page

@@ -334,7 +334,8 @@ def init_errors(app, settings) -> None:
     from werkzeug.exceptions import HTTPException
 
     def wants_json() -> bool:
-        return request.path.startswith("/api/") or request.path in API_PATHS \
+        # (/healthz/ too: a probe or scrape with a slip got the page's HTML 404; tryout18)
+        return request.path.startswith("/api/") or request.path.rstrip("/") in API_PATHS \
             or request.accept_mimetypes.best == "application/json"
 
     def render(status: int, code: str, message: str, headers: dict | None = None):
