@@ -247,6 +247,10 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                         "predictions": r["predictions"], "batch_size": r.get("batch_size"), "retries": tries - 1}
             failure, wait = _refusal(resp, doc), retry_wait(resp, doc, tries)
             if resp.status == 401:  # the token (CLASSIFIER_API_TOKEN) is missing or wrong: so for every file
+                # in the client's words: the server's ("send 'Authorization: Bearer <token>'") are for scripts
+                failure["message"] = (f"the server refused the token in CLASSIFIER_API_TOKEN: set it to the server's "
+                                      if client.headers else "the server needs a token: set CLASSIFIER_API_TOKEN to "
+                                      "it ") + f"(it said: {failure['message']})"
                 client.stopped = (failure["code"], failure["message"])
         if wait is None:
             return {"error": failure, "retries": tries - 1}
