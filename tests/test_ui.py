@@ -345,3 +345,13 @@ def test_with_an_api_token_the_page_sends_its_photos_to_its_own_route_as_json(ma
     assert page.mimetype == "text/html" and "a.png" in page.get_data(as_text=True)
     assert client.post("/api/v1/predict", data=photo, content_type="image/png").status_code == 401
     assert 'data-api="/api/v1/predict"' in api.get("/").get_data(as_text=True)  # no token: the API, as before
+
+
+def test_the_forms_byte_limit_is_said_in_units_that_fit_it(make_app):
+    """``CLASSIFIER_MAX_UPLOAD_BYTES=400000`` read "0 MB together" (tryout18)."""
+    from webapp.ui import decimal_size
+
+    assert [decimal_size(n) for n in (33_554_432, 3_200_000, 400_000, 900)] == ["33 MB", "3.2 MB", "400 KB", "900 B"]
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, MAX_UPLOAD_BYTES=400_000).test_client()
+    assert "at most 16 at once, 400 KB together." in client.get("/?lang=en").get_data(as_text=True)
+    assert "合计不超过 400 KB。" in client.get("/?lang=zh").get_data(as_text=True)

@@ -45,7 +45,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "starting": "The model is still starting; photos are answered once it is ready.",
         "photos": "Choose photos",
         "photos_hint": "JPEG, PNG, WebP, GIF, BMP, TIFF, AVIF or PPM; several at once.",
-        "nojs_limits": "Without JavaScript photos go up as they are: at most {files} at once, {mb} MB together.",
+        "nojs_limits": "Without JavaScript photos go up as they are: at most {files} at once, {size} together.",
         "camera": "Take a photo",
         "drop_hint": "You can also drop photos here, or paste one (Ctrl+V).",
         "privacy": "Photos go up without their location or camera data (EXIF), large ones scaled down in your browser "
@@ -119,7 +119,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "starting": "模型仍在启动，就绪后即可识别照片。",
         "photos": "选择照片",
         "photos_hint": "支持 JPEG、PNG、WebP、GIF、BMP、TIFF、AVIF、PPM，可一次选多张。",
-        "nojs_limits": "未启用 JavaScript 时照片按原文件上传：一次最多 {files} 张，合计不超过 {mb} MB。",
+        "nojs_limits": "未启用 JavaScript 时照片按原文件上传：一次最多 {files} 张，合计不超过 {size}。",
         "camera": "拍照",
         "drop_hint": "也可以把照片拖到这里，或直接粘贴（Ctrl+V）。",
         "privacy": "照片上传时不含位置和相机信息（EXIF），较大的照片会先在浏览器中缩小；每张照片的卡片会说明上传方式（本浏览器无法读取的文件按原文件上传）。",

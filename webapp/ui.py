@@ -58,7 +58,7 @@ def i18n_context() -> dict:
         # the plain form sends photos as they are, all in one body: its limits, said before they refuse it (a 40 MB
         # photo beside a good one failed both without a word before: tryout16)
         "form_limits": i18n.strings(lang)["nojs_limits"].format(
-            files=clf.settings.MAX_FILES, mb=f"{clf.settings.MAX_UPLOAD_BYTES // 10**6:,}") if clf else "",
+            files=clf.settings.MAX_FILES, size=decimal_size(clf.settings.MAX_UPLOAD_BYTES)) if clf else "",
         # where static/app.js sends each photo: the JSON API, or, where the API needs a token (CLASSIFIER_API_TOKEN)
         # the page has not, the page's own open route, which answers as the API does when asked for JSON. The page
         # had fallen back to its plain form on the API's 401: each new pick reloaded it, the earlier cards gone.
@@ -73,6 +73,14 @@ def shown_name(name: str) -> str:
 
 
 _BIDI = re.compile("[\u202a-\u202e\u2066-\u2069]")
+
+
+def decimal_size(n: int) -> str:
+    """Bytes for people, in decimal units as phones and file managers show them (static/app.js's ``size``): 33 MB,
+    3.2 MB, 400 KB, 900 B. A limit under 1 MB read "0 MB" (tryout18)."""
+    if n >= 10**7:
+        return f"{n // 10**6:,} MB"
+    return f"{n / 1e6:.1f} MB" if n >= 10**6 else f"{round(n / 1e3)} KB" if n >= 10**3 else f"{n} B"
 
 
 def _ms(value: float) -> str:
