@@ -578,6 +578,7 @@ SEND_SHORT_SIDE = 256  # what /api/v1/models says for the offline model (checked
 # phone-12mp-exif-rotated.jpg, 0 elsewhere. The copies this replaced (Chromium's "high" resize to 512 px,
 # JPEG q0.9) moved it 5-12 points: this model is that sensitive to resampling.
 SCALED_DRIFT_MAX = 0.03
+BATCHING_DRIFT_MAX = 1e-5  # a probability, the same input in batches of other sizes (fp32 rounding)
 UPLINK = {"offline": False, "latency": 40, "uploadThroughput": 10e6 / 8, "downloadThroughput": 10e6 / 8}
 
 
@@ -879,7 +880,9 @@ def test_every_shared_photo_scaled_in_the_browser_keeps_its_top1(server, browser
         drift = abs(b["probability"] - a["probability"])
         rows[-1] += f"  {100 * drift:4.1f} points"
         assert b["index"] == a["index"], rows[-1]  # the same top-1, every photo
-        assert drift <= (SCALED_DRIFT_MAX if how[path.name] == "scaled" else 0), rows[-1]
+        # the file itself: its answer, up to the float rounding of another batch size (four photos in flight here,
+        # one through the API: 1e-6 apart once; README: a probability's last digit can vary with batching)
+        assert drift <= (SCALED_DRIFT_MAX if how[path.name] == "scaled" else BATCHING_DRIFT_MAX), rows[-1]
     print("\n" + "\n".join(rows))
     assert scaled >= 7  # all but person.jpg (640x424, 114 KB: its copy is no smaller) and maybe one other
 
