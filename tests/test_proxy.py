@@ -6,6 +6,7 @@ nginx makes is the one the service logs and echoes, and an over-limit upload get
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -102,6 +103,18 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
         assert first[0][2]["results"][0]["predictions"] and first[2][2]["error"]["code"] == "rate_limited"
         too_big = post(port, b"\x89PNG" + bytes(32 * 2**20 - 3), source="127.0.0.3")  # 32 MiB + 1 byte
         assert too_big[0] == 413 and too_big[2]["error"]["code"] == "too_large", too_big
+        # /v2 takes base64 up to 4/3 of the limit + 64 KiB: a 40 MiB body reaches the service, not nginx's 413 page
+        # (client_max_body_size was 33m; tryout18). 30 MiB of zeros: no photo, the protocol's JSON 415.
+        v2 = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "parameters": {
+            "content_type": "base64"}, "data": [base64.b64encode(bytes(30 * 2**20)).decode()]}]}).encode()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120, source_address=("127.0.0.4", 0))
+        try:
+            conn.request("POST", "/v2/models/classifier/infer", body=v2, headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            status, answer = resp.status, json.loads(resp.read())
+        finally:
+            conn.close()
+        assert status == 415 and answer["error"].startswith("unsupported_media_type: "), (status, answer)
     finally:
         if nginx is not None:
             nginx.terminate()

@@ -172,8 +172,7 @@ class Setting:
         return value
 
 
-MiB = 1024 * 1024
-
+MiB = 1024 * 1024  # (bytes)
 # fmt: off
 SETTINGS: tuple[Setting, ...] = (
     # -- model and weights --
@@ -192,7 +191,7 @@ SETTINGS: tuple[Setting, ...] = (
             "trained weights, off for resnet18_seeded.", choices=("auto", "on", "off")),
     # -- engine --
     Setting("COMPILE", _bool, True, "torch.compile the model (inductor, freezing, channels_last). Off: eager, "
-            "starts in about a second (unit tests)."),
+            "nothing compiled (unit tests): starts in seconds, not faster than a warm compiled start."),
     Setting("PRECISION", _str, "auto", "Arithmetic of the forward pass. auto: bf16 where oneDNN has native bf16 "
             "(avx512_bf16, AMX), else fp32; int8: static quantization calibrated on real photos (see README).",
             choices=("auto", "fp32", "bf16", "int8")),
@@ -209,8 +208,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to (on a Ray "
             "cluster: 1 per replica, which reserves that many CPUs).", low=0, high=1024),
     # -- batching --
-    Setting("MAX_BATCH_SIZE", _int, 8, "Most images in one forward pass; every size 1..this is warmed up at start.",
-            low=1, high=256),
+    Setting("MAX_BATCH_SIZE", _int, 8, "Most images in one forward pass; warmed up at start: every size 1..this, "
+            "or with a compiled package 1, 2 and this (another size's first batch pays ~10 ms).", low=1, high=256),
     Setting("BATCH_TIMEOUT_MS", _float, 5.0, "Longest wait (ms) after the first queued image for more to join "
             "its batch.", low=0, high=10_000),
     Setting("BATCH_WAIT", _str, "company", "When a batch waits BATCH_TIMEOUT_MS for more images. company: only while "
@@ -262,8 +261,9 @@ SETTINGS: tuple[Setting, ...] = (
             low=0.1, high=3600, commands=SERVERS),
     # -- access --
     Setting("API_TOKEN", _token, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
-            "Bearer <token>' (compared in constant time); else 401. The page and /healthz, /readyz, /v2 health and "
-            "metadata stay open.", commands=SERVERS, secret=True, allowed=TOKEN_RULE),
+            "Bearer <token>' (compared in constant time); else 401. /healthz, /readyz, /v2 health and metadata stay "
+            "open, and so does the page: its own POST / classifies for anyone who can open it (behind a proxy's "
+            "login, if it must not).", commands=SERVERS, secret=True, allowed=TOKEN_RULE),
     Setting("TRUSTED_PROXIES", _int, 0, "Reverse proxies in front that set X-Forwarded-For/-Proto/-Host (nginx, a "
             "load balancer): the client address the logs and RATE_LIMIT see is the one the outermost of them saw. "
             "0: those headers are ignored (a client could set them).", low=0, high=5, commands=SERVERS),
