@@ -1,5 +1,6 @@
 """Optional API token, optional rate limit, and no debugger under gunicorn."""
 
+import io
 import re
 
 import pytest
@@ -254,3 +255,39 @@ def test_behind_a_trusted_proxy_the_access_logs_show_the_client(tmp_path):
         assert srv.stop() == 0, srv.output()[-2000:]
     line = next(ln for ln in srv.output().splitlines() if "via-1" in ln)
     assert line.split()[0] == "203.0.113.5", line
+
+
+def test_page_login_asks_for_the_token_as_basic_auths_password(make_app):
+    """With an API token the page's own POST / classified for anyone who could open the page (tryout18). With
+    PAGE_LOGIN the page asks for the token (HTTP Basic, any user name: a browser's login dialog) and takes it on
+    its requests after; the static files, the probes and the API's own Bearer rule are as they were."""
+    import base64
+
+    token = "s3cret-token-value"
+    client = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, API_TOKEN=token,
+                      PAGE_LOGIN=True).test_client()
+
+    def basic(user, password):
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+    refused = client.get("/", headers={"Accept": "text/html"})
+    assert refused.status_code == 401 and refused.mimetype == "text/html"
+    assert refused.headers["WWW-Authenticate"] == 'Basic realm="classifier", charset="UTF-8"'
+    assert client.get("/", headers=basic("anyone", "wrong")).status_code == 401
+    assert client.get("/", headers={"Authorization": "Basic !!not-base64"}).status_code == 401
+    assert client.get("/", headers=basic("anyone", token)).status_code == 200
+    assert client.get("/", headers=basic("", token)).status_code == 200
+    assert client.get("/", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    photo = {"file": (io.BytesIO(PNG), "a.png")}
+    assert client.post("/", data=photo, headers={"Accept": "application/json"}).status_code == 401
+    ok = client.post("/", data={"file": (io.BytesIO(PNG), "a.png")},
+                     headers={"Accept": "application/json", **basic("x", token)})
+    assert ok.status_code == 200 and ok.get_json()["results"][0]["predictions"]
+    assert client.get("/static/app.js").status_code == 200 and client.get("/healthz").status_code == 200
+    assert post(client, **basic("x", token)).status_code == 401  # the API: its Bearer token, as before
+    assert post(client, Authorization=f"Bearer {token}").status_code == 200
+
+
+def test_page_login_without_a_token_is_a_configuration_error(make_app):
+    with pytest.raises(SettingsError, match="PAGE_LOGIN needs CLASSIFIER_API_TOKEN: the page asks for that token"):
+        make_app(MODEL="resnet18_seeded", COMPILE=False, PAGE_LOGIN=True)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import requests
 from PIL import Image
 from torchvision.transforms import v2
 from werkzeug.formparser import parse_form_data
@@ -1126,17 +1127,24 @@ def test_scaling_without_a_lossless_webp_or_with_a_failing_encoder(server, brows
 
 
 @pytest.mark.extended  # its own server, with a token (~15 s on 2 cores): with `-m extended`
-def test_with_an_api_token_each_pick_adds_its_card_and_the_earlier_ones_stay(tmp_path, browser):
+@pytest.mark.parametrize("page_login", [False, True])
+def test_with_an_api_token_each_pick_adds_its_card_and_the_earlier_ones_stay(tmp_path, browser, page_login):
     """With CLASSIFIER_API_TOKEN set the page fell back to its plain form on the API's 401: each new pick reloaded
     the page and the earlier cards were gone (tryout16). A real server with a token: the page sends each photo to
-    its own route as JSON, never gets a 401, and two picks leave two cards with their labels."""
+    its own route as JSON, never gets a 401, and two picks leave two cards with their labels. With PAGE_LOGIN the
+    browser is asked for the token once (HTTP Basic; here Playwright's credentials answer) and the same holds."""
+    token = "s3cret-token-value"
     srv = Server(tmp_path / "server.log", env={"TORCH_HOME": str(tmp_path / "torch")}, DOWNLOAD=0, COMPILE=0,
                  WORKERS=1, THREADS=0, MAX_BATCH_SIZE=4, CACHE_DIR=tmp_path / "cache", PRECISION="fp32",
-                 API_TOKEN="s3cret-token-value")
+                 API_TOKEN=token, PAGE_LOGIN=int(page_login))
     tab = None
     try:
         srv.wait_ready(1)
-        tab = Page(browser, locale="en-US")
+        if page_login:  # without the token the page is refused, with Basic's challenge
+            refused = requests.get(srv.url + "/", timeout=30)
+            assert refused.status_code == 401 and refused.headers["WWW-Authenticate"].startswith("Basic ")
+        login = {"http_credentials": {"username": "me", "password": token}} if page_login else {}
+        tab = Page(browser, locale="en-US", **login)
         page = tab.page
         statuses = []
         page.on("response", lambda r: statuses.append((r.request.method, r.url, r.status)))

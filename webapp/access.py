@@ -8,10 +8,16 @@ at Redis to share one count; Memcached keeps no moving window). Every answer of 
 carries ``X-RateLimit-Limit``, ``-Remaining`` and ``-Reset``; ``Retry-After`` only the refusals: the rate
 limit's 429, and the 429 ``overloaded`` and 503 with their own. A refused token says whether it was missing
 or wrong; every 401 carries ``WWW-Authenticate: Bearer realm="classifier"`` (RFC 9110 15.5.2).
+
+With ``PAGE_LOGIN`` the page asks for the API token too, as HTTP Basic's password (any user name): its 401 says
+``WWW-Authenticate: Basic``, so a browser asks for it once and sends it with every request of the page after,
+its photos included (the page's own ``POST /``, which is otherwise open to anyone who can open the page).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 
 from flask import Flask, request
@@ -22,6 +28,8 @@ from .errors import Unauthorized
 # JSON API's and the Open Inference Protocol's (webapp/v2.py), not to the page's.
 CLASSIFY_ENDPOINTS = ("api.predict", "ui.classify", "v2.infer")
 TOKEN_ENDPOINTS = ("api.predict", "v2.infer")
+PAGE_ENDPOINTS = ("ui.index", "ui.classify")  # with PAGE_LOGIN (the static files and words stay open)
+PAGE_CHALLENGE = 'Basic realm="classifier", charset="UTF-8"'
 # Where Flask-Limiter writes its Retry-After (its header_name_mapping), for init_access's hook to move onto its
 # own 429 only: never sent.
 LIMITER_RETRY_AFTER = "X-Classifier-Limiter-Retry-After"
@@ -46,6 +54,23 @@ def token_refusal(header: str | None, token: str, what: str) -> Unauthorized | N
                         headers={"WWW-Authenticate": f'{Unauthorized.CHALLENGE}, error="invalid_token"'})
 
 
+def page_refusal(header: str | None, token: str) -> Unauthorized | None:
+    """None if ``header`` carries ``token``: as HTTP Basic's password (RFC 7617; any user name: a browser's login
+    dialog), or as a bearer token; else the 401 whose ``WWW-Authenticate: Basic`` makes a browser ask for it."""
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() == "basic":
+        try:
+            _, _, password = base64.b64decode(given.strip(), validate=True).decode("utf-8").partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            password = ""
+        if hmac.compare_digest(password.encode(), token.encode()):
+            return None
+    elif check_token(header, token):
+        return None
+    return Unauthorized("this page needs the server's token: give it as the password (any user name)",
+                        headers={"WWW-Authenticate": PAGE_CHALLENGE})
+
+
 def init_access(app: Flask, settings) -> None:
     """Install the token check and the rate limit on ``app`` as ``settings`` say.
 
@@ -60,9 +85,14 @@ def init_access(app: Flask, settings) -> None:
         tokens.update(dict.fromkeys(TOKEN_ENDPOINTS, settings.API_TOKEN))
     if settings.METRICS_TOKEN or settings.API_TOKEN:
         tokens["metrics"] = settings.METRICS_TOKEN or settings.API_TOKEN
+    page = settings.API_TOKEN if settings.PAGE_LOGIN else ""
     if tokens:
         @app.before_request
         def require_token():
+            if page and request.endpoint in PAGE_ENDPOINTS:
+                if refusal := page_refusal(request.headers.get("Authorization"), page):
+                    raise refusal
+                return
             token = tokens.get(request.endpoint)
             what = "/metrics" if request.endpoint == "metrics" else "this API"
             refusal = token and token_refusal(request.headers.get("Authorization"), token, what)

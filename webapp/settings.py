@@ -263,7 +263,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("API_TOKEN", _token, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
             "Bearer <token>' (compared in constant time); else 401. /healthz, /readyz, /v2 health and metadata stay "
             "open, and so does the page: its own POST / classifies for anyone who can open it (behind a proxy's "
-            "login, if it must not).", commands=SERVERS, secret=True, allowed=TOKEN_RULE),
+            "login, or PAGE_LOGIN, if it must not).", commands=SERVERS, secret=True, allowed=TOKEN_RULE),
+    Setting("PAGE_LOGIN", _bool, False, "The page asks for API_TOKEN too (HTTP Basic: any user name, the token as "
+            "password): a browser asks once and sends it with the page's photos. Needs API_TOKEN.", commands=SERVERS),
     Setting("TRUSTED_PROXIES", _int, 0, "Reverse proxies in front that set X-Forwarded-For/-Proto/-Host (nginx, a "
             "load balancer): the client address the logs and RATE_LIMIT see is the one the outermost of them saw. "
             "0: those headers are ignored (a client could set them).", low=0, high=5, commands=SERVERS),
@@ -276,8 +278,7 @@ SETTINGS: tuple[Setting, ...] = (
             commands=SERVERS, allowed=rate_limits.STORAGE_RULE),
     # -- operations --
     Setting("METRICS", _bool, True, "Serve /metrics in Prometheus format (all gunicorn workers counted). With "
-            "API_TOKEN set, a scrape needs a token too (METRICS_TOKEN, else API_TOKEN).",
-            commands=SERVERS),
+            "API_TOKEN set, a scrape needs a token too (METRICS_TOKEN, else API_TOKEN).", commands=SERVERS),
     Setting("METRICS_TOKEN", _token, "", "If set, GET /metrics needs 'Authorization: Bearer <token>' (Prometheus: "
             "authorization: {credentials: <token>} in the scrape config); else 401. Empty: the API_TOKEN, if set.",
             commands=SERVERS, secret=True, allowed=TOKEN_RULE),
@@ -289,23 +290,19 @@ SETTINGS: tuple[Setting, ...] = (
             "MAX_BATCH_SIZE requests in flight per replica.", low=0, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MIN_REPLICAS", _int, 1, "Autoscaling (CLUSTER_REPLICAS=0): fewest model replicas (at least 1: "
             "a new replica compiles its model before it serves).", low=1, high=10_000, commands=(SERVE_CLUSTER,)),
-    Setting("CLUSTER_MAX_REPLICAS", _int, 4, "Autoscaling (CLUSTER_REPLICAS=0): most model replicas.",
-            low=1, high=10_000, commands=(SERVE_CLUSTER,)),
+    Setting("CLUSTER_MAX_REPLICAS", _int, 4, "Autoscaling (CLUSTER_REPLICAS=0): most model replicas.", low=1, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_INGRESS_REPLICAS", _int, 1, "HTTP replicas on the Ray cluster (this Flask app: parsing uploads, "
-            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000,
-            commands=(SERVE_CLUSTER,)),
+            "errors, the page); they reserve no CPU and forward each upload to a model replica.", low=1, high=10_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_ONGOING_REQUESTS", _int, 16, "Requests one model replica takes at once (Ray Serve "
             "max_ongoing_requests); its batches form from these, so keep it >= MAX_BATCH_SIZE.", low=1, high=100_000,
             commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_MAX_QUEUED_REQUESTS", _int, 64, "Requests waiting for a model replica, per HTTP replica (Ray "
-            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000,
-            commands=(SERVE_CLUSTER,)),
+            "Serve max_queued_requests); more get 429 with Retry-After.", low=1, high=1_000_000, commands=(SERVE_CLUSTER,)),
     Setting("CLUSTER_ACTORS", _int, 2, "classify --cluster: model actors classifying at once (Ray Data actor pool), "
             "each reserving THREADS CPUs (1 when THREADS is 0).", low=1, high=10_000, commands=(CLASSIFY_CLUSTER,)),
     # -- server --
     Setting("BIND", _bind, "127.0.0.1:8000", "Address gunicorn listens on: HOST:PORT, [IPv6]:PORT, unix:PATH, or a "
-            "bare PORT (on 127.0.0.1); or Ray Serve's HTTP proxy with serve --cluster. Localhost unless you open it.",
-            commands=SERVERS),
+            "bare PORT (on 127.0.0.1); or Ray Serve's HTTP proxy with serve --cluster. Localhost unless you open it.", commands=SERVERS),
     Setting("WORKERS", _int, 0, "gunicorn worker processes. 0: cores this process may use / threads per worker. More than the "
             "available memory holds at 150 MB each (cpu.WORKER_MB) is refused at start (exit 2), -w too.", low=0, high=1024, commands=SERVERS),
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model. A "
@@ -361,7 +358,8 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
 
     :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not be silently
         ignored), a value outside the table's rule, or a conflicting pair (``RATE_LIMIT`` with an empty
-        ``RATE_LIMIT_STORAGE``; ``CLUSTER_MIN_REPLICAS`` above ``CLUSTER_MAX_REPLICAS`` while autoscaling).
+        ``RATE_LIMIT_STORAGE``; ``CLUSTER_MIN_REPLICAS`` above ``CLUSTER_MAX_REPLICAS`` while autoscaling; ``PAGE_LOGIN``
+        without ``API_TOKEN``).
     """
     environ = os.environ if environ is None else environ
     overrides = overrides or {}
@@ -388,6 +386,8 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
     if values["CLUSTER_REPLICAS"] == 0 and (low := values["CLUSTER_MIN_REPLICAS"]) > values["CLUSTER_MAX_REPLICAS"]:
         raise SettingsError(f"{src['CLUSTER_MIN_REPLICAS']}={low} is above {src['CLUSTER_MAX_REPLICAS']}="
                             f"{values['CLUSTER_MAX_REPLICAS']} (autoscaling: CLASSIFIER_CLUSTER_REPLICAS=0)")
+    if values["PAGE_LOGIN"] and not values["API_TOKEN"]:  # no token to ask for: not a page left open unsaid
+        raise SettingsError(f"{src['PAGE_LOGIN']} needs {src['API_TOKEN']}: the page asks for that token")
     return Settings(values)
 
 
