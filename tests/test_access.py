@@ -153,6 +153,29 @@ def test_a_refusal_keeps_its_own_retry_after_under_a_rate_limit(make_app, monkey
     assert resp.status_code == error.status and resp.headers["Retry-After"] == error.headers["Retry-After"]
 
 
+def test_the_servers_own_refusals_cost_no_rate_limit_budget(make_app, monkeypatch):
+    """A client told 429 overloaded or 503 not ready, and coming back after Retry-After as told, had spent its budget
+    on them and was then refused rate_limited (tryout18). They cost none of it; its own bad requests still do."""
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="2/minute")
+    clf, client = app.extensions["classifier"], app.test_client()
+    admit, refusals = clf.admit, [Overloaded("busy", headers={"Retry-After": "1"}),
+                                  NotReady("starting", headers={"Retry-After": "1"})] * 2
+
+    def refuse_first(*args, **kwargs):
+        if refusals:
+            raise refusals.pop()
+        return admit(*args, **kwargs)
+
+    monkeypatch.setattr(clf, "admit", refuse_first)
+    assert [post(client).status_code for _ in range(4)] == [503, 429, 503, 429]
+    assert [post(client).status_code for _ in range(2)] == [200, 200]
+    limited = post(client)
+    assert limited.status_code == 429 and limited.get_json()["error"]["code"] == "rate_limited"
+    other = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="2/minute").test_client()
+    assert [other.post("/api/v1/predict", data=b"junk", content_type="image/png").status_code
+            for _ in range(3)] == [415, 415, 429]  # a bad upload still counts
+
+
 def test_bad_rate_limit_is_a_settings_error(make_app):
     with pytest.raises(SettingsError, match="^RATE_LIMIT='lots' is not valid; allowed: "):  # a config key: its name
         make_app(MODEL="resnet18_seeded", COMPILE=False, RATE_LIMIT="lots")

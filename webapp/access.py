@@ -20,7 +20,7 @@ import base64
 import binascii
 import hmac
 
-from flask import Flask, request
+from flask import Flask, g, request
 
 from .errors import Unauthorized
 
@@ -119,7 +119,11 @@ def init_access(app: Flask, settings) -> None:
                       header_name_mapping={HeaderNames.RETRY_AFTER: LIMITER_RETRY_AFTER}, strategy="moving-window")
     # One budget per client address for every way of classifying (page, API, /v2): a shared limit, so
     # switching from the API to the page does not double what a client may send.
-    budget = limiter.shared_limit(settings.RATE_LIMIT, scope="classify")
+    # The server's own refusals (429 overloaded, 503 not ready: come back after Retry-After) cost the client none of
+    # it: a client that honoured them spent its budget and was then told rate_limited (tryout18). Everything else it
+    # sent counts, refused or not. (Counted after the answer, so requests arriving together may overshoot by a few.)
+    budget = limiter.shared_limit(settings.RATE_LIMIT, scope="classify", deduct_when=lambda resp: g.get(
+        "error_code") not in ("overloaded", "not_ready"))
     for endpoint in CLASSIFY_ENDPOINTS:
         app.view_functions[endpoint] = budget(app.view_functions[endpoint])
 
