@@ -233,10 +233,10 @@ class Stub(http.server.ThreadingHTTPServer):
     records arrival times.
     GET /api/v1/models answers ``starting`` times as a starting server does (503 not_ready, Retry-After:
     ``retry_after``) first; ``probes`` records those GETs' arrival times. Listens on ``port`` (0: any free one).
-    ``stall_from``: answer that many uploads, then stall as ``stall``."""
+    ``stall_from``: answer that many uploads, then stall as ``stall``; ``delay``: seconds before each answer."""
 
     def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1",
-                 stall: bool = False, port: int = 0, stall_from: int | None = None):
+                 stall: bool = False, port: int = 0, stall_from: int | None = None, delay: float = 0.0):
         self.plan, self.arrivals, self.probes, self.starting = list(plan), [], [], starting
         stub = self
 
@@ -266,6 +266,7 @@ class Stub(http.server.ThreadingHTTPServer):
             def do_POST(self):
                 self.rfile.read(int(self.headers["Content-Length"]))
                 stub.arrivals.append(time.monotonic())
+                time.sleep(delay)
                 if stall or stall_from is not None and len(stub.arrivals) > stall_from:  # takes the upload and
                     # never answers (a stuck server), from the first upload or after ``stall_from`` answered
                     time.sleep(3600)
@@ -555,6 +556,29 @@ def test_rows_are_written_as_they_are_ready_and_ctrl_c_keeps_them(tmp_path):
     assert proc.returncode == 130, errors[-2000:]
     rows = json.loads(first + out)
     assert [r["path"] for r in rows] == [str(tmp_path / "a.png")] and rows[0]["predictions"][0]["label"] == "kite"
+
+
+def test_a_reader_that_leaves_ends_the_run(tmp_path):
+    """``classify ... | head -2``: with rows written as they come, the closed pipe is found at the next row, and the
+    run ends there; it sent every file still (the pool's threads, joined at exit) before its one quiet exit."""
+    for i in range(20):
+        Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / f"{i:02}.png")
+    stub = Stub([], delay=0.2)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "webapp", "classify", "-q", "-f", "csv", "--jobs", "1",
+                                 str(tmp_path), "--server", stub.url], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        head = [proc.stdout.readline(), proc.stdout.readline()]  # the CSV header and the first file's row
+        proc.stdout.close()  # as head(1) exits
+        start = time.monotonic()
+        errors = proc.stderr.read()
+        proc.wait(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        stub.shutdown()
+    assert head[0].startswith("path,rank") and "00.png" in head[1], head
+    assert proc.returncode == 1 and "Traceback" not in errors, errors[-2000:]
+    assert took < 3 and len(stub.arrivals) <= 6, (took, len(stub.arrivals))
 
 
 # -- local scaling ----------------------------------------------------------------------------------------

@@ -120,8 +120,9 @@ def classify():
     """Classify the form's photo(s) and show them with their top-k labels and percentages.
 
     Asked for JSON (``Accept: application/json``, as static/app.js asks where the API needs a token), it answers
-    as ``POST /api/v1/predict`` does, errors included (``topk`` from the query too): the page is open, the token
-    guards the API's scripted use, and the page's photos go here then, one request each."""
+    as ``POST /api/v1/predict`` does, errors included (``topk`` from the query too): the API token guards the API's
+    scripted use, the page is open (unless ``PAGE_LOGIN``: webapp/access.py), and its photos go here then, one
+    request each."""
     clf = current_app.extensions["classifier"]
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
     require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form

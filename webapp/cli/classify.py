@@ -240,8 +240,9 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     # summary's number of files, not short of it (tryout17)
     bar = tqdm(total=len(results), initial=len(results) - len(todo), unit="img", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True, desc="classify", mininterval=0.2)
-    stream = ResultStream(args.format or "table", topk, [r["path"] for r in results], bar=bar)
+    stream = None
     try:
+        stream = ResultStream(args.format or "table", topk, [r["path"] for r in results], bar=bar)  # (its header)
         for i, r in enumerate(results):
             if r["error"] is not None:  # failed before any work: its row is ready now
                 stream.put(i, public(r))
@@ -255,11 +256,12 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
             bar.update(1)
             if not stream.put(futures[future], public(result)):
                 break  # the output cannot be written: said, and nothing more to do
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, BrokenPipeError) as exc:  # Ctrl-C, or the reader left (| head): nothing more to do
         pool.shutdown(wait=False, cancel_futures=True)
         bar.close()
         classifier.stop()
-        stream.close()  # the rows written so far stay a whole table, CSV or JSON list
+        if isinstance(exc, KeyboardInterrupt) and stream is not None:
+            stream.close()  # the rows written so far stay a whole table, CSV or JSON list
         raise
     bar.close()
     pool.shutdown(cancel_futures=not stream.ok)

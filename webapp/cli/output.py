@@ -48,7 +48,6 @@ class ResultStream:
         self.next = 0
         self.ok = True
         self.width = min(max([len("path"), *(len(_printable(p)) for p in paths)]), 60)
-        self._csv = None
         self._write(self._header())
 
     def _stream(self):

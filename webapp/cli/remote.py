@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from .. import settings as settings_mod
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plural
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plural, silence_stdout
 from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
 from .options import given_settings
 from .output import ResultStream, public
@@ -341,8 +341,9 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
     # summary's number of files, not short of it (tryout17)
     bar = tqdm(total=len(results), initial=len(results) - len(todo), unit="img", file=sys.stderr,
                disable=args.quiet, dynamic_ncols=True, desc="classify", mininterval=0.2)
-    stream = ResultStream(args.format or "table", topk, [r["path"] for r in results], bar=bar)
+    stream = None
     try:
+        stream = ResultStream(args.format or "table", topk, [r["path"] for r in results], bar=bar)  # (its header)
         for i, r in enumerate(results):
             if r["error"] is not None:  # failed before any work: its row is ready now
                 stream.put(i, public(r))
@@ -359,10 +360,15 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
             if not stream.put(futures[future], public(result)):
                 client.stopped = ("not_sent", "the results cannot be written")  # the threads send no more
                 break
-    except KeyboardInterrupt:  # out at once: the pool's threads may be waiting on answers, and the interpreter
-        pool.shutdown(wait=False, cancel_futures=True)  # would join them at exit (a second Ctrl-C then printed a
-        bar.close()  # traceback: tryout17); the rows written so far stay a whole table, CSV or JSON list
-        stream.close()
+    except (KeyboardInterrupt, BrokenPipeError) as exc:  # out at once: the pool's threads may be waiting on answers,
+        pool.shutdown(wait=False, cancel_futures=True)  # and the interpreter would join them at exit (a second Ctrl-C
+        bar.close()  # then printed a traceback: tryout17; a reader that left, | head, had every file sent still)
+        if isinstance(exc, BrokenPipeError):
+            silence_stdout()
+            sys.stderr.flush()
+            os._exit(EXIT_FAILED)  # as main says nothing for a closed pipe
+        if stream is not None:
+            stream.close()  # the rows written so far stay a whole table, CSV or JSON list
         err("interrupted")
         sys.stdout.flush()
         sys.stderr.flush()
