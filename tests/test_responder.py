@@ -186,3 +186,44 @@ def test_a_browser_opening_the_page_while_starting_gets_a_page_in_its_language(l
         time.sleep(2 * 0.05)  # its thread sees it within a tick
         os.close(r)
         os.close(w)
+
+
+def test_a_worker_forked_while_the_master_counts_an_answer_starts(tmp_path):
+    """prometheus_client's multiprocess values take a module lock on every count. A worker forked while the master's
+    responder thread held it (answering a probe during a cold start) inherited it held, and waited on it for ever in
+    its first count: one of two workers never started (seen in tests/test_lifecycle.py's cold start). The master's
+    counts are guarded so that no fork happens inside one (``concurrency.fork_safe``). Here: a thread counting
+    answers without pause, 150 forks, each child counting once under a 5 s alarm."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = """
+import os, signal, threading
+from webapp import settings
+from webapp.responder import master_answers
+
+answered = master_answers(None, settings.load({"CLASSIFIER_ACCESS_LOG": "off"}))
+rec = {"method": "GET", "status": 503, "code": "not_ready", "duration_ms": 0.1}
+stop = threading.Event()
+def count():
+    while not stop.is_set():
+        answered(rec)
+threading.Thread(target=count, daemon=True).start()
+stuck = 0
+for _ in range(150):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(5)
+        answered(rec)  # a worker's first count: the same module lock
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    stuck += status != 0
+stop.set()
+print("stuck", stuck)
+"""
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split()[-2:] == ["stuck", "0"], run.stdout[-500:]

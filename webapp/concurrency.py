@@ -1,42 +1,42 @@
 """Every thread, queue, lock, future and pool the service uses: the one module that picks them.
 
-Why this module exists. gunicorn's gevent worker runs ``monkey.patch_all()`` before the app is
-imported, so ``threading.Thread``, ``queue.Queue``, locks and ``time.sleep`` become cooperative
-greenlet versions: a forward pass or a photo decode on such a "thread" blocks the worker's hub
-(every request, ``/healthz`` and gunicorn's heartbeat included). ``shared/notes/gevent-threads.md``
-has the measurements. So every primitive is chosen here, by asking ``gevent_active()``:
+Why this module exists. gunicorn's gevent worker runs ``monkey.patch_all()`` before the app is imported, so
+``threading.Thread``, ``queue.Queue``, locks and ``time.sleep`` become cooperative greenlet versions: a forward pass
+or a photo decode on such a "thread" blocks the worker's hub (every request, ``/healthz`` and gunicorn's heartbeat
+included). ``shared/notes/gevent-threads.md`` has the measurements. So every primitive is chosen here, by asking
+``gevent_active()``:
 
-Real OS threads (they run torch and Pillow, which release the GIL, so the hub keeps serving; an
-AOTInductor package runs through ``aoti._CApi`` for that reason, as torch's own runner keeps the GIL):
+Real OS threads (they run torch and Pillow, which release the GIL, so the hub keeps serving; an AOTInductor package
+runs through ``aoti._CApi`` for that reason, as torch's own runner keeps the GIL):
 
-- ``Primitives.start_thread``: under gevent the *original* ``_thread.start_new_thread``
-  (``get_original("threading", "Thread")`` is not enough: its ``start`` calls the patched module).
-  The batcher's inference thread, ``keep_alive``'s heartbeat and ``call_with_timeout`` use it.
-- ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads (one past its request's deadline
-  runs on: ``StillRunning``); outside gevent it calls the function in the caller's own thread. With
-  ``DECODE_CORES=server`` its threads may run on any of the server's cores (``widen_this_thread``), the
-  inference thread only on its worker's.
-- ``client_pool``, ``inference_executor``, ``decode_executor``: ``concurrent.futures`` pools for
-  callers that are never under gevent (the CLI's ``classify``, a Ray replica's asyncio loop).
+- ``Primitives.start_thread``: under gevent the *original* ``_thread.start_new_thread`` (``get_original("threading",
+  "Thread")`` is not enough: its ``start`` calls the patched module). The batcher's inference thread,
+  ``keep_alive``'s heartbeat and ``call_with_timeout`` use it.
+- ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads (one past its request's deadline runs
+  on: ``StillRunning``); outside gevent it calls the function in the caller's own thread. With
+  ``DECODE_CORES=server`` its threads may run on any of the server's cores (``widen_this_thread``), the inference
+  thread only on its worker's.
+- ``client_pool``, ``inference_executor``, ``decode_executor``: ``concurrent.futures`` pools for callers that are
+  never under gevent (the CLI's ``classify``, a Ray replica's asyncio loop).
 
-Priorities. The heavy threads (decode, inference) run ``WORK_NICE`` steps below the worker's main
-thread (``lower_this_thread``: Linux niceness is per thread), so that when the hub has something to
-do (a new connection, a refusal, ``/healthz``, reading an upload) the kernel runs it first instead of
-sharing the worker's core three ways. Measured at 2x overload on 2 cores (``bench/overload_bench.py``,
-small photos): refusals answered in 8 ms p99 server-side instead of 70, and the images/s of the busy
-worker no longer drop under a stream of refusals (1.01x the server without admission, was 0.94x). It
-costs nothing when the hub is idle: the heavy threads then have the core to themselves. Lowering a
-priority needs no privilege; raising one would, so the hub's stays as it is.
+Priorities. The heavy threads (decode, inference) run ``WORK_NICE`` steps below the worker's main thread
+(``lower_this_thread``: Linux niceness is per thread), so that when the hub has something to do (a new connection, a
+refusal, ``/healthz``, reading an upload) the kernel runs it first instead of sharing the worker's core three ways.
+Measured at 2x overload on 2 cores (``bench/overload_bench.py``, small photos): refusals answered in 8 ms p99
+server-side instead of 70, and the images/s of the busy worker no longer drop under a stream of refusals (1.01x the
+server without admission, was 0.94x). It costs nothing when the hub is idle: the heavy threads then have the core to
+themselves. Lowering a priority needs no privilege; raising one would, so the hub's stays as it is.
 
 Not threads, but safe between the two worlds:
 
-- ``Primitives.make_queue`` / ``make_lock``: the original ``queue.SimpleQueue`` and ``_thread`` lock.
-  The real thread blocks on them; request greenlets only put / hold them for microseconds.
-- ``Primitives.make_future``: under gevent a ``gevent.event.AsyncResult`` resolved from the real
-  thread through ``hub.loop.run_callback_threadsafe`` (the one thread-safe way into the hub), so
-  the waiting greenlet yields to others; elsewhere a ``concurrent.futures.Future``.
-- ``peer_closed``, ``peer_sending``: has the client hung up, is its upload arriving? A zero-timeout
-  poll on the original ``select.poll``, safe from the hub and from real threads.
+- ``Primitives.make_queue`` / ``make_lock``: the original ``queue.SimpleQueue`` and ``_thread`` lock. The real
+  thread blocks on them; request greenlets only put / hold them for microseconds.
+- ``Primitives.make_future``: under gevent a ``gevent.event.AsyncResult`` resolved from the real thread through
+  ``hub.loop.run_callback_threadsafe`` (the one thread-safe way into the hub), so the waiting greenlet yields to
+  others; elsewhere a ``concurrent.futures.Future``.
+- ``peer_closed``, ``peer_sending``: has the client hung up, is its upload arriving? A zero-timeout poll on the
+  original ``select.poll``, safe from the hub and from real threads.
+- ``fork_safe``: a lock no ``os.fork`` copies while held, for the gunicorn master's threads.
 - ``blocking_sleep``: the original ``time.sleep``, for code that may run in the hub (a signal handler).
 
 Outside gevent (tests, the CLI, Ray) everything is plain ``threading`` / ``concurrent.futures``.
@@ -45,6 +45,7 @@ Outside gevent (tests, the CLI, Ray) everything is plain ``threading`` / ``concu
 from __future__ import annotations
 
 import _thread
+import os
 import queue as _queue_mod
 import threading
 import time
@@ -116,14 +117,20 @@ class _GeventFuture:
             raise TimeoutError from None
 
 
+def fork_safe(lock):
+    """``lock`` (``make_lock``'s), held by no fork: ``os.fork`` waits for its holder, and both sides go on with it free.
+    For the master's calls into a library whose own lock is not fork-safe (prometheus_client's multiprocess values): a
+    worker forked while the 503 responder held that one waited on it for ever (one of two never started). -> ``lock``"""
+    os.register_at_fork(before=lock.acquire, after_in_parent=lock.release, after_in_child=lock.release)
+    return lock
+
+
 def lower_this_thread(steps: int) -> None:
-    """Run the calling OS thread ``steps`` niceness steps lower (at most 19), for good: on Linux niceness
-    is per thread (``setpriority`` on the thread's id). 0 changes nothing; so does a platform or
-    sandbox that refuses (the thread then simply keeps its priority). See the module docstring."""
+    """Run the calling OS thread ``steps`` niceness steps lower (at most 19), for good: on Linux niceness is per thread
+    (``setpriority`` on the thread's id). 0 changes nothing; so does a platform or sandbox that refuses (the thread
+    then simply keeps its priority). See the module docstring."""
     if steps <= 0:
         return
-    import os
-
     try:
         tid = _thread.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
@@ -157,9 +164,9 @@ class Primitives:
 def time_limit(seconds: float):
     """Raise ``TimeoutError`` in this greenlet if the block runs longer than ``seconds`` (s).
 
-    Under gevent a ``gevent.Timeout``: it interrupts a greenlet blocked on a socket read (the body
-    of an upload that stalls). Elsewhere there is no such blocking read to interrupt (the test
-    client and Ray's a2wsgi hand the app bodies already in memory), so no limit is applied.
+    Under gevent a ``gevent.Timeout``: it interrupts a greenlet blocked on a socket read (the body of an upload that
+    stalls). Elsewhere there is no such blocking read to interrupt (the test client and Ray's a2wsgi hand the app
+    bodies already in memory), so no limit is applied.
     """
     if not gevent_active():
         yield
@@ -171,28 +178,28 @@ def time_limit(seconds: float):
 
 
 def peer_closed(sock) -> bool:
-    """True when the client at the other end of ``sock`` (a connected socket: gunicorn's
-    ``gunicorn.socket``) has closed or reset the connection, or ``sock`` is closed here.
+    """True when the client at the other end of ``sock`` (a connected socket: gunicorn's ``gunicorn.socket``) has
+    closed or reset the connection, or ``sock`` is closed here.
 
-    A client that only half-closes (shuts down its sending side and still reads) counts as gone:
-    HTTP clients keep both sides open while they wait for an answer. See ``_poll_now``.
+    A client that only half-closes (shuts down its sending side and still reads) counts as gone: HTTP clients keep
+    both sides open while they wait for an answer. See ``_poll_now``.
     """
     events = _poll_now(sock)
     return events is None or bool(events & _GONE)
 
 
 def peer_sending(sock) -> bool:
-    """True when bytes the client at the other end of ``sock`` sent are waiting to be read, and it has
-    not hung up: its upload is arriving (False for one that stalled). See ``_poll_now``."""
+    """True when bytes the client at the other end of ``sock`` sent are waiting to be read, and it has not hung up: its
+    upload is arriving (False for one that stalled). See ``_poll_now``."""
     events = _poll_now(sock)
     return events is not None and bool(events & _IN) and not events & _GONE
 
 
 def _poll_now(sock) -> int | None:
-    """``sock``'s poll events now (None where it is closed here): a zero-timeout ``poll`` on the
-    *original* ``select.poll`` (gevent's ``patch_select`` removes ``poll``, and its cooperative ``select``
-    would switch greenlets). One syscall that never blocks, so the hub and real threads (a decode thread,
-    the inference thread) may call it. It reads nothing: what the client sent is left for the server."""
+    """``sock``'s poll events now (None where it is closed here): a zero-timeout ``poll`` on the *original*
+    ``select.poll`` (gevent's ``patch_select`` removes ``poll``, and its cooperative ``select`` would switch
+    greenlets). One syscall that never blocks, so the hub and real threads (a decode thread, the inference thread)
+    may call it. It reads nothing: what the client sent is left for the server."""
     from gevent import monkey
 
     make_poll = monkey.get_original("select", "poll")  # select.poll itself where gevent has not patched it
@@ -222,14 +229,14 @@ def blocking_sleep(seconds: float) -> None:
 def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:
     """Call ``notify`` every ``every`` s from a real OS thread for at most ``limit`` s; return a stop function.
 
-    Used while a gunicorn worker builds and compiles its model: the compile blocks the worker's
-    main thread (and so its heartbeat greenlet), and the arbiter would kill a worker that is
-    merely busy compiling. Past ``limit`` the beats stop, so a start-up that hangs is still killed.
+    Used while a gunicorn worker builds and compiles its model: the compile blocks the worker's main thread (and so
+    its heartbeat greenlet), and the arbiter would kill a worker that is merely busy compiling. Past ``limit`` the
+    beats stop, so a start-up that hangs is still killed.
 
-    The stop function returns only once the thread has made its last call: a worker whose start-up
-    failed closes its heartbeat file right after, and a beat after that raised ``ValueError: I/O
-    operation on closed file`` from the thread. A ``notify`` that raises (``ValueError``,
-    ``OSError``: the worker is exiting) ends the beats quietly for the same reason.
+    The stop function returns only once the thread has made its last call: a worker whose start-up failed closes its
+    heartbeat file right after, and a beat after that raised ``ValueError: I/O operation on closed file`` from the
+    thread. A ``notify`` that raises (``ValueError``, ``OSError``: the worker is exiting) ends the beats quietly for
+    the same reason.
     """
     p = Primitives.for_this_process()
     done, finished = p.make_lock(), p.make_lock()
@@ -252,11 +259,10 @@ def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) 
     stopped: list[bool] = []
 
     def stop() -> None:
-        if stopped:
-            return
-        stopped.append(True)
-        done.release()
-        finished.acquire(True, every + 5.0)  # the last beat is done (it takes microseconds; never hang on it)
+        if not stopped:
+            stopped.append(True)
+            done.release()
+            finished.acquire(True, every + 5.0)  # the last beat is done (it takes microseconds; never hang on it)
 
     p.start_thread(beat, ())
     return stop
@@ -283,11 +289,10 @@ def call_with_timeout(fn: Callable[[], object], timeout: float, *,
                       give_up: Callable[[], bool] | None = None) -> tuple[bool, object]:
     """Run ``fn`` on a real OS thread; return ``(True, result)``, or ``(False, None)`` after ``timeout`` s.
 
-    For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server
-    is unreachable; Ray Serve's ``serve.delete`` when Ray's own processes were stopped under it).
-    ``give_up``, if given, is asked every 0.2 s: True stops the wait early, as a timeout does.
-    The thread is left to finish on its own (it is not joined at exit); it holds nothing. ``fn``'s exception is
-    raised here."""
+    For blocking calls with no timeout of their own (``socket.getaddrinfo`` when the DNS server is unreachable; Ray
+    Serve's ``serve.delete`` when Ray's own processes were stopped under it). ``give_up``, if given, is asked every
+    0.2 s: True stops the wait early, as a timeout does. The thread is left to finish on its own (it is not joined
+    at exit); it holds nothing. ``fn``'s exception is raised here."""
     p = Primitives.for_this_process()
     done = p.make_lock()
     done.acquire()
@@ -317,23 +322,21 @@ def call_with_timeout(fn: Callable[[], object], timeout: float, *,
 class Offloader:
     """Runs CPU-heavy request work (decoding a photo) on real OS threads, at most ``max_threads`` at once.
 
-    Under gevent, decoding in the request greenlet would hold the worker's hub: no other request,
-    not even ``/healthz`` or gunicorn's heartbeat, is served until it ends (80 MP uploads held a
-    worker for a minute). Pillow and torch release the GIL while they work, so on a gevent
-    ``ThreadPool`` (real threads) the greenlet waits cooperatively and the hub keeps serving;
-    ``max_threads`` bounds how many decodes compete with the model for the worker's cores.
-    ``cores`` (``DECODE_CORES=server``: the whole server's cores, ``cpu.SERVER_CORES``) widens each pool
-    thread's CPU affinity from the worker's own cores to those, so that while a neighbour worker is idle
-    a busy worker's decodes run on the idle core instead of queueing behind each other on one; the
-    inference thread stays pinned (its oneDNN kernels and caches). None: the pool threads keep the
-    worker's affinity. Outside gevent ``run`` just calls the function: there the caller is already a thread.
+    Under gevent, decoding in the request greenlet would hold the worker's hub: no other request, not even
+    ``/healthz`` or gunicorn's heartbeat, is served until it ends (80 MP uploads held a worker for a minute). Pillow
+    and torch release the GIL while they work, so on a gevent ``ThreadPool`` (real threads) the greenlet waits
+    cooperatively and the hub keeps serving; ``max_threads`` bounds how many decodes compete with the model for the
+    worker's cores. ``cores`` (``DECODE_CORES=server``: the whole server's cores, ``cpu.SERVER_CORES``) widens each
+    pool thread's CPU affinity from the worker's own cores to those, so that while a neighbour worker is idle a busy
+    worker's decodes run on the idle core instead of queueing behind each other on one; the inference thread stays
+    pinned (its oneDNN kernels and caches). None: the pool threads keep the worker's affinity. Outside gevent
+    ``run`` just calls the function: there the caller is already a thread.
     """
 
     def __init__(self, max_threads: int, nice: int = 0, cores: list[int] | None = None):
-        self.max_threads = max_threads
+        self.max_threads, self._pool = max_threads, None
         self.nice = nice  # niceness steps below the hub for its threads (lower_this_thread)
         self.cores = sorted(cores) if cores else None
-        self._pool = None
         self._lowered: set[int] = set()  # the pool threads already set up (by native thread id)
         if gevent_active():
             from gevent.threadpool import ThreadPool
@@ -344,8 +347,7 @@ class Offloader:
         """``fn(*args, **kwargs)`` on a decode thread, its exception re-raised in the caller.
 
         :raises StillRunning: under gevent, no result within ``within`` s (None: no limit); the thread cannot be
-            stopped and runs on, its result dropped (the caller's deadline is what the client was promised).
-        """
+            stopped and runs on, its result dropped (the caller's deadline is what the client was promised)."""
         if self._pool is None:
             return fn(*args, **kwargs)
         if within is None:
@@ -381,11 +383,9 @@ class StillRunning(TimeoutError):
 
 
 def widen_this_thread(cores: list[int]) -> bool:
-    """Let the calling OS thread run on ``cores`` (Linux ``sched_setaffinity`` with pid 0 is per thread; the
-    process's other threads keep theirs). False where the OS refuses it or has no such call (then the
-    thread stays where it was: slower at half load, never wrong)."""
-    import os
-
+    """Let the calling OS thread run on ``cores`` (Linux ``sched_setaffinity`` with pid 0 is per thread; the process's
+    other threads keep theirs). False where the OS refuses it or has no such call (then the thread stays where it
+    was: slower at half load, never wrong)."""
     try:
         os.sched_setaffinity(0, cores)
         return True

@@ -43,6 +43,7 @@ import socket
 import time
 from typing import Callable
 
+from .concurrency import Primitives, fork_safe
 from .contract import REQUEST_ID_HEADER, request_id_from
 from .errors import NotReady, error_body
 
@@ -129,15 +130,11 @@ class Responder:
         self._wake_fd, self._on_wake, self._needed = wake_fd, on_wake, needed
         self._stopping, self._ended, self._on_answer = stopping, ended, on_answer
         self.answered = 0
-        from .concurrency import Primitives
-
         self._lock = Primitives.for_this_process().make_lock()  # one accept-and-answer at a time; held by finish()
         self._finished = False
 
     def start(self) -> None:
         """Run ``serve`` on its own real OS thread."""
-        from .concurrency import Primitives
-
         Primitives.for_this_process().start_thread(self.serve, ())
 
     def serve(self) -> None:
@@ -296,30 +293,34 @@ def master_answers(gunicorn_log, settings) -> Callable[[dict], None]:
     remote_addr, request_line, method, path, query, user_agent, status, code, bytes, duration_ms (ms),
     request_id."""
     made: dict = {}
+    fork_guard = fork_safe(Primitives.for_this_process().make_lock())
 
     def answered(rec: dict) -> None:
-        if settings.ACCESS_LOG == "text":
-            gunicorn_log.access_log.info('%s %s "%s" %s %s %dms %s', rec["remote_addr"],
-                                         time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # as %(t)s
-                                         rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
-        elif settings.ACCESS_LOG == "json":
-            from .logs import access_fields, configure_access_logger  # (Flask: not at this module's import)
+        # All under fork_guard: locks taken in here (prometheus_client's module lock, the import system's module
+        # locks) must not be held by this thread as the master forks a worker, which would wait on them for ever.
+        with fork_guard:
+            if settings.ACCESS_LOG == "text":
+                gunicorn_log.access_log.info('%s %s "%s" %s %s %dms %s', rec["remote_addr"],
+                                             time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # %(t)s
+                                             rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
+            elif settings.ACCESS_LOG == "json":
+                from .logs import access_fields, configure_access_logger  # (Flask: not at this module's import)
 
-            if "log" not in made:
-                made["log"] = configure_access_logger()
-            fields = access_fields(**{k: rec[k] for k in ("request_id", "method", "path", "status", "duration_ms",
-                                                          "remote_addr", "query", "user_agent")},
-                                   size=rec["bytes"]) | {"answered_by": "master"}
-            made["log"].info(json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":")))
-        if settings.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            from .metrics import MASTER_ENDPOINT, http_metrics, method_label  # (picks its mode at first import)
+                if "log" not in made:
+                    made["log"] = configure_access_logger()
+                fields = access_fields(**{k: rec[k] for k in ("request_id", "method", "path", "status", "duration_ms",
+                                                              "remote_addr", "query", "user_agent")},
+                                       size=rec["bytes"]) | {"answered_by": "master"}
+                made["log"].info(json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":")))
+            if settings.METRICS and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+                from .metrics import MASTER_ENDPOINT, http_metrics, method_label  # (picks its mode at first import)
 
-            if "metrics" not in made:  # once: each Counter made holds its values for the life of the process
-                from prometheus_client import CollectorRegistry
+                if "metrics" not in made:  # once: each Counter made holds its values for the life of the process
+                    from prometheus_client import CollectorRegistry
 
-                made["metrics"] = http_metrics(CollectorRegistry())
-            requests, latency = made["metrics"]
-            labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
-            requests.labels(*labels, rec["code"]).inc()
-            latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
+                    made["metrics"] = http_metrics(CollectorRegistry())
+                requests, latency = made["metrics"]
+                labels = (MASTER_ENDPOINT, method_label(rec["method"]), str(rec["status"]))
+                requests.labels(*labels, rec["code"]).inc()
+                latency.labels(*labels).observe(rec["duration_ms"] / 1e3)
     return answered
