@@ -208,6 +208,7 @@ print(json.dumps({"orphan": orphan, "found": found, "ended": ended, "after": psu
     assert result["after"] is False  # SIGKILLed after the grace (it ignored SIGTERM) and collected
 
 
+@pytest.mark.extended  # a rare path's check (~8 s: a Python with Ray imported): with `-m extended`
 def test_a_drain_given_up_cannot_start_a_new_ray(tmp_path):
     """``shut_down``: the drain's thread, left running when the drain is given up, makes its Serve call after
     ``ray.shutdown``; Serve's ``_connect`` then calls ``ray.init()``, which must refuse rather than start a new
