@@ -869,13 +869,14 @@ def test_output_is_valid_unicode_for_a_name_that_is_not_utf8(fmt):
     (tryout13). Its bytes are written \\xNN in every format; in the table a newline in a name is escaped too."""
     import io as _io
 
-    from webapp.cli.output import write_results
+    from webapp.cli.output import ResultStream
 
     path = os.fsdecode(b"/photos/caf\xe9.jpg")
     out = _io.StringIO()
     results = [{"path": path, "predictions": [{"label": "tabby", "index": 281, "probability": 0.5}], "error": None},
                {"path": "/photos/two\nlines.jpg", "predictions": [], "error": {"code": "x", "message": "m"}}]
-    write_results(results, fmt, 3, out)
+    stream = ResultStream(fmt, 3, [r["path"] for r in results], out)
+    assert all(stream.put(i, r) for i, r in enumerate(results)) and stream.close()
     text = out.getvalue()
     text.encode("utf-8")  # no lone surrogate left: it would raise
     if fmt == "json":

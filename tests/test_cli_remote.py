@@ -294,6 +294,32 @@ class Stub(http.server.ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
+@pytest.mark.parametrize("body", [b"<html>a web server's page</html>", b"[1, 2]", b'{"serving": "x", "models": ["x"]}',
+                                  b'{"requested": "a", "serving": null, "models": []}', b"\xff\xfe not text"])
+def test_a_server_that_is_not_a_photo_classifier_is_said_to_be_so(body):
+    """``GET /api/v1/models`` answered 200 with something not this service's (another web server on that port):
+    one clear line naming the URL and what came back, not a traceback (``Client.serving_model``)."""
+    class Other(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(remote.Unreachable) as raised:
+            remote.Client(url, jobs=1).serving_model()
+    finally:
+        server.shutdown()
+    assert str(raised.value) == f"{url} is not a photo classifier: GET /api/v1/models answered 200 {body[:80]!r}"
+
+
 def tiny_file(tmp_path) -> Path:
     path = tmp_path / "x.png"
     Image.new("RGB", (4, 4)).save(path)

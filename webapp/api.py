@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, jsonify, request
 
-from .uploads import parse_topk, read_uploads, require_identity
+from .uploads import read_uploads, request_topk, require_identity
 
 bp = Blueprint("api", __name__)
 
@@ -20,11 +20,7 @@ def predict():
     clf = _classifier()
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
     require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
-    # topk as a query parameter, or as a form field of a multipart upload (as the page's form sends it)
-    raw_topk = request.args.get("topk")
-    if raw_topk is None and request.mimetype == "multipart/form-data":
-        raw_topk = request.form.get("topk")
-    topk = parse_topk(raw_topk, clf.settings.TOP_K)
+    topk = request_topk(request, clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
     return jsonify(clf.classify(uploads, topk=topk))
 

@@ -17,7 +17,7 @@ import re
 from flask import Blueprint, abort, current_app, g, jsonify, render_template, request, url_for
 from . import i18n, imaging
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
-from .uploads import parse_topk, read_uploads, require_identity
+from .uploads import read_uploads, request_topk, require_identity
 
 bp = Blueprint("ui", __name__)
 
@@ -126,12 +126,7 @@ def classify():
     clf = current_app.extensions["classifier"]
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
     require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
-    # the query's topk, else the form's field; only a multipart body is read for it (any other type is refused by
-    # its headers)
-    raw_topk = request.args.get("topk")
-    if raw_topk is None and request.mimetype == "multipart/form-data":
-        raw_topk = request.form.get("topk")
-    topk = parse_topk(raw_topk, clf.settings.TOP_K)
+    topk = request_topk(request, clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
     # The form has two file inputs named "file" (choose, and take a photo); the one left empty
     # arrives as a part with no name and no bytes: not a photo the person sent.

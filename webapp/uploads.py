@@ -109,10 +109,8 @@ _SPACE = " \t\r\n"  # ASCII whitespace around a text field's value, dropped
 
 
 def parse_topk(raw: str | None, default: int) -> int:
-    """``topk`` query/form value -> int in 1..10.
-
-    :raises BadRequest: not an integer in 1..10 (400).
-    """
+    """``topk`` query/form value -> int in 1..10 (``default`` when absent or blank). :raises BadRequest: not an
+    integer in 1..10 (400)."""
     if raw is not None:  # a file's final newline (curl -F 'topk=<file'), spaces around it: as _int_field
         raw = raw.strip(_SPACE)
     if raw is None or raw == "":
@@ -127,6 +125,15 @@ def parse_topk(raw: str | None, default: int) -> int:
     if not 1 <= k <= 10:
         raise BadRequest(f"topk must be an integer from 1 to 10, got {k}")
     return k
+
+
+def request_topk(request, default: int) -> int:
+    """A request's ``topk``: the query's, else a multipart form's field (as the page's form sends it; any other body
+    type is refused by its headers) -> int in 1..10 (``parse_topk``). :raises BadRequest: not in 1..10 (400)."""
+    raw = request.args.get("topk")
+    if raw is None and request.mimetype == "multipart/form-data":
+        raw = request.form.get("topk")
+    return parse_topk(raw, default)
 
 
 # Multipart form fields describing the photo a client scaled before upload, one value per ``file``

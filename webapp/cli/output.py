@@ -120,11 +120,3 @@ class ResultStream:
 def public(result: dict) -> dict:
     """A result without the keys a run keeps for itself (``_path``, the file to read)."""
     return {k: v for k, v in result.items() if not k.startswith("_")}
-
-
-def write_results(results: list[dict], fmt: str, topk: int, out) -> None:
-    """Write every result of ``results`` to the text stream ``out`` as ``fmt`` (``ResultStream``, all at once)."""
-    stream = ResultStream(fmt, topk, [r["path"] for r in results], out)
-    for i, r in enumerate(results):
-        stream.put(i, r)
-    stream.close()

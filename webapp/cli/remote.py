@@ -31,7 +31,6 @@ command line shows in ``ps``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -185,11 +184,11 @@ class Client:
                 say(f"waiting for the server at {self.url} to {to} ({said}); trying again in {wait:.0f} s ({left})")
             time.sleep(wait)
             waited += wait
+        doc = parsed(resp)  # {} where it is not a JSON object: not a photo classifier, below
         try:
-            doc = json.loads(resp.data)
             serving = doc["serving"] or doc["requested"]
             return next(m for m in doc["models"] if m["name"] == serving)
-        except (ValueError, KeyError, TypeError, StopIteration):
+        except (KeyError, TypeError, StopIteration):
             raise Unreachable(f"{self.url} is not a photo classifier: GET /api/v1/models answered {resp.status} "
                               f"{resp.data[:80]!r}") from None
 
