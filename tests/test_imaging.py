@@ -379,6 +379,37 @@ def test_a_jpeg_cut_short_and_closed_by_eoi_is_400_not_grey_fill(size, min_side,
     assert decode(whole, max_pixels=BIG, min_side=min_side).size == size  # the whole file decodes
 
 
+def _without_app14(data: bytes) -> bytes:
+    """JPEG ``data`` without its Adobe APP14 segment (what ``exiftool -all=`` leaves of a CMYK JPEG)."""
+    at = data.find(b"\xff\xee")
+    return data[:at] + data[at + 2 + struct.unpack_from(">H", data, at + 2)[0]:]
+
+
+@pytest.mark.parametrize("adobe", [True, False])
+@pytest.mark.parametrize("min_side", [None, 224])
+@pytest.mark.parametrize("kept", [0.05, 0.5, 0.85])
+@pytest.mark.parametrize("eoi", [True, False])
+def test_a_cmyk_jpeg_cut_short_is_400_not_its_dark_fill(adobe, min_side, kept, eoi):
+    """A CMYK JPEG's missing rows are not mid-grey: Pillow reads its inks inverted, so the fill is 127 in each,
+    which comes out RGB 64 (tryout19: giraffe.jpg in CMYK cut at 50%, with or without EOI, "jaguar" 37%). It is
+    judged by its own fill value, and the whole file still decodes, with or without the Adobe marker."""
+    whole = encode(_photo_like(768, 576).convert("CMYK"), "JPEG", quality=90)
+    whole = whole if adobe else _without_app14(whole)
+    cut = whole[:int(len(whole) * kept)] + (b"\xff\xd9" if eoi else b"")
+    with pytest.raises(UndecodableImage, match=r"the JPEG data is incomplete: its scan data stops after about \d+%"):
+        decode(cut, max_pixels=BIG, min_side=min_side)
+    assert decode(whole, max_pixels=BIG, min_side=min_side).size == (768, 576)
+
+
+@pytest.mark.parametrize("band", [16, 48, 576])
+@pytest.mark.parametrize("min_side", [None, 224])
+def test_a_cmyk_band_of_the_fills_own_inks_is_never_taken_for_a_cut(band, min_side):
+    """The other side, in CMYK: a whole photo whose bottom rows really are the fill's inks decodes as itself."""
+    img = _photo_like(768, 576, seed=band).convert("CMYK")
+    img.paste((127, 127, 127, 127), (0, 576 - band, 768, 576))
+    assert decode(encode(img, "JPEG", quality=95), max_pixels=BIG, min_side=min_side).size == (768, 576)
+
+
 @pytest.mark.parametrize("after", ["zeros", "junk", "a second JPEG"])
 @pytest.mark.parametrize("progressive", [False, True])
 @pytest.mark.parametrize("min_side", [None, 224])

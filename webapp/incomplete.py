@@ -26,13 +26,21 @@ from .formats import NEXT_MARKER, jpeg_segments
 
 log = logging.getLogger(__name__)
 
-_JPEG_FILL = 128  # what libjpeg writes where a scan has no data: all-zero coefficients, mid-grey
+# What libjpeg writes where a scan has no data (all-zero coefficients: 128 in every component), as Pillow's
+# image holds it per mode: mid-grey for L and RGB; CMYK is read inverted ("CMYK;I", Adobe's convention), so 127
+# in each ink, and YCCK (Adobe transform 2) converts to 127 inks and a K of 128, inverted: 128, 128, 128, 127.
+_JPEG_FILLS = {"L": ((128,),), "RGB": ((128, 128, 128),), "CMYK": ((127, 127, 127, 127), (128, 128, 128, 127))}
 
 
 def _row_values(core, y: int) -> set[tuple[int, int]]:
     """The (min, max) of each band of row ``y`` of a Pillow core image (``Image.im``)."""
+    return set(_band_extrema(core, y))
+
+
+def _band_extrema(core, y: int) -> list[tuple[int, int]]:
+    """The (min, max) of each band of row ``y`` of a Pillow core image, band by band."""
     row = core.crop((0, y, core.size[0], y + 1))
-    return {row.getband(i).getextrema() for i in range(row.bands)}
+    return [row.getband(i).getextrema() for i in range(row.bands)]
 
 
 def jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int,
@@ -50,21 +58,25 @@ def jpeg_rows_decoded(img: Image.Image, data: bytes, header_height: int,
     context rows (<= iMCU + 2 rows, measured at scales 1 to 1/8 on the shared photos), fewer than the
     rows judged, so a grey band is never taken for a cut. A cut inside those last rows is not caught
     (32 of a 512-row photo's rows at full scale; 8 of a 12 MP photo's 756 at the 1/4 scale it is
-    decoded at): a little grey fill at the bottom. Progressive JPEGs (their scans refine the whole
-    image: a cut leaves it blurred, not grey) and CMYK are not judged; nor a file without EOI. Bytes after the
+    decoded at): a little grey fill at the bottom. CMYK and YCCK JPEGs are judged by their own fill values
+    (``_JPEG_FILLS``: a cut CMYK photo came out flat dark grey, RGB 64, and was classified; tryout19).
+    Progressive JPEGs (their scans refine the whole image: a cut leaves it blurred, not grey) are not judged;
+    nor a file without EOI. Bytes after the
     EOI (junk, a second JPEG appended) do not hide a cut: the first EOI after the scans is the one judged.
     """
-    if img.mode not in ("L", "RGB") or "progressive" in img.info or "progression" in img.info:
+    if img.mode not in _JPEG_FILLS or "progressive" in img.info or "progression" in img.info:
         return None
     try:
         width, height = img.size
-        if _row_values(img.im, height - 1) != {(_JPEG_FILL, _JPEG_FILL)}:
+        last = _band_extrema(img.im, height - 1)
+        fill = next((f for f in _JPEG_FILLS[img.mode] if last == [(v, v) for v in f]), None)
+        if fill is None:
             return None  # every photo but the rare one ends here: one row looked at
         eoi = _first_eoi(data)  # what closed the scan: the end of the file, or bytes may follow it (junk, a
         if eoi is None:  # second JPEG): a file judged by its last two bytes alone let those through
             return None
-        rows = np.asarray(img).reshape(height, -1)
-        kept = np.flatnonzero(~(rows == _JPEG_FILL).all(axis=1))
+        rows = np.asarray(img).reshape(height, width, len(fill))
+        kept = np.flatnonzero(~(rows == np.array(fill, dtype=rows.dtype)).all(axis=(1, 2)))
         grey = height - (int(kept[-1]) + 1 if kept.size else 0)
         imcu = 8 * max((layer[2] for layer in getattr(img, "layer", [])), default=2) * height / header_height
         if grey < imcu + max(imcu, 4):
