@@ -139,6 +139,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
                                f"average (the standard allows 1 to 255), so it would decode "
                                f"{'as grey' if zero[0] == 0 else 'without its colour'}, not as the photo; send the "
                                f"file as it was saved, or save it again")
+    if fmt == "JPEG" and (said := mangled.jpeg_copied_as_text(data)):  # would decode as noise, without an error
+        raise UndecodableImage(f"{name}: {said}")
     try:
         orientation = exif.orientation(img)  # read before any conversion drops img.info
         ends = "the file ends there" if _repaired else "a marker closes it early"  # (repaired: EOI added)
