@@ -224,6 +224,12 @@ def _rgb_with_key() -> bytes:
     return png_bytes(im, transparency=(1, 2, 3))
 
 
+def _gray16_with_key() -> bytes:
+    """A 16-bit grey PNG with a tRNS key (0): tryout19's dog.jpg with its left columns transparent kept them black."""
+    im = Image.frombytes("I;16", (3, 1), np.array([0, 32896, 65535], "<u2").tobytes())
+    return png_bytes(im, transparency=0)
+
+
 # name -> (bytes, mode Pillow opens it as, expected RGB of row 0, tolerance)
 MODES = {
     "L": (lambda: png_bytes(Image.new("L", (2, 1), 77)), "L", [(77, 77, 77)] * 2, 0),
@@ -238,6 +244,8 @@ MODES = {
     "L+transparency key": (_l_with_key, "L", [(255, 255, 255), (100, 100, 100)], 0),
     "RGB+transparency key": (_rgb_with_key, "RGB", [(255, 255, 255), (100, 0, 0)], 0),
     "I;16": (_gray16, ("I;16", "I"), [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
+    "I;16+transparency key": (_gray16_with_key, ("I;16", "I"),
+                              [(255, 255, 255), (128, 128, 128), (255, 255, 255)], 0),
     "I": (_mode_i, "I", [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
     "F in [0,1]": (lambda: _mode_f(1.0), "F", [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),
     "F in [0,255]": (lambda: _mode_f(255.0), "F", [(0, 0, 0), (128, 128, 128), (255, 255, 255)], 0),

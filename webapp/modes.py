@@ -52,10 +52,16 @@ def _bands(img: Image.Image):
 
 def _to_l(img: Image.Image, convert) -> Image.Image:
     """A one-band ``img`` to an RGB image of its grey levels, ``convert`` (a band of rows -> uint8) run a band of
-    ``_BAND`` rows at a time, so no whole-image intermediate is ever made."""
+    ``_BAND`` rows at a time, so no whole-image intermediate is ever made. Samples equal to its transparency key
+    (a 16-bit grey PNG's tRNS: ``info["transparency"]``, in its own sample units) are white, composited as the
+    8-bit modes' are (tryout19: left black, they moved the answer 5 points)."""
+    key = img.info.get("transparency")
+    key = key if isinstance(key, int) and not isinstance(key, bool) else None
     out = np.empty((img.height, img.width), np.uint8)
     for i, band in zip(range(0, img.height, _BAND), _bands(img)):
         out[i:i + _BAND] = convert(band)
+        if key is not None:
+            out[i:i + _BAND][band == key] = 255
     return Image.fromarray(out, "L").convert("RGB")
 
 
@@ -73,7 +79,7 @@ def _declared(img: Image.Image) -> tuple[int, bool]:
 def to_rgb(img: Image.Image) -> Image.Image:
     """Any Pillow mode -> RGB, deterministically.
 
-    Alpha (RGBA, LA, PA, P or RGB/L with a transparency key) is composited on white; 16-bit
+    Alpha (RGBA, LA, PA, P or RGB/L/I;16 with a transparency key) is composited on white; 16-bit
     grayscale (I;16*, I) is scaled by 1/257 so mid-grey stays mid-grey (signed 16-bit from 0..32767); a
     32-bit integer TIFF as 16-bit where its samples fit (what Pillow writes for a mode-I image), else from
     0 to its maximum (samples over 65535 were clipped white); negatives are black;
