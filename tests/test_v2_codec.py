@@ -15,7 +15,7 @@ import zlib
 import pytest
 import schemathesis
 
-from conftest import small_png
+from conftest import shared_image, small_png
 from webapp import v2_codec as codec
 from webapp import v2_inputs
 from webapp.errors import BadRequest, NoFile, NotAnImage, Overloaded, TooLarge
@@ -345,6 +345,20 @@ def test_binary_data_without_its_header_length_says_what_is_missing():
         f"send the {codec.HEADER} header with the JSON header's length, {header}" in message, message
     assert codec.parse_request(body, header, **LIMITS).photos == [PNG]  # with it, the same body is fine
     assert refused(BadRequest, b'{"inputs": [}').startswith("the inference request is not valid JSON")
+
+
+@pytest.mark.parametrize("path", ["dog.jpg", "png"])
+def test_a_photo_posted_as_the_body_says_it_is_a_photo_not_bad_json(path):
+    """A photo's bytes posted as the inference body (``Content-Type: application/octet-stream``, tryout19 with
+    curl --data-binary): 415 naming the photo's format and the two ways to send it, not a UTF-8 decoding error.
+    Other binary bytes: the 400 names the binary extension's header."""
+    photo = PNG if path == "png" else shared_image(path).read_bytes()
+    message = refused(NotAnImage, photo)
+    fmt = "PNG" if path == "png" else "JPEG"
+    assert message.startswith(f"the body is {fmt} bytes, not an inference request") and codec.HEADER in message \
+        and "/api/v1/predict" in message, message
+    message = refused(BadRequest, b"\x00\xff" * 40)
+    assert message.startswith("the inference request is not valid JSON") and codec.HEADER in message, message
 
 
 @pytest.mark.parametrize("content_type, text, photo", [

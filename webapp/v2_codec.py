@@ -30,7 +30,7 @@ sent (an output's ``topk``, a ``content_type`` other than those above) is refuse
 Every refusal is a ``ServiceError`` with the API's status: 400 ``bad_request`` (malformed
 request: wrong input name, datatype, shape, data, parameter), 400 ``no_file`` (N = 0), 413 ``too_large``
 (N > ``MAX_FILES``, or decoded photos over ``MAX_UPLOAD_BYTES`` in all), 415 ``unsupported_media_type``
-(a string declared text, ``"content_type": "str"``, that is base64 of a photo).
+(a string declared text, ``"content_type": "str"``, that is base64 of a photo; a photo's bytes as the body).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import json
 import struct
 from dataclasses import dataclass, field
 
-from .errors import BadRequest
+from .errors import BadRequest, NotAnImage
+from .formats import claimed_format
 from .uploads import parse_topk
 from .v2_inputs import (HEADER, INPUT, as_object, count, flag, json_kind, no_other_parameters, read_content_type,
                         read_input)
@@ -138,8 +139,23 @@ def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
         if header_length is None and (end := _json_object_end(head)) is not None:
             raise BadRequest(f"the body is a JSON header of {end:,} bytes followed by {len(head) - end:,} more (binary "
                              f"tensor data?): send the {HEADER} header with the JSON header's length, {end}") from None
-        raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]})") from None
+        if header_length is None and (fmt := claimed_format(head)):  # a photo posted as is (tryout19: octet-stream)
+            raise NotAnImage(f"the body is {fmt} bytes, not an inference request: send the protocol's JSON (photos as "
+                             f"base64 strings), or binary tensor data after a JSON header whose length the {HEADER} "
+                             f"header gives; or POST the photo to /api/v1/predict")
+        binary = (f"; a body with binary tensor data needs the {HEADER} header"
+                  if header_length is None and _binary(head) else "")
+        raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]}){binary}") from None
     return as_object(doc, "the inference request"), rest
+
+
+def _binary(data: bytes) -> bool:
+    """Whether ``data`` is not text: a NUL byte, or not UTF-8, in its first KiB (a cut character at its end aside)."""
+    try:
+        data[:1024].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return exc.start < min(len(data), 1024) - 3
+    return b"\x00" in data[:1024]
 
 
 # An output's parameters the server reads; any other is refused (400) rather than ignored.
