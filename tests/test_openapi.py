@@ -381,3 +381,16 @@ def test_every_operation_lists_what_gunicorn_refuses_before_the_app_in_its_own_s
             assert schema["properties"]["error"]["properties"] == {"code": {"enum": ["http_error"]},
                                                                    "status": {"enum": [status]}}
             assert "`http_error`" in response["description"] and "X-Request-ID" in response["headers"]
+
+
+def test_a_queue_smaller_than_max_files_is_the_documents_limit():
+    """With ``QUEUE_SIZE`` 2, a request of 3 photos is a 413 (``TooLarge.queue``) however long it waits; the
+    documents said 16 (tryout19). Both APIs' documents give the lesser of the two, in their schemas and words."""
+    spec = build_spec(settings_mod.load(overrides={**CONFIG, "MAX_FILES": 16, "QUEUE_SIZE": 2}))
+    predict = spec["paths"]["/api/v1/predict"]["post"]
+    form = predict["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]
+    assert form["file"]["maxItems"] == 2 and form["original_width"]["maxItems"] == 2
+    assert "At most 2 files" in predict["description"]
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
+    assert "At most 2 photos" in json.dumps(infer)
+    assert "16" not in re.findall(r"At most (\d+)", json.dumps(spec))

@@ -283,6 +283,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     metrics_token = bool(settings.METRICS_TOKEN or settings.API_TOKEN)
     errors = (400, 401, 405, 408, 411, 413, 415, 429, 500, 503, 504) if token else (400, 405, 408, 411, 413, 415, 429,
                                                                                     500, 503, 504)
+    most = v2_openapi.most_files(settings)
     image_body = {"type": "string", "format": "binary"}
     topk = {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}
     predict = {
@@ -291,7 +292,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
         "description": (
             "Send the image(s) as multipart field `file` (repeat it for several), or one image as the raw body "
             f"with Content-Type `image/*`. All images succeed or the request fails with the first error. "
-            f"At most {settings.MAX_FILES} files and {settings.MAX_UPLOAD_BYTES:,} bytes per request, "
+            f"At most {most} files and {settings.MAX_UPLOAD_BYTES:,} bytes per request, "
             f"{settings.MAX_PIXELS:,} pixels per image and {settings.MAX_REQUEST_PIXELS:,} pixels decoded per "
             f"request (a large JPEG counts at the reduced size it is decoded at)."),
         "tags": ["classify"],
@@ -307,11 +308,11 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
             "required": True,
             "content": {
                 "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
-                    "file": {"type": "array", "items": image_body, "minItems": 1, "maxItems": settings.MAX_FILES,
+                    "file": {"type": "array", "items": image_body, "minItems": 1, "maxItems": most,
                              "description": "The image(s): one part per file."},
                     "topk": {**topk, "description": "Labels per image, as the page's form sends it; the query "
                                                     "parameter `topk` wins where both are given."},
-                    **_original_fields(settings.MAX_FILES)}}},
+                    **_original_fields(most)}}},
                 "image/*": {"schema": image_body},
                 "application/octet-stream": {"schema": image_body},
             },

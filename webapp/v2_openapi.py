@@ -149,8 +149,14 @@ def _errors(*statuses: int) -> dict:
     return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in sorted({*statuses, 405})}
 
 
+def most_files(settings) -> int:
+    """Photos one request may hold: ``MAX_FILES``, or fewer where a worker's queue (``QUEUE_SIZE``) holds fewer
+    (more is a 413 however long one waits: tryout19 found the documents saying 16 with a queue of 2)."""
+    return min(settings.MAX_FILES, settings.QUEUE_SIZE)
+
+
 def _infer_request(settings) -> dict:
-    photos = {"type": "array", "minItems": 1, "maxItems": settings.MAX_FILES,
+    photos = {"type": "array", "minItems": 1, "maxItems": most_files(settings),
               "items": {"anyOf": [_PHOTO, {"$ref": "#/components/schemas/V2PhotoRows"}]},
               "description": "One base64 string per photo (any format `/api/v1/predict` takes); nested arrays "
                              "(the protocol's row-major nesting) are read flattened, and their strings must "
@@ -164,7 +170,7 @@ def _infer_request(settings) -> dict:
              "properties": {"name": {"type": "string", "enum": [codec.INPUT]},
                             "datatype": {"type": "string", "enum": ["BYTES"]},
                             "shape": {"type": "array", "minItems": 1, "maxItems": 1,
-                                      "items": {"type": "integer", "minimum": 1, "maximum": settings.MAX_FILES},
+                                      "items": {"type": "integer", "minimum": 1, "maximum": most_files(settings)},
                                       "description": "`[N]`: N photos; N must equal the number of elements."},
                             "parameters": {"type": "object", "additionalProperties": False, "properties": {
                                 "content_type": content_type,
@@ -217,7 +223,7 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
                           **(RATE_LIMIT_HEADERS if settings.RATE_LIMIT else {})},
               "content": {"application/json": {"schema": {"$ref": "#/components/schemas/V2InferResponse"}},
                           "application/octet-stream": {"schema": binary}}}
-    limits = (f"At most {settings.MAX_FILES} photos and {settings.MAX_UPLOAD_BYTES:,} bytes of them (decoded) per "
+    limits = (f"At most {most_files(settings)} photos and {settings.MAX_UPLOAD_BYTES:,} bytes of them (decoded) per "
               f"request, {settings.MAX_PIXELS:,} pixels per photo and {settings.MAX_REQUEST_PIXELS:,} decoded per "
               f"request; the body may be up to "
               f"{codec.body_limit(settings.MAX_UPLOAD_BYTES):,} bytes (base64 adds a third).")
