@@ -187,49 +187,118 @@ def probe(port: int, path: str, headers: dict | None = None) -> tuple[int, dict,
         conn.close()
 
 
+LIVE = ("/healthz", "/v2/health/live")  # liveness: 200 from the master too while starting (webapp/responder.py)
+
+
+def from_master(path: str, status: int, body: dict | None) -> bool:
+    """Whether an answer to ``path`` came from the master's responder (a 503, or its liveness 200 while starting)."""
+    return status == 503 or (path in LIVE and isinstance(body, dict) and body.get("status") == "starting")
+
+
+def starting_batch(port: int) -> dict:
+    """While the master answers (no worker ready): tritonclient's ``is_server_live()``/``is_server_ready()``, ``GET
+    /healthz``, ``HEAD /v2/health/live`` and a ``POST /api/v1/predict``, then ``/readyz`` once more: still the
+    master's 503, so all of them came while starting."""
+    import tritonclient.http as httpclient  # (imported before the server started: no time lost here)
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=5, network_timeout=5)
+    try:
+        got = {"live": client.is_server_live(headers={"X-Request-ID": "triton-live"}),
+               "ready": client.is_server_ready(headers={"X-Request-ID": "triton-ready"})}
+    finally:
+        client.close()
+    got["healthz"] = probe(port, "/healthz", {"X-Request-ID": "healthz"})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+    try:
+        conn.request("HEAD", "/v2/health/live", headers={"X-Request-ID": "head-live"})
+        resp = conn.getresponse()
+        got["head"] = (resp.status, resp.read())
+    finally:
+        conn.close()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3)
+    try:
+        conn.request("POST", "/api/v1/predict", body=b"\xff\xd8\xff" + b"x" * 1000,
+                     headers={"Content-Type": "image/jpeg", "X-Request-ID": "predict"})
+        resp = conn.getresponse()
+        got["predict"] = (resp.status, resp.getheader("Retry-After"), json.loads(resp.read()))
+    finally:
+        conn.close()
+    got["after"] = probe(port, "/readyz", {"X-Request-ID": "after"})[0]
+    return got
+
+
 @pytest.mark.server
 def test_cold_start_answers_503_until_a_worker_serves(tmp_path):
     """A load balancer can tell "starting" (503 at once) from "dead" (refused); once a worker is ready it
     answers, and the master's responder takes no more connections. The master's 503s carry the request's id and
-    are in the access log and /metrics, as the workers' answers are (they were in neither: tryout14)."""
+    are in the access log and /metrics, as the workers' answers are (they were in neither: tryout14).
+    Liveness (/healthz, /v2/health/live) is 200 from the master meanwhile, readiness 503: a tryout's tritonclient
+    saw ``is_server_live()`` False during a cold start, and a liveness probe would restart the container."""
+    import tritonclient.http  # noqa: F401 (for starting_batch, which has a short start to run in)
+
     srv, temp = launch(tmp_path, "cold", METRICS=1, ACCESS_LOG="text")
     try:  # a failed check must not leave the server running (it did: a failed run left two)
         answers = []  # (path, status, headers, body, seconds) of every probe that got an answer
+        batch = None
+        paths = ("/readyz", "/healthz", "/v2/health/ready", "/v2/health/live")
         deadline = time.monotonic() + 300
-        while not answers or answers[-1][1] != 200:
+        while not answers or answers[-1][1] != 200 or answers[-1][0] in LIVE:  # until a readiness probe says ready
             assert time.monotonic() < deadline and srv.proc.poll() is None, srv.output()[-3000:]
-            path = ("/readyz", "/healthz")[len(answers) % 2]
+            path = paths[len(answers) % len(paths)]
             try:
                 answers.append((path, *probe(srv.port, path, {"X-Request-ID": f"probe-{len(answers)}"})))
             except ConnectionRefusedError:  # the master is not listening yet
                 pass
+            if answers and batch is None:
+                batch = starting_batch(srv.port)
             time.sleep(0.1)
-        starting = answers[:-1]
-        assert len(starting) >= 2, "the workers were ready before any probe: not a cold start"
+        assert batch["after"] == 503, "a worker was ready before the batch ended: not a cold start"
+        assert batch["live"] is True and batch["ready"] is False, batch
+        status, retry, body = batch["predict"]
+        assert status == 503 and retry == "5" and body["error"]["code"] == "not_ready", batch
+        status, headers, body, _ = batch["healthz"]
+        assert status == 200 and body["status"] == "starting" and body["ready"] is False and "pid" not in body, batch
+        assert batch["head"] == (200, b""), batch
+        starting = [a for a in answers if from_master(a[0], a[1], a[3])]
+        assert len(starting) >= 2, "the workers were ready before the probes: not a cold start"
         for path, status, headers, body, took in starting:
-            assert status == 503 and took < 1.0, (path, status, took)
-            assert headers["Retry-After"] == "5" and body["error"]["code"] == "not_ready", (headers, body)
-            assert body == {"error": {"code": "not_ready", "status": 503, "message": body["error"]["message"]}}
-        assert [h["X-Request-ID"] for _, _, h, _, _ in starting] == [f"probe-{i}" for i in range(len(starting))]
+            assert took < 1.0, (path, status, took)
+            if path in LIVE:  # live: the process is up and answering
+                assert status == 200 and "Retry-After" not in headers, (path, status, headers, body)
+                assert body == ({"live": True, "ready": False, "status": "starting"} if path == "/v2/health/live" else
+                                {"status": "starting", "ready": False, "state": body["state"], "answered_by": "master"})
+            elif path == "/readyz":
+                assert status == 503 and headers["Retry-After"] == "5", (headers, body)
+                assert body == {"error": {"code": "not_ready", "status": 503, "message": body["error"]["message"]}}
+            else:  # the Open Inference Protocol's shape under /v2
+                assert status == 503 and headers["Retry-After"] == "5" and body["error"].startswith("not_ready: ")
+        ids = [h["X-Request-ID"] for _, _, h, _, _ in answers]
+        assert ids == [f"probe-{i}" for i in range(len(answers))]
         times = sorted(took for *_, took in starting)
-        print(f"\n{len(starting)} probes during the cold start: all 503 not_ready, median "
+        print(f"\n{len(starting)} probes during the cold start: readiness 503 not_ready, liveness 200, median "
               f"{times[len(times) // 2] * 1e3:.1f} ms, slowest {times[-1] * 1e3:.0f} ms")
         path, status, _, body, _ = answers[-1]
-        assert body["ready"] is True if path == "/readyz" else body["pid"] != srv.proc.pid  # a worker's own answer
+        assert body["ready"] is True  # a worker's own answer
         workers = set(srv.wait_ready(workers=2))
         served = [probe(srv.port, "/healthz") for _ in range(20)]
-        assert all(s == 200 and b["pid"] in workers for s, _, b, _ in served), served
-        line = (r'127\.0\.0\.1 \[\d\d/\w+/\d{4}:[\d:]+ [+-]\d{4}\] "GET /(?:readyz|healthz) HTTP/1\.1" 503 \d+ \d+ms '
-                r'(probe-\d+)')
-        logged = re.findall(line, srv.output())  # gunicorn's access log format, its time included
-        assert logged == [f"probe-{i}" for i in range(len(starting))], srv.output()[-3000:]
+        assert all(s == 200 and b["pid"] in workers and b["status"] == "ok" for s, _, b, _ in served), served
+        line = (r'127\.0\.0\.1 \[\d\d/\w+/\d{4}:[\d:]+ [+-]\d{4}\] "(GET|HEAD|POST) (\S+) HTTP/1\.1" (\d{3}) \d+ \d+ms '
+                r'((?:probe-\d+|triton-live|triton-ready|healthz|head-live|predict|after))$')
+        logged = re.findall(line, srv.output(), re.M)  # gunicorn's access log format, its time included
+        expected = [("GET", "/v2/health/live", "200", "triton-live"), ("GET", "/v2/health/ready", "503", "triton-ready"),
+                    ("GET", "/healthz", "200", "healthz"), ("HEAD", "/v2/health/live", "200", "head-live"),
+                    ("POST", "/api/v1/predict", "503", "predict"), ("GET", "/readyz", "503", "after")]
+        expected += [("GET", p, str(s), h["X-Request-ID"]) for p, s, h, *_ in starting]
+        assert sorted(m for m in logged if m[3] in {e[3] for e in expected}) == sorted(expected), srv.output()[-3000:]
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/metrics", timeout=10).read().decode()
         from prometheus_client.parser import text_string_to_metric_families
 
-        counted = [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-                   if s.name == "classifier_http_requests_total" and s.labels == {
-                       "endpoint": "(master)", "method": "GET", "status": "503", "code": "not_ready"}]
-        assert counted == [len(starting)], metrics
+        counted = {(s.labels["method"], s.labels["status"], s.labels["code"]): s.value
+                   for f in text_string_to_metric_families(metrics) for s in f.samples
+                   if s.name == "classifier_http_requests_total" and s.labels["endpoint"] == "(master)"}
+        assert counted == {("GET", "503", "not_ready"): sum(e[2] == "503" for e in expected if e[0] == "GET"),
+                           ("GET", "200", ""): sum(e[2] == "200" for e in expected if e[0] == "GET"),
+                           ("HEAD", "200", ""): 1, ("POST", "503", "not_ready"): 1}, metrics
         assert 'pid="%d"' % srv.proc.pid not in metrics  # the master is not shown as a worker (gauges by pid)
         # The master holds torch (imported before it listened, so its pages are shared by the workers:
         # webapp/preload.py) but runs only its main thread and the 503 responder: no thread pool was started

@@ -313,7 +313,8 @@ def test_the_topk_form_field_is_documented_as_the_server_reads_it(client, app):
 def test_the_document_lists_the_rate_limit_headers_and_the_starting_503_everywhere_they_come():
     """Found by a tryout: with CLASSIFIER_RATE_LIMIT set, /v2 infer's 200 and every error answer of a classify
     request carry X-RateLimit-*, which the document named only on /api/v1/predict's 200; and GET /v2 and
-    /v2/health/live answer 503 while the server starts (the master's answer to every path), undocumented."""
+    /v2/health/live answered 503 while the server starts (the master's answer to every path), undocumented; the
+    master answers liveness 200 while starting now (tryout19), but 503 still while it stops."""
     limited = json.loads(json.dumps(build_spec(settings_mod.load(overrides={"RATE_LIMIT": "5/second"}))))
     plain = json.loads(json.dumps(build_spec(settings_mod.load(overrides={}))))
     names = {"X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Reset"}
@@ -394,3 +395,22 @@ def test_a_queue_smaller_than_max_files_is_the_documents_limit():
     infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
     assert "At most 2 photos" in json.dumps(infer)
     assert "16" not in re.findall(r"At most (\d+)", json.dumps(spec))
+
+
+def test_the_masters_liveness_answers_fit_the_documents():
+    """While no worker is ready, gunicorn's master answers /healthz and /v2/health/live 200 itself
+    (``responder.live_response``): each body fits its path's 200 schema in the document."""
+    import jsonschema
+
+    from webapp import responder
+
+    spec = build_spec(settings_mod.load(overrides=CONFIG))
+    for path in responder.LIVE_PATHS:
+        raw = responder.live_response(path)
+        assert raw.startswith(b"HTTP/1.1 200 ")
+        body = json.loads(raw.split(b"\r\n\r\n", 1)[1])
+        schema = spec["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.validate(body, {**schema, "components": spec["components"]})
+    with pytest.raises(jsonschema.ValidationError):  # a worker's shape is not taken for the master's, nor the reverse
+        jsonschema.validate({"status": "starting", "ready": False}, {**spec["paths"]["/healthz"]["get"]["responses"][
+            "200"]["content"]["application/json"]["schema"], "components": spec["components"]})

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from webapp.responder import RETRY_AFTER_S, STOPPING_MESSAGE, Responder
+from webapp.responder import LIVE_PATHS, RETRY_AFTER_S, STARTING_STATE, STOPPING_MESSAGE, Responder
 
 
 @pytest.fixture
@@ -51,7 +51,8 @@ def test_answers_503_while_needed_then_steps_aside(listening):
                           stopping=lambda: False, ended=lambda: state["ended"])
     responder.start()
     try:
-        for method, path in [("GET", "/readyz"), ("GET", "/healthz"), ("GET", "/"), ("POST", "/api/v1/predict")]:
+        for method, path in [("GET", "/readyz"), ("GET", "/"), ("POST", "/api/v1/predict"), ("POST", "/healthz"),
+                             ("GET", "/healthz/")]:
             t0 = time.monotonic()
             status, headers, body = ask(port, method, path, body=b"x" * 100_000 if method == "POST" else None)
             assert time.monotonic() - t0 < 1.0
@@ -94,6 +95,69 @@ def test_answers_503_while_needed_then_steps_aside(listening):
     assert responder._socks == []  # its duplicates are closed once gunicorn replaced its listeners
 
 
+def test_while_starting_liveness_is_200_and_readiness_503(listening):
+    """Found by a tryout with tritonclient: the master answered /v2/health/live and /healthz 503 while starting, so
+    ``is_server_live()`` was False and a liveness probe restarted the container during a cold compile. Live: the
+    process is up and answering (200, "starting"); ready: it can serve (503 not_ready, Retry-After). Logged and
+    counted as the 503s are (``on_answer``). Stopping: liveness is 503 too."""
+    sock, port = listening
+    r, w = os.pipe()
+    state, seen = {"stopping": False}, []
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: True,
+                          stopping=lambda: state["stopping"], ended=lambda: False, on_answer=seen.append)
+    responder.start()
+    try:
+        status, headers, body = ask(port, "GET", "/healthz?verbose=1")
+        assert status == 200 and "Retry-After" not in headers and headers["Content-Type"] == "application/json"
+        health = json.loads(body)
+        assert health == {"status": "starting", "ready": False, "state": STARTING_STATE, "answered_by": "master"}
+        status, headers, body = ask(port, "GET", "/v2/health/live")
+        assert status == 200 and json.loads(body) == {"live": True, "ready": False, "status": "starting"}
+        for path in LIVE_PATHS:
+            status, headers, body = ask(port, "HEAD", path)
+            assert status == 200 and body == b"" and int(headers["Content-Length"]) > 0
+        for method, path in [("GET", "/readyz"), ("GET", "/v2/health/ready"), ("GET", "/v2/models/classifier/ready"),
+                             ("POST", "/api/v1/predict"), ("POST", "/v2/models/classifier/infer")]:
+            status, headers, body = ask(port, method, path, body=b"{}" if method == "POST" else None)
+            assert status == 503 and headers["Retry-After"] == str(RETRY_AFTER_S), (path, body)
+        assert [(a["method"], a["path"], a["status"], a["code"]) for a in seen[:4]] == [
+            ("GET", "/healthz", 200, ""), ("GET", "/v2/health/live", 200, ""), ("HEAD", "/healthz", 200, ""),
+            ("HEAD", "/v2/health/live", 200, "")]
+        assert seen[0]["query"] == "verbose=1" and {a["code"] for a in seen[4:]} == {"not_ready"}
+        state["stopping"] = True  # the master is going away: live no more
+        for path in LIVE_PATHS:
+            status, headers, body = ask(port, "GET", path)
+            assert status == 503 and "stopping" in body.decode(), (path, body)
+    finally:
+        responder.finish()
+        time.sleep(2 * 0.05)
+        os.close(r)
+        os.close(w)
+
+
+def test_tritonclient_sees_the_starting_server_live_and_not_ready(listening):
+    """The real client: ``is_server_live()`` True, ``is_server_ready()`` and ``is_model_ready()`` False."""
+    import tritonclient.http as httpclient
+
+    sock, port = listening
+    r, w = os.pipe()
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: True,
+                          stopping=lambda: False, ended=lambda: False)
+    responder.start()
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=5, network_timeout=5)
+    try:
+        assert client.is_server_live() is True
+        assert client.is_server_ready() is False
+        assert client.is_model_ready("classifier") is False
+        assert client.is_server_live() is True
+    finally:
+        client.close()
+        responder.finish()
+        time.sleep(2 * 0.05)
+        os.close(r)
+        os.close(w)
+
+
 def test_answers_again_when_no_worker_is_ready(listening):
     sock, port = listening
     state = {"needed": False, "ended": False}
@@ -105,6 +169,10 @@ def test_answers_again_when_no_worker_is_ready(listening):
         state["needed"] = True  # every ready worker exited (the master's child_exit dropped them)
         time.sleep(0.5)  # it looks again at least every quarter second
         assert ask(port)[0] == 503
+        # The process is up and a replacement starting (gunicorn forks it; one that cannot start, with none
+        # serving, stops the server: webapp/reloads.py): live, as during the first start.
+        status, _, body = ask(port, path="/healthz")
+        assert status == 200 and json.loads(body)["status"] == "starting"
     finally:
         state["ended"] = True
         time.sleep(0.5)

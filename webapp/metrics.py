@@ -47,19 +47,19 @@ def multiprocess_mode() -> bool:
     return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
-MASTER_ENDPOINT = "(master)"  # the endpoint label of gunicorn's master's own 503s (webapp/responder.py)
+MASTER_ENDPOINT = "(master)"  # the endpoint label of gunicorn's master's own answers (webapp/responder.py)
 
 
 def http_metrics(registry: CollectorRegistry) -> tuple[Counter, Histogram]:
     """The requests counter (labels endpoint, method, status and ``code``: the error table's code, empty for an
     answer that is not an error) and latency histogram (endpoint, method, status): each worker's (``Metrics``),
-    and gunicorn's master's for the 503s it answers while no worker is ready or it stops (``MASTER_ENDPOINT``;
+    and gunicorn's master's for what it answers while no worker is ready or it stops (``MASTER_ENDPOINT``;
     only these two, so the master never shows up as a worker in the gauges). ``code`` tells the two 429s
     (``overloaded``, ``rate_limited``) and the 400s apart; it takes the table's ~25 values at most."""
     labels = ("endpoint", "method", "status")
     return (Counter("classifier_http_requests", "HTTP requests answered, by route, method, status and error code "
-                    f"(empty: not an error; endpoint {MASTER_ENDPOINT}: gunicorn's master's 503 while no worker is "
-                    "ready or it stops).", (*labels, "code"), registry=registry),
+                    f"(empty: not an error; endpoint {MASTER_ENDPOINT}: gunicorn's master's own answers while no "
+                    "worker is ready or it stops).", (*labels, "code"), registry=registry),
             Histogram("classifier_http_request_duration_seconds",
                       "Seconds from the request's first hook to its response, by route, method and status.",
                       labels, buckets=LATENCY_BUCKETS, registry=registry))

@@ -5,8 +5,7 @@ Built from the settings, so the limits it states (files per request, upload byte
 enforces. ``tests/test_openapi.py`` runs schemathesis against the app with it: every status,
 header and body the app answers must be the one written here.
 
-Error codes by status come from the error table in ``webapp/errors.py``, as the README's
-"Limits and errors" table does.
+Error codes by status come from the error table in ``webapp/errors.py``, as the README's "Limits and errors" table does.
 """
 
 from __future__ import annotations
@@ -281,8 +280,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     metrics = settings.METRICS if metrics is None else metrics
     token = bool(settings.API_TOKEN)
     metrics_token = bool(settings.METRICS_TOKEN or settings.API_TOKEN)
-    errors = (400, 401, 405, 408, 411, 413, 415, 429, 500, 503, 504) if token else (400, 405, 408, 411, 413, 415, 429,
-                                                                                    500, 503, 504)
+    errors = tuple(sorted({400, 405, 408, 411, 413, 415, 429, 500, 503, 504} | ({401} if token else set())))
     most = v2_openapi.most_files(settings)
     image_body = {"type": "string", "format": "binary"}
     topk = {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}
@@ -335,8 +333,10 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
             "200": _json("ModelList", "Every model `CLASSIFIER_MODEL` can name; the serving one has `serving: true` "
                                       "with its weights and fallback note.")}),
         "/healthz": _get("healthz", "Liveness: this worker is alive", "operations", {
-            "200": _json("Health", "Alive; with pid, pinned cores, threads, model, precision, self-test and queue "
-                                   "depth (of the worker that answered).")}),
+            "200": {**_json("Health", "Alive; with pid, pinned cores, threads, model, precision, self-test and queue "
+                                      "depth (of the worker that answered); while none is ready, the master's "
+                                      "`starting`."), "content": {"application/json": {"schema": {"anyOf": [
+                {"$ref": "#/components/schemas/Health"}, v2_openapi.MASTER_LIVE]}}}}}),
         "/readyz": _get("readyz", "Readiness: warmed up and self-tested", "operations", {
             "200": _json("Readiness", "Ready to classify."),
             "503": {**_json("Readiness", "Not ready: warming up, self-test failed or shutting down (`Readiness`, "

@@ -5,10 +5,17 @@ A gevent worker accepts connections only once its model is built, compiled, warm
 self-tested (a minute on a cold cache). Until then a request would wait in the listen backlog
 with no answer, and a load balancer could not tell a server that is starting from one that is
 dead. So, while no worker has reported ready (``webapp.lifecycle``'s channel), one plain thread in
-the master accepts on the listening sockets and answers every request, ``/readyz`` and
-``/healthz`` included, ``503`` with the error table's JSON body (``not_ready``) and ``Retry-After``.
+the master accepts on the listening sockets and answers every request, ``/readyz`` and every other
+readiness path included, ``503`` with the error table's JSON body (``not_ready``) and ``Retry-After``.
 Once a worker reports ready it stops accepting (the workers take every connection from then on);
 should every ready worker exit, it answers again until a replacement is ready.
+
+**Liveness while starting.** The liveness paths (``LIVE_PATHS``: ``GET``/``HEAD /healthz`` and
+``/v2/health/live``) get ``200`` from it meanwhile (``live``: "starting", no worker ready yet), as Triton's and
+KServe's protocol have it: live means the server process is up and answering, ready that it can serve
+inference. Their 503 made tritonclient's ``is_server_live()`` False, and a liveness probe on either path
+restarted the container during a cold compile, which then never finished (tryout). Both paths are open on the
+workers too (no token). While stopping they get the 503 (stopping) as every request: the process is going away.
 
 **Stopping.** A listening socket accepts connections (the kernel completes the handshake into its
 backlog) for as long as any process holds it open, and closing the last copy resets whatever waits in
@@ -24,8 +31,8 @@ then on, not only after the interpreter's teardown (~0.4 s more in a master that
 
 Each answer carries the request's ``X-Request-ID`` (the client's, where sane, else a new one), and is written to
 the access log and counted in ``/metrics`` (endpoint ``(master)``) by ``master_answers`` (its ``on_answer``), as
-a worker's answers are: the 503s of a start, a stop or a crash were in neither, so a dashboard showed no errors
-exactly while clients got them.
+a worker's answers are (the liveness 200s too, ``code`` empty): the 503s of a start, a stop or a crash were in
+neither, so a dashboard showed no errors exactly while clients got them.
 
 It runs in the master, which gevent never patches: a plain OS thread (from ``webapp.concurrency``),
 ``select`` and blocking sockets with short timeouts. It imports neither torch nor Flask. It works on
@@ -58,6 +65,10 @@ _TICK_S = 0.05  # how often the thread looks at whether the master is stopping (
 # s: once stopping, how long a waiting connection is left to the workers (each accepts within a
 # millisecond while it still listens; the longest wait seen before one closes its copy is worker.TICK_S)
 STOP_DEFER_S = 0.02
+# Liveness paths (GET and HEAD, as the workers' Flask routes answer them): 200 from the master while starting.
+LIVE_PATHS = ("/healthz", "/v2/health/live")
+# /healthz's "state" from the master while starting
+STARTING_STATE = "starting: no worker has its model ready yet (a first start compiles it, about a minute per worker)"
 
 
 def page(head_bytes: bytes, request_id: str | None = None) -> bytes | None:
@@ -103,15 +114,44 @@ def response(head: bool = False, path: str | None = None, message: str = MESSAGE
     for the error's shape: the Open Inference Protocol's under ``/v2``; ``message``: ``MESSAGE`` while
     starting, ``STOPPING_MESSAGE`` while stopping; ``request_id``: echoed in ``X-Request-ID``, as every answer)."""
     body = json.dumps(error_body(path, NotReady.code, message, NotReady.status)).encode()
-    lines = ["HTTP/1.1 503 Service Unavailable", "Content-Type: application/json",
-             f"Content-Length: {len(body)}", f"Retry-After: {RETRY_AFTER_S}", "Cache-Control: no-store",
-             "X-Content-Type-Options: nosniff", "Connection: close",
+    return _json_answer("503 Service Unavailable", body, head=head, request_id=request_id,
+                        extra=(f"Retry-After: {RETRY_AFTER_S}",))
+
+
+def live_path(head_bytes: bytes) -> str | None:
+    """The liveness path (one of ``LIVE_PATHS``) a ``GET`` or ``HEAD`` request ``head_bytes`` asks for, else None
+    (any other method or path, ``/healthz/`` included, is not ready: 503, as before)."""
+    from urllib.parse import urlsplit
+
+    parts = head_bytes.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+    if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
+        return None
+    path = urlsplit(parts[1]).path
+    return path if path in LIVE_PATHS else None
+
+
+def live_response(path: str, head: bool = False, request_id: str | None = None) -> bytes:
+    """The whole HTTP/1.1 200 answer to a liveness probe while the service starts (no worker ready): the process is
+    up and answering. ``/v2/health/live``: the protocol's ``{"live": true}`` (plus ``"ready": false``, ``"status":
+    "starting"``); ``/healthz``: ``status`` "starting" (a worker's says "ok"), ``ready`` false, ``state``,
+    ``answered_by`` "master"; no ``pid`` (the master is no worker: tools that collect workers by pid skip it)."""
+    if path == "/v2/health/live":
+        fields = {"live": True, "ready": False, "status": "starting"}
+    else:
+        fields = {"status": "starting", "ready": False, "state": STARTING_STATE, "answered_by": "master"}
+    return _json_answer("200 OK", json.dumps(fields).encode(), head=head, request_id=request_id)
+
+
+def _json_answer(status: str, body: bytes, *, head: bool, request_id: str | None, extra: tuple = ()) -> bytes:
+    lines = [f"HTTP/1.1 {status}", "Content-Type: application/json", f"Content-Length: {len(body)}", *extra,
+             "Cache-Control: no-store", "X-Content-Type-Options: nosniff", "Connection: close",
              *([f"{REQUEST_ID_HEADER}: {request_id}"] if request_id else [])]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + (b"" if head else body)
 
 
 class Responder:
-    """Answers 503 on duplicates of ``listeners`` (sockets) while ``needed()`` or ``stopping()`` is true.
+    """Answers 503 on duplicates of ``listeners`` (sockets) while ``needed()`` or ``stopping()`` is true (200 to a
+    liveness probe while only ``needed()``: ``live_response``).
 
     ``wake_fd`` is read-ready when the workers reported something: ``on_wake()`` then reads it
     (and may change ``needed()``). ``stopping()`` says the master is stopping: the thread answers every
@@ -183,7 +223,8 @@ class Responder:
         return answered
 
     def _answer_one(self, listener: socket.socket, message: str) -> bool:
-        """Accept one connection (never blocks) and answer it 503 with ``message``; False if none waited."""
+        """Accept one connection (never blocks) and answer it 503 with ``message`` (while starting, a liveness probe
+        200: ``live_response``); False if none waited."""
         try:
             conn, peer = listener.accept()
         except OSError:  # BlockingIOError: a worker took it first; anything else: nothing to answer
@@ -196,13 +237,16 @@ class Responder:
             target = line.split(" ")
             path = target[1] if len(target) > 1 else None
             rid = request_id_from(_header(head, b"x-request-id"))
-            html = page(head, rid) if message == MESSAGE else None  # starting: a browser gets the page (stopping: JSON)
-            answer = html or response(head=head.startswith(b"HEAD "), path=path, message=message, request_id=rid)
+            starting, is_head = message == MESSAGE, head.startswith(b"HEAD ")
+            live = live_path(head) if starting else None  # stopping: 503 for liveness too (the process is going)
+            html = page(head, rid) if starting else None  # starting: a browser gets the page (stopping: JSON)
+            answer = (live_response(live, head=is_head, request_id=rid) if live else
+                      html or response(head=is_head, path=path, message=message, request_id=rid))
             conn.sendall(answer)
             self.answered += 1
             record = {"request_id": rid, "request_line": line, "method": target[0] if line else "",
                       "path": (path or "").split("?", 1)[0], "query": (path or "").partition("?")[2],
-                      "status": 503, "code": NotReady.code,
+                      "status": 200 if live else 503, "code": "" if live else NotReady.code,
                       "bytes": len(answer) - answer.index(b"\r\n\r\n") - 4,
                       "remote_addr": peer[0] if isinstance(peer, tuple) else str(peer),
                       "user_agent": _header(head, b"user-agent")}
@@ -286,7 +330,8 @@ def _discard(conn: socket.socket, limit: int = 1 << 20, wait_s: float = 0.2) -> 
 
 
 def master_answers(gunicorn_log, settings) -> Callable[[dict], None]:
-    """For the master's own 503s (``Responder``'s ``on_answer``): each answer's access log line (in
+    """For the master's own answers, its 503s and its liveness 200s while starting (``Responder``'s
+    ``on_answer``; ``code`` empty for a 200, as a worker's): each answer's access log line (in
     gunicorn's text format on ``gunicorn_log.access_log``, or ``ACCESS_LOG=json``'s object, "answered_by":
     "master") and its count in /metrics (endpoint "(master)"), as the workers write theirs. Without them, the
     503s of a start, a stop or a crash were in no log and no metric. The answer is a dict from the responder:

@@ -149,6 +149,12 @@ def _errors(*statuses: int) -> dict:
     return {str(s): {"$ref": f"#/components/responses/V2E{s}"} for s in sorted({*statuses, 405})}
 
 
+# /healthz's 200 from gunicorn's master while no worker is ready (webapp/responder.py's live_response): alive.
+MASTER_LIVE = {"type": "object", "required": ["status", "ready", "answered_by"], "properties": {
+    "status": {"type": "string", "enum": ["starting"]}, "ready": {"type": "boolean", "enum": [False]},
+    "state": {"type": "string"}, "answered_by": {"type": "string", "enum": ["master"]}}}
+
+
 def most_files(settings) -> int:
     """Photos one request may hold: ``MAX_FILES``, or fewer where a worker's queue (``QUEUE_SIZE``) holds fewer
     (more is a 413 however long one waits: tryout19 found the documents saying 16 with a queue of 2)."""
