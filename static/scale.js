@@ -13,8 +13,10 @@
 // needs no EXIF; colours are taken as stored (no ICC conversion), as the server takes them.
 // Originals go up when: scaling is off (`?scale=0`, a diagnostic), the size or filter is unknown, the
 // file is not a format we recognise (the server names it in its 415), the browser cannot decode it
-// (HEIC outside Safari, TIFF...), the photo is at or below the size already, the copy is no smaller,
-// or anything fails on the way: the optimisation never loses a photo.
+// (HEIC outside Safari, TIFF...), this browser would decode it otherwise than the server (an animation, a CMYK
+// JPEG), the server would refuse it (a JPEG cut short or damaged: its 400 is the answer curl gets), the photo is
+// at or below the size already, the copy is no smaller, or anything fails on the way: the optimisation never
+// loses a photo.
 
 import { FILTERS, resize, resizedSize } from "./resample.js";
 import { withoutMetadata } from "./strip.js";
@@ -78,45 +80,131 @@ function nextMarker(b, from) {
   return -1;
 }
 
-/**
- * True for a progressive JPEG (bytes `b`, a Uint8Array) closed by EOI before its scans brought every
- * coefficient of every component to full precision: cut short, which browsers (like libjpeg) decode
- * without an error as a blurred image. The server's own check (webapp/incomplete.py jpeg_scans_cut, whose
- * docstring says why), so the page sends such a file as it is and shows the server's 400.
- */
-export function jpegScansCut(b) {
-  const u16 = (i) => (b[i] << 8) | b[i + 1];
-  const precision = new Map();
-  let pos = 2, frame = null, scans = 0;
-  while (pos + 2 <= b.length) {
-    if (b[pos] !== 0xff) return false;   // not a marker where one must be: damage, not judged here
+// The marker segments of JPEG bytes `b` (a Uint8Array), in order, as { marker, seg, end }: where the
+// segment's payload starts and where it ends (a scan's: at the next marker after its entropy-coded data, -1
+// where none follows). Fill bytes, RSTn and TEM are skipped; the walk stops after EOI, at the end of `b`, and
+// where a marker must be and is not (damage: judged by the decoders, not here).
+function* jpegSegments(b) {
+  for (let pos = 2; pos + 2 <= b.length && b[pos] === 0xff;) {
     const marker = b[pos + 1];
     if (marker === 0xff) { pos += 1; continue; }   // fill before a marker
-    if (marker === 0xd9) {   // EOI
-      return frame !== null && scans > 0 && frame.some((c) => precision.get(c).some((al) => al !== 0));
-    }
+    if (marker === 0xd9) { yield { marker, seg: pos + 2, end: pos + 2 }; return; }   // EOI
     if ((marker >= 0xd0 && marker <= 0xd7) || marker === 0x01) { pos += 2; continue; }   // RSTn, TEM
-    if (pos + 4 > b.length || OTHER_FRAMES.has(marker)) return false;
-    const seg = pos + 4;
-    let end = pos + 2 + u16(pos + 2);
-    if (PROGRESSIVE.has(marker)) {
-      frame = Array.from({ length: b[seg + 5] }, (_, i) => b[seg + 6 + 3 * i]);
-      precision.clear();
-      for (const c of frame) precision.set(c, new Array(64).fill(null));
+    if (pos + 4 > b.length) return;
+    let end = pos + 2 + ((b[pos + 2] << 8) | b[pos + 3]);
+    if (marker === 0xda) end = nextMarker(b, end);   // SOS: its header, then its entropy-coded data
+    yield { marker, seg: pos + 4, end };
+    if (end < 0) return;
+    pos = end;
+  }
+}
+
+/**
+ * Why JPEG bytes `b` must go as they are, in one walk of its segments, or null:
+ * - "incomplete": closed by EOI before its scans brought every component to full precision (browsers, like
+ *   libjpeg, decode it without an error: a blur, or components left at zero). A progressive JPEG whose scans
+ *   stop early (webapp/incomplete.py jpeg_scans_cut), or a sequential one (SOF0/SOF1) whose components come in
+ *   separate scans and not all came (jpeg_components_cut: cut after its luma scan, a colourless photo). The
+ *   server refuses both (400): the page sends the file and shows that.
+ * - "damaged": a quantization table used by the frame has 0 for its DC entry (webapp/formats.py jpeg_frame
+ *   zero_dc): libjpeg, the browser's too, decodes it (a grey luma, a colourless chroma); the server refuses it.
+ * - "cmyk": 4 components (CMYK, YCCK). Decoders disagree on their inversion without an Adobe APP14 marker
+ *   (Chromium always inverts, Firefox only with it, the server as libvips does): a copy could be a negative.
+ */
+export function jpegAsItIs(b) {
+  const precision = new Map(), dc = new Map(), seen = new Set();
+  let progressive = null, sequential = null, tables = null, scans = 0;
+  for (const { marker, seg, end } of jpegSegments(b)) {
+    if (marker === 0xd9) {   // EOI
+      if (progressive && scans > 0 && progressive.some((c) => precision.get(c).some((al) => al !== 0))) {
+        return "incomplete";
+      }
+      if (sequential && scans > 0 && !sequential.every((c) => seen.has(c))) return "incomplete";
+      break;
     }
-    if (marker === 0xda) {   // SOS: components, Ss, Se, Ah/Al; then its entropy-coded data
-      if (frame === null) return false;
+    if (marker === 0xdb && scans === 0) {   // DQT before the first scan: (Pq << 4 | Tq), 64 or 128 bytes...
+      for (let at = seg; at + 3 <= Math.min(end, b.length); at += 1 + 64 * (b[at] >> 4 ? 2 : 1)) {
+        dc.set(b[at] & 15, b[at] >> 4 ? (b[at + 1] << 8) | b[at + 2] : b[at + 1]);
+      }
+    }
+    const frame = marker >= 0xc0 && marker <= 0xcf && ![0xc4, 0xc8, 0xcc].includes(marker);   // SOFn (not DHT...)
+    if (frame && tables === null) {   // the first frame: the one decoded; Ci, Hi|Vi, Tqi per component
+      if (b[seg + 5] === 4) return "cmyk";
+      tables = Array.from({ length: b[seg + 5] }, (_, i) => b[seg + 8 + 3 * i]);
+    }
+    if (PROGRESSIVE.has(marker)) {
+      progressive = Array.from({ length: b[seg + 5] }, (_, i) => b[seg + 6 + 3 * i]);
+      sequential = null;
+      precision.clear();
+      for (const c of progressive) precision.set(c, new Array(64).fill(null));
+    } else if (marker === 0xc0 || marker === 0xc1) {
+      sequential = Array.from({ length: b[seg + 5] }, (_, i) => b[seg + 6 + 3 * i]);
+      progressive = null;
+    } else if (OTHER_FRAMES.has(marker)) {
+      progressive = sequential = null;   // lossless, arithmetic...: no cut judged here
+    }
+    if (marker === 0xda) {   // SOS: components, Ss, Se, Ah/Al
+      if (scans === 0 && tables?.some((t) => dc.get(t) === 0)) return "damaged";   // the tables as decoded
+      if (progressive === null && sequential === null) return null;
       const n = b[seg], ss = b[seg + 1 + 2 * n], se = b[seg + 2 + 2 * n], al = b[seg + 3 + 2 * n] & 15;
       for (let i = 0; i < n; i++) {
-        const c = precision.get(b[seg + 1 + 2 * i]);
-        if (c === undefined || !(ss <= se && se <= 63)) return false;
-        c.fill(al, ss, se + 1);
+        const c = b[seg + 1 + 2 * i];
+        seen.add(c);
+        if (progressive === null) continue;
+        if (!precision.has(c) || !(ss <= se && se <= 63)) return null;
+        precision.get(c).fill(al, ss, se + 1);
       }
       scans += 1;
-      end = nextMarker(b, end);
-      if (end < 0) return false;   // no EOI: browsers refuse it themselves
     }
-    pos = end;
+  }
+  return null;   // whole, or no EOI: browsers refuse a JPEG without one themselves
+}
+
+// True for JPEG bytes `b` that a text copy changed: in the first 64 KiB after the first SOS marker, no CR or LF
+// byte at all (curl -d strips them), or 8 LFs or more each after a CR (an FTP ASCII copy). Decoders make noise of
+// it without an error; the server refuses it (webapp/mangled.py jpeg_copied_as_text, whose docstring says why
+// these marks decide), so the file goes as it is.
+export function copiedAsText(b) {
+  let sos = 2;
+  while (sos + 1 < b.length && !(b[sos] === 0xff && b[sos + 1] === 0xda)) sos += 1;
+  const w = b.subarray(sos, sos + 65536);
+  if (sos + 1 >= b.length) return false;
+  let lf = 0, crlf = 0, cr = 0;
+  for (let i = 0; i < w.length; i++) {
+    if (w[i] === 0x0a) { lf += 1; if (i > 0 && w[i - 1] === 0x0d) crlf += 1; } else if (w[i] === 0x0d) cr += 1;
+  }
+  return (w.length > 4096 && lf === 0 && cr === 0) || (lf >= 8 && crlf === lf);
+}
+
+// True for an animation: a GIF with more than one image, a WebP with VP8X's animation flag or an ANIM chunk, a PNG
+// with acTL before its image data (APNG). createImageBitmap takes the first frame as it is, where the server takes
+// the first one visible (a fade-in's first frame is transparent: the copy went up blank, "nematode") and an
+// APNG's default image (which need not be a frame of the animation): the file goes as it is.
+export function animated(b, format) {
+  const ascii = (from, to) => String.fromCharCode(...b.subarray(from, to));
+  const u32 = (i, le) => (le ? b[i] + (b[i + 1] << 8) + (b[i + 2] << 16) + b[i + 3] * 16777216
+    : b[i] * 16777216 + (b[i + 1] << 16) + (b[i + 2] << 8) + b[i + 3]);
+  if (format === "WEBP") {   // RIFF chunks: FourCC, little-endian size, data, pad to even
+    if (ascii(12, 16) === "VP8X" && b[20] & 0x02) return true;
+    for (let at = 12; at + 8 <= b.length; at += 8 + u32(at + 4, true) + (b[at + 4] & 1)) {
+      if (ascii(at, at + 4) === "ANIM") return true;
+    }
+  }
+  if (format === "PNG") {   // chunks: big-endian size, type, data, CRC
+    for (let at = 8; at + 8 <= b.length && ascii(at + 4, at + 8) !== "IDAT"; at += 12 + u32(at, false)) {
+      if (ascii(at + 4, at + 8) === "acTL") return true;
+    }
+  }
+  if (format === "GIF") {   // header, screen descriptor, global colour table; then blocks up to the trailer (0x3B)
+    let at = 13 + (b[10] & 0x80 ? 3 << ((b[10] & 7) + 1) : 0), images = 0;
+    const blocks = (i) => { while (i < b.length && b[i] !== 0) i += b[i] + 1; return i + 1; };   // sub-blocks
+    while (at < b.length && b[at] !== 0x3b) {
+      if (b[at] === 0x21) at = blocks(at + 2);   // extension: label, sub-blocks
+      else if (b[at] === 0x2c) {   // image: descriptor, local colour table, LZW code size, sub-blocks
+        if (++images > 1) return true;
+        at = blocks(at + 11 + (b[at + 9] & 0x80 ? 3 << ((b[at + 9] & 7) + 1) : 0));
+      } else break;   // damaged: the server judges it
+    }
   }
   return false;
 }
@@ -256,8 +344,10 @@ async function orientationOf(file, format) {
  * or the file without its metadata: static/strip.js, or the file itself); `original` {width, height, format,
  * bytes} of the photo when `blob` is a scaled copy (the page sends it as the original_* fields), else null;
  * `thumb` a data: URL or null (not decodable here); `why` a word for tests and the console: scaled | off |
- * unknown | undecodable | small | incomplete (a JPEG perhaps cut short: the server judges it) | oriented (not a
- * JPEG, with an EXIF orientation: the server turns it) | larger (the copy would be no smaller) | failed; `kept`
+ * unknown | undecodable | small | incomplete (a JPEG perhaps cut short: the server judges it) | damaged (a JPEG
+ * with a zero DC quantizer, or copied as text: the server refuses it) | animated | cmyk (decoded otherwise here than by the server: no
+ * preview) | oriented (not a JPEG, with an EXIF orientation: the server turns it) | larger (the copy would be no
+ * smaller) | failed; `kept`
  * true where the file goes as it is, with whatever metadata it holds (a format or a structure strip.js does not
  * take, scaling off); `bare` the file as it goes where not scaled (what the page sends if the server refuses the
  * copy). Never rejects.
@@ -266,9 +356,9 @@ export async function prepare(file, send) {
   const format = await sniff(file).catch(() => null);
   const plain = async (why, thumb = null) => {
     // Decodable here, and scaling on: the photo goes without its metadata. The file itself goes where the server
-    // must judge it as it is (not decodable here, perhaps cut short: its answer names where the data ends) and
+    // must judge it as it is (not decodable here, perhaps cut short or damaged: its answer names what is wrong) and
     // under ?scale=0 (a diagnostic).
-    const { blob, kept } = ["off", "undecodable", "unknown", "incomplete"].includes(why)
+    const { blob, kept } = ["off", "undecodable", "unknown", "incomplete", "damaged"].includes(why)
       ? { blob: file, kept: true } : await withoutMetadata(file, format);
     return { blob, original: null, thumb, why, kept, bare: blob };
   };
@@ -284,8 +374,16 @@ export async function prepare(file, send) {
     if (!scalingOn) return plain("off", await thumbFrom(bmp));
     if (!format || !send) return plain("unknown", await thumbFrom(bmp));
     const { width, height } = bmp;
+    // What the browser decodes otherwise than the server (an animation's first frame, a CMYK JPEG's inks) goes as
+    // it is, with no preview (this decode is not what the server classifies); what the server refuses goes as the
+    // file itself, for the server's 400 (curl's answer), not a good copy of a damaged photo.
+    const bytes = new Uint8Array(await file.arrayBuffer());
+    const judged = format === "JPEG" ? (copiedAsText(bytes) ? "damaged" : jpegAsItIs(bytes))
+      : animated(bytes, format) ? "animated" : null;
+    if (judged === "animated" || judged === "cmyk") return plain(judged);
+    if (judged) return plain(judged, await thumbFrom(bmp));
     if (Math.min(width, height) <= send.short) return plain("small", await thumbFrom(bmp));
-    if (format === "JPEG" && (greyEdge(bmp, width, height) || jpegScansCut(new Uint8Array(await file.arrayBuffer())))) {
+    if (format === "JPEG" && greyEdge(bmp, width, height)) {
       return plain("incomplete", await thumbFrom(bmp));   // perhaps cut short: the server judges the file itself
     }
     // Browsers apply the EXIF orientation of a JPEG when they decode it; of a WebP, Chromium does not (a

@@ -1075,6 +1075,138 @@ def test_a_whole_jpeg_with_a_real_grey_band_still_goes_up_scaled(server, browser
         tab.close()
 
 
+def _dog(mode: str = "RGB") -> Image.Image:
+    with Image.open(shared_image("dog.jpg")) as im:
+        return im.convert(mode)
+
+
+def _without_segment(jpeg: bytes, marker: int) -> bytes:
+    """``jpeg`` without its first marker segment ``marker`` (an APP14 Adobe, say), nothing re-encoded."""
+    from webapp.formats import jpeg_segments
+
+    seg = next(s for s in jpeg_segments(jpeg) if s.marker == marker)
+    return jpeg[:seg.pos] + jpeg[seg.end:]
+
+
+def _cmyk_without_adobe_marker() -> bytes:
+    """dog.jpg as a CMYK JPEG without an Adobe APP14 marker, its inks stored as they are, as the server reads such
+    a file (and Firefox; Chromium inverts every CMYK JPEG: a negative)."""
+    inverted = Image.eval(_dog("CMYK"), lambda v: 255 - v)  # Pillow writes CMYK inverted, Adobe's way, with the marker
+    return _without_segment(encode(inverted, "JPEG", quality=90), 0xEE)
+
+
+def _animation(fmt: str, **save) -> bytes:
+    """A fade-in: a fully transparent first frame, then dog.jpg (``fmt`` "WEBP" or "PNG": APNG)."""
+    dog = _dog("RGBA")
+    return encode(Image.new("RGBA", dog.size, (0, 0, 0, 0)), fmt, save_all=True, append_images=[dog],
+                  duration=500, **save)
+
+
+def _apng_default_image_apart() -> bytes:
+    """An APNG whose default image (dog.jpg: what the server and PNG viewers take) is not a frame of its
+    animation (a kite, then a giraffe: what an APNG-aware decoder shows first)."""
+    dog = _dog()
+    frames = [Image.open(shared_image(n)).convert("RGB").resize(dog.size) for n in ("kite.jpg", "giraffe.jpg")]
+    return encode(dog, "PNG", save_all=True, default_image=True, append_images=frames, duration=500)
+
+
+def _zero_dc() -> bytes:
+    """dog.jpg with its first quantization table's DC entry set to 0 (a damaged DQT: the server refuses it)."""
+    from webapp.formats import jpeg_segments
+
+    data = bytearray(shared_image("dog.jpg").read_bytes())
+    dqt = next(s for s in jpeg_segments(bytes(data)) if s.marker == 0xDB)
+    data[dqt.pos + 5] = 0  # after FF DB, its length and Pq|Tq: entry 0 (zig-zag order), the DC
+    return bytes(data)
+
+
+def _luma_scan_only() -> bytes:
+    """A sequential colour JPEG whose components come in separate scans (``cjpeg -scans``), cut and closed after
+    its first, the luma's: a greyscale JPEG of dog.jpg (one component: its scan is a non-interleaved one) with
+    its frame made Y, Cb, Cr at 1x1 each, so the browser decodes a colourless photo without an error."""
+    from webapp.formats import jpeg_segments
+
+    grey = encode(_dog("L"), "JPEG", quality=90)
+    segs = list(jpeg_segments(grey, scans=True))
+    out = bytearray(b"\xff\xd8")
+    for seg, after in zip(segs, segs[1:] + [None]):
+        if seg.marker == 0xC0:  # P, Y, X, Nf = 3; Ci, Hi|Vi, Tqi per component
+            payload = grey[seg.pos + 4:seg.pos + 9] + b"\x03" + b"".join(bytes([c, 0x11, 0]) for c in (1, 2, 3))
+            out += b"\xff\xc0" + (len(payload) + 2).to_bytes(2, "big") + payload
+        elif seg.marker in (0xDB, 0xC4, 0xD9):
+            out += grey[seg.pos:seg.end]
+        elif seg.marker == 0xDA:  # its header and entropy-coded data
+            out += grey[seg.pos:after.pos]
+    return bytes(out)
+
+
+@pytest.mark.parametrize("name, build, how", [
+    ("fade-in.webp", lambda: _animation("WEBP", lossless=True), "animated"),
+    ("fade-in.png", lambda: _animation("PNG"), "animated"),
+    ("default-apart.png", _apng_default_image_apart, "animated"),
+    ("two-frames.gif", lambda: encode(_dog("P"), "GIF", save_all=True, append_images=[
+        Image.open(shared_image("kite.jpg")).convert("P").resize((768, 576))], duration=500), "animated"),
+    ("cmyk.jpg", _cmyk_without_adobe_marker, "cmyk"),
+], ids=["fade-in-webp", "fade-in-apng", "apng-default-image-apart", "gif", "cmyk-jpeg"])
+def test_what_the_browser_decodes_otherwise_goes_up_as_it_is_for_the_servers_answer(server, browser, name, build,
+                                                                                   how):
+    """The browser's decode is not the server's for these (tryout): an animation's first frame as stored, where
+    the server takes the first visible one (a fade-in's copy went up blank: "518 KB -> 520 B", nematode) or an
+    APNG's default image; a CMYK JPEG without an Adobe marker, inverted by Chromium and not by the server (a
+    negative). The file goes as it is, with no preview, and the page shows curl's answer."""
+    data = build()
+    reference = api_answer(server, name, data)
+    if name.startswith(("fade-in", "default-apart", "cmyk")):
+        assert reference["predictions"][0]["label"] == DOG_EN[0], reference  # the server sees the dog
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    rec = Recorder(page)
+    try:
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=[{"name": name, "mimeType": "image/png", "buffer": data}])
+        card = page.locator(".result").first
+        wait_for_labels(page, card, [reference["predictions"][0]["label"]])
+        assert card.get_attribute("data-sent") == how
+        fields, sent, _ = rec.sent()[name]
+        assert sent == data and fields == {}  # no metadata to take out: the file itself
+        got = rec.answers[name]["predictions"]
+        assert [p["label"] for p in got] == [p["label"] for p in reference["predictions"]]
+        assert card.locator(".thumb.none").inner_text() == "No preview"  # this decode is not what is classified
+        assert tab.errors == []
+    finally:
+        tab.close()
+
+
+@pytest.mark.parametrize("name, build, how", [
+    ("zero-dc.jpg", _zero_dc, "damaged"), ("luma-scan-only.jpg", _luma_scan_only, "incomplete"),
+    ("ftp-ascii.jpg", lambda: re.sub(rb"(?<!\r)\n", b"\r\n", shared_image("phone-12mp.jpg").read_bytes()),
+     "damaged")],
+    ids=["zero-dc", "components-cut", "copied-as-text"])
+def test_a_jpeg_the_server_refuses_and_the_browser_decodes_goes_up_as_it_is(server, browser, name, build, how):
+    """A JPEG with a 0 DC quantizer (grey where libjpeg decodes it), and a sequential one whose colour components
+    come in separate scans, closed after the luma's (a colourless photo): Chromium decodes both without an error,
+    and the page sent a good copy of that and showed labels, where the API answers 400. The file goes as it is
+    now, and the page shows the server's undecodable_image."""
+    data = build()
+    body, ctype = multipart_body(data, name)
+    status, answer = http_json(server.port, "/api/v1/predict", body=body, headers={"Content-Type": ctype},
+                               timeout=60)
+    assert status == 400 and answer["error"]["code"] == "undecodable_image", answer
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    rec = Recorder(page)
+    try:
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=[{"name": name, "mimeType": "image/jpeg", "buffer": data}])
+        card = page.locator(".result.failed")
+        sync_api.expect(card.locator(".problem")).to_contain_text("The photo is damaged")
+        assert card.get_attribute("data-sent") == how
+        fields, sent, _ = rec.sent()[name]
+        assert sent == data and fields == {}
+    finally:
+        tab.close()
+
+
 # Encoders other browsers have: one without WebP (Safari: toBlob/convertToBlob then write PNG), one whose
 # WebP at quality 1 is lossy (caught by decoding it back: PNG goes instead), and one that fails (the
 # original goes). Set up before the page's script runs.
