@@ -125,6 +125,11 @@ def test_triton_health_and_metadata(srv, triton):
                                 {"name": "indices", "datatype": "INT64", "shape": [-1, -1]}]}
     assert triton.get_model_metadata("efficientnet_lite0", "1") == meta
     assert "not_found: unknown model 'nope'" in triton_error(lambda: triton.get_model_metadata("nope"), "404")
+    # Triton's own extensions, which tritonclient offers: a 404 that says so, not Flask's "check your spelling"
+    for call in (lambda: triton.get_model_config("classifier"), triton.get_model_repository_index,
+                 triton.get_inference_statistics):
+        said = triton_error(call, "404")
+        assert "not served here" in said and "Open Inference Protocol" in said and "spelling" not in said, said
     # The bodies KServe's client parses (Triton's ignores them).
     assert requests.get(srv.url + "/v2/health/live", timeout=10).json() == {"live": True}
     assert requests.get(srv.url + "/v2/health/ready", timeout=10).json() == {"ready": True}

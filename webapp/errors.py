@@ -322,6 +322,13 @@ def rate_limit_wait(app) -> int | None:
     return None
 
 
+def not_served(path: str) -> str:
+    """The 404's words for a /v2 path of a protocol extension this server does not serve (Triton's own)."""
+    return (f"{path[:200]} is not served here: this server speaks the Open Inference Protocol's health, metadata "
+            f"and infer endpoints (GET /v2 lists its extensions), not Triton's model repository, configuration, "
+            f"statistics, trace, logging or shared memory ones")
+
+
 def init_errors(app, settings) -> None:
     """Register the one error handler on ``app``: JSON for the API, the page for the UI, and
     ``{"error": "<code>: <message>"}`` under ``/v2`` (the Open Inference Protocol's shape).
@@ -382,6 +389,9 @@ def init_errors(app, settings) -> None:
                 message = TooLarge.form(request.max_form_parts, request.max_form_memory_size, settings.MAX_FILES).message
             else:
                 message = TooLarge.body(settings.MAX_UPLOAD_BYTES, declared).message
+        if row is NotFound and is_v2(request.path):  # a Triton extension's path (tryout19: get_model_config's 404
+            # said "If you entered the URL manually please check your spelling")
+            message = not_served(request.path)
         return render(exc.code or 500, code, message, headers)
 
     @app.errorhandler(Exception)

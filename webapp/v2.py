@@ -21,7 +21,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 from . import catalog
 from . import v2_codec as codec
 from .contract import Upload
-from .errors import BadRequest, NotAnImage, NotFound, TooLarge
+from .errors import BadRequest, NotAnImage, NotFound, TooLarge, not_served
 from .logs import current_request_id
 from .uploads import require_length, require_plain_transfer
 
@@ -44,7 +44,8 @@ def _serving(name: str, version: str | None) -> str:
     """
     serving = _classifier().describe()["name"]
     if name not in (serving, codec.ALIAS):
-        raise NotFound(f"unknown model {name[:80]!r}: this server serves {serving!r} (also as {codec.ALIAS!r})")
+        raise NotFound(not_served(request.path) if name == "stats" else  # Triton's statistics: /v2/models/stats
+                       f"unknown model {name[:80]!r}: this server serves {serving!r} (also as {codec.ALIAS!r})")
     if version is not None and version != codec.VERSION:
         raise NotFound(f"model {serving!r} has no version {version[:40]!r}; its one version is {codec.VERSION!r}")
     return serving
