@@ -1445,3 +1445,33 @@ def test_a_jpeg_whose_quantization_table_has_0_for_the_dc_is_400(progressive):
             with pytest.raises(UndecodableImage, match=rf"quantization table has 0 .* would decode {becomes}, not"):
                 decode(damaged, max_pixels=BIG, min_side=min_side)
     assert decode(_zeroed(data, 0, range(40, 64)), max_pixels=BIG).size == (768, 576)  # AC entries 0: decoded
+
+
+def _float_tiff(arr: np.ndarray) -> bytes:
+    """An uncompressed little-endian TIFF of ``arr`` (H, W) or (H, W, C) with SampleFormat 3 (IEEE float): what
+    scientific tools write; Pillow writes only 32-bit single-sample ones. One strip after the IFD."""
+    h, w = arr.shape[:2]
+    spp, bits = 1 if arr.ndim == 2 else arr.shape[2], arr.dtype.itemsize * 8
+    n, after = 9, 8 + 2 + 12 * 9 + 4
+    per_sample = struct.pack(f"<{spp}H", *[bits] * spp)  # BitsPerSample: inline for 1-2 samples, else after the IFD
+    entries = [(256, 4, 1, struct.pack("<I", w)), (257, 4, 1, struct.pack("<I", h)),
+               (258, 3, spp, per_sample.ljust(4, b"\0") if spp <= 2 else struct.pack("<I", after)),
+               (259, 3, 1, struct.pack("<HH", 1, 0)), (262, 3, 1, struct.pack("<HH", 2 if spp == 3 else 1, 0)),
+               (273, 4, 1, struct.pack("<I", after + (len(per_sample) if spp > 2 else 0))),
+               (277, 3, 1, struct.pack("<HH", spp, 0)), (279, 4, 1, struct.pack("<I", arr.nbytes)),
+               (339, 3, 1, struct.pack("<HH", 3, 0))]
+    ifd = struct.pack("<H", n) + b"".join(struct.pack("<HHI", *e[:3]) + e[3] for e in entries) + b"\0" * 4
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + (per_sample if spp > 2 else b"") + arr.tobytes()
+
+
+@pytest.mark.parametrize("dtype, shape, said", [("<f4", (8, 8, 3), "32-bit floating-point samples, 3 per pixel"),
+                                                ("<f2", (8, 8), "16-bit floating-point samples"),
+                                                ("<f8", (8, 8), "64-bit floating-point samples")])
+def test_a_float_tiff_pillow_cannot_read_is_415_naming_its_samples_not_damaged(dtype, shape, said):
+    """A valid TIFF of float16, float64 or several float32 samples a pixel (scientific exports): Pillow cannot even
+    identify it, and it was answered "damaged, its header cannot be read" (tryout19). It is a 415 naming its samples,
+    as a 12-bit JPEG's is; the one float TIFF Pillow reads (32-bit, one sample) still decodes."""
+    arr = np.random.default_rng(0).random(shape).astype(dtype)
+    with pytest.raises(NotAnImage, match=f"a TIFF of {said}, which this server cannot decode"):
+        decode(_float_tiff(arr), max_pixels=BIG)
+    assert decode(_float_tiff(arr[..., 0] if arr.ndim == 3 else arr.astype("<f4")), max_pixels=BIG).size == (8, 8)

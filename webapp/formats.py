@@ -8,6 +8,7 @@ none here, and its quantization tables' damage: 0 for a DC entry). Pure bytes, n
 from __future__ import annotations
 
 import re
+import struct
 from typing import Iterator, NamedTuple
 
 # Leading bytes of formats we cannot decode, so the 415 can name them.
@@ -206,3 +207,35 @@ def jpeg_arithmetic(data: bytes) -> bool:
     """Whether JPEG ``data``'s frame is arithmetic-coded (T.81 annex D)."""
     frame = jpeg_frame(data)
     return frame is not None and frame.arithmetic
+
+
+# TIFF 6.0 field types a tag's values may come in (BYTE, SHORT, LONG, LONG8), by type number.
+_TIFF_VALUES = {1: "B", 3: "H", 4: "I", 16: "Q"}
+_TIFF_FLOAT, _TIFF_COMPLEX = 3, (5, 6)  # SampleFormat (tag 339): IEEE float; complex integer, complex float
+
+
+def tiff_samples(data: bytes) -> str | None:
+    """Words for a TIFF whose first IFD declares samples no decoder here reads, e.g. "a TIFF of 64-bit
+    floating-point samples, 3 per pixel"; None for every other file. Pillow reads one float format only, 32-bit
+    with one sample a pixel (mode F); float16, float64, several float samples a pixel or complex ones it cannot even
+    identify, which read as a damaged file (tryout19: a valid float TIFF "starts like TIFF, but its header cannot be
+    read"). Tags 258 BitsPerSample, 277 SamplesPerPixel, 339 SampleFormat. Raises nothing."""
+    try:
+        order = "<" if data[:4] == b"II*\x00" else ">" if data[:4] == b"MM\x00*" else None
+        if order is None:
+            return None
+        ifd = struct.unpack_from(order + "I", data, 4)[0]
+        tags: dict[int, tuple[int, ...]] = {}
+        for i in range(min(struct.unpack_from(order + "H", data, ifd)[0], 4096)):
+            tag, kind, n = struct.unpack_from(order + "HHI", data, ifd + 2 + 12 * i)
+            if tag in (258, 277, 339) and kind in _TIFF_VALUES and 0 < n <= 64:
+                size = n * struct.calcsize(_TIFF_VALUES[kind])
+                at = ifd + 10 + 12 * i if size <= 4 else struct.unpack_from(order + "I", data, ifd + 10 + 12 * i)[0]
+                tags[tag] = struct.unpack_from(f"{order}{n}{_TIFF_VALUES[kind]}", data, at)
+    except struct.error:
+        return None
+    fmt, bits, spp = tags.get(339, (1,))[0], tags.get(258, (1,))[0], tags.get(277, (1,))[0]
+    if fmt == _TIFF_FLOAT and not (bits == 32 and spp == 1) or fmt in _TIFF_COMPLEX:
+        kind = "complex" if fmt in _TIFF_COMPLEX else "floating-point"
+        return f"a TIFF of {bits}-bit {kind} samples" + (f", {spp} per pixel" if spp > 1 else "")
+    return None

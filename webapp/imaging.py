@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from . import cuts, exif, incomplete, mangled, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
-from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format
+from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format, tiff_samples
 from .modes import to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -104,6 +104,9 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise _cut_short(name, claimed, *cut) from None
         if claimed == "JPEG" and (frame := jpeg_frame(data)) and (kind := frame.undecodable):
             raise _undecodable_jpeg(name, kind) from None
+        if claimed == "TIFF" and (kind := tiff_samples(data)):
+            raise NotAnImage(f"{name}: {kind}, which this server cannot decode (it reads integer samples, and "
+                             f"32-bit float ones with one sample a pixel); send it as a 16-bit TIFF or PNG") from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
                                    f"cannot be read); send the file as it was saved, or save it again") from None
