@@ -16,7 +16,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from PIL import EpsImagePlugin, Image, ImageFile, ImageOps
+from PIL import EpsImagePlugin, Image, ImageFile, ImageOps, TiffImagePlugin
 from torchvision.transforms import InterpolationMode, v2
 
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
@@ -1475,3 +1475,28 @@ def test_a_float_tiff_pillow_cannot_read_is_415_naming_its_samples_not_damaged(d
     with pytest.raises(NotAnImage, match=f"a TIFF of {said}, which this server cannot decode"):
         decode(_float_tiff(arr), max_pixels=BIG)
     assert decode(_float_tiff(arr[..., 0] if arr.ndim == 3 else arr.astype("<f4")), max_pixels=BIG).size == (8, 8)
+
+
+def _with_thumbnail_page(reduced_photo_page: bool = False) -> bytes:
+    """A two-page TIFF: a 96x72 thumbnail marked reduced-resolution (NewSubfileType 1), then dog.jpg's 768x576
+    photo (marked so too where ``reduced_photo_page``; Pillow writes the first page's tags on every page, so the
+    second IFD's value is patched)."""
+    dog = Image.open(shared_image("dog.jpg")).convert("RGB")
+    info = TiffImagePlugin.ImageFileDirectory_v2()
+    info[254] = 1
+    data = bytearray(encode(dog.resize((96, 72)), "TIFF", save_all=True, append_images=[dog], tiffinfo=info))
+    first = struct.unpack_from("<I", data, 4)[0]
+    second = struct.unpack_from("<I", data, first + 2 + 12 * struct.unpack_from("<H", data, first)[0])[0]
+    for i in range(struct.unpack_from("<H", data, second)[0]):
+        at = second + 2 + 12 * i
+        if struct.unpack_from("<H", data, at)[0] == 254:
+            struct.pack_into("<I", data, at + 8, int(reduced_photo_page))
+    return bytes(data)
+
+
+def test_a_tiff_thumbnail_page_before_the_photo_is_skipped():
+    """The photo's page, not the thumbnail written before it (tryout19: classified from 96x72, and reported so);
+    a TIFF whose every page is marked reduced stays on its first."""
+    got = decode(_with_thumbnail_page(), max_pixels=BIG)
+    assert got.size == (768, 576)
+    assert decode(_with_thumbnail_page(reduced_photo_page=True), max_pixels=BIG).size == (96, 72)

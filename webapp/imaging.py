@@ -26,7 +26,7 @@ from . import cuts, exif, incomplete, mangled, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
 from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format, tiff_samples
-from .modes import to_rgb, visible_frame
+from .modes import main_page, to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
 
@@ -127,6 +127,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         claimed = claimed_format(data)  # Pillow's words last, as the detail: "could not create decoder object"
         raise UndecodableImage(f"{name}: the {claimed or 'image'} data is damaged: its header cannot be read "
                                f"({type(exc).__name__}: {exc})") from None
+    main_page(img)  # a TIFF's thumbnail page written first: the photo's page instead
     width, height = img.size
     if width * height > max_pixels:
         raise TooLarge(f"{name}: {width}x{height} is {width * height:,} pixels; the limit is {max_pixels:,} "

@@ -13,7 +13,7 @@ PNG signature holds CR LF and 0x1A for this very purpose: RFC 2083 12.11), or a 
 single CR and LF byte (a real one has about 2 of each per 256 bytes: none in 4 KiB by chance is ~e^-32), or one
 whose every LF follows a CR (8 LFs or more: 256^-8 by chance). ``jpeg_copied_as_text`` is asked about every
 JPEG before it is decoded: the same two marks in its coded data, which libjpeg may decode into noise without an
-error. Pure bytes, no Pillow, no torch.
+error. Bytes and numpy, no Pillow, no torch.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+
+import numpy as np
 
 from .formats import claimed_format
 
@@ -120,6 +122,10 @@ def _line_breaks_changed(data: bytes) -> str | None:
 
 
 _CODED_WINDOW = 65536  # bytes of a JPEG's coded data looked at: ~0.1 ms; a phone photo's hold ~200 LF bytes
+# Coded data judged only where there is this much of it, this close to random (bits per byte): a photo's is
+# 7.3-8.0 (406 JPEGs on this machine, diagrams included), a flat picture's ~2.0, and only in random-like bytes
+# do the odds below hold.
+_CODED_JUDGED, _CODED_ENTROPY = 16384, 7.0
 
 
 def jpeg_copied_as_text(data: bytes) -> str | None:
@@ -129,10 +135,22 @@ def jpeg_copied_as_text(data: bytes) -> str | None:
     photo (LF -> CR LF) came out as noise and was classified "radio" (tryout19). The first 64 KiB of its coded
     data (after the first SOS marker: no metadata, whose text may well end its lines in CR LF) decide: in a real
     photo about 1 LF in 1,000 follows a CR (8 of 10,276 in the shared 12 MP one), so 8 or more all after one is
-    beyond chance (~1e-25), and 4 KiB without either byte too (~e^-26 at that photo's rate; none of 428 real
-    JPEGs on this machine was taken for a copy). A copy that turned CR LF into LF leaves no such mark (real coded
-    data has few CR LF pairs: that one has 8 in 3 MB), and is caught only where it fails to decode."""
+    beyond chance (~1e-25), and 16 KiB without either byte too (~e^-100 at that photo's rate; none of 428 real
+    JPEGs on this machine was taken for a copy). Those odds hold for random-like bytes only: coded data under
+    16 KiB, or as regular as a flat picture's (no CR or LF in 17 KB), is not judged. A copy that turned CR LF into
+    LF leaves no such mark (real coded data has few CR LF pairs: that one has 8 in 3 MB), and is caught only where
+    it fails to decode."""
     # Found by its bytes, not by walking the segments: a copy that put a CR into a segment's length breaks the walk
     # (Pillow skips such damage). An EXIF thumbnail's SOS may come first: its coded data was copied alike.
     sos = data.find(b"\xff\xda", 2)
-    return None if sos < 0 else _line_breaks_changed(data[sos:sos + _CODED_WINDOW])
+    window = data[sos:sos + _CODED_WINDOW] if sos >= 0 else b""
+    if len(window) < _CODED_JUDGED or _entropy(window) < _CODED_ENTROPY:
+        return None  # too little, or too regular (a flat picture's coded data repeats: no CR or LF in 17 KB)
+    return _line_breaks_changed(window)
+
+
+def _entropy(data: bytes) -> float:
+    """Shannon entropy of ``data``'s bytes, in bits per byte (8: uniform)."""
+    p = np.bincount(np.frombuffer(data, np.uint8), minlength=256) / len(data)
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())

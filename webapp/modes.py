@@ -40,6 +40,31 @@ def visible_frame(img: Image.Image) -> None:
     img.load()
 
 
+def _reduced(img: Image.Image) -> bool:
+    """Whether the TIFF page loaded is marked a reduced-resolution copy of another (NewSubfileType, tag 254, bit 0)."""
+    try:
+        return bool(int(getattr(img, "tag_v2", {}).get(254, 0)) & 1)
+    except (TypeError, ValueError):
+        return False
+
+
+def main_page(img: Image.Image) -> None:
+    """Move a TIFF whose first page is marked a reduced-resolution copy (NewSubfileType bit 0, TIFF 6.0 section 8:
+    a thumbnail or preview written first) to its first page that is not, among its first ``_FRAMES_JUDGED``; a
+    file with no such page stays on its first. Only IFDs are read (tryout19: a 96x72 thumbnail page before the
+    photo was classified, and reported as the photo's size). Call it before the size is judged: the page changes."""
+    if getattr(img, "format", None) != "TIFF" or not _reduced(img):
+        return
+    for i in range(1, _FRAMES_JUDGED):
+        try:
+            img.seek(i)
+        except EOFError:
+            break
+        if not _reduced(img):
+            return
+    img.seek(0)
+
+
 _BAND = 256  # rows converted at a time from 16-bit and float images (an 8000 px wide band: ~16 MB in float64)
 
 
