@@ -160,20 +160,24 @@ export function jpegAsItIs(b) {
   return null;   // whole, or no EOI: browsers refuse a JPEG without one themselves
 }
 
-// True for JPEG bytes `b` that a text copy changed: in the first 64 KiB after the first SOS marker, no CR or LF
-// byte at all (curl -d strips them), or 8 LFs or more each after a CR (an FTP ASCII copy). Decoders make noise of
-// it without an error; the server refuses it (webapp/mangled.py jpeg_copied_as_text, whose docstring says why
-// these marks decide), so the file goes as it is.
+// True for JPEG bytes `b` that a text copy changed: in the first 64 KiB after the first SOS marker (judged where
+// there are 16 KiB or more of it, as random as a photo's: >= 7 bits a byte), no CR or LF byte at all (curl -d
+// strips them), or 8 LFs or more each after a CR (an FTP ASCII copy). Decoders make noise of it without an error;
+// the server refuses it (webapp/mangled.py jpeg_copied_as_text, whose docstring says why these marks decide), so
+// the file goes as it is.
 export function copiedAsText(b) {
   let sos = 2;
   while (sos + 1 < b.length && !(b[sos] === 0xff && b[sos + 1] === 0xda)) sos += 1;
   const w = b.subarray(sos, sos + 65536);
-  if (sos + 1 >= b.length) return false;
-  let lf = 0, crlf = 0, cr = 0;
+  if (w.length < 16384) return false;
+  const counts = new Array(256).fill(0);
+  let lf = 0, crlf = 0, cr = 0, bits = 0;
   for (let i = 0; i < w.length; i++) {
+    counts[w[i]] += 1;
     if (w[i] === 0x0a) { lf += 1; if (i > 0 && w[i - 1] === 0x0d) crlf += 1; } else if (w[i] === 0x0d) cr += 1;
   }
-  return (w.length > 4096 && lf === 0 && cr === 0) || (lf >= 8 && crlf === lf);
+  for (const c of counts) if (c) bits -= (c / w.length) * Math.log2(c / w.length);
+  return bits >= 7 && ((lf === 0 && cr === 0) || (lf >= 8 && crlf === lf));
 }
 
 // True for an animation: a GIF with more than one image, a WebP with VP8X's animation flag or an ANIM chunk, a PNG
