@@ -900,3 +900,103 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback():
                               timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stderr == "error: cannot write the results to standard output: No space left on device\n"
+
+
+# -- stderr cannot drive the terminal; the folder search takes what the server reads; options out of place -------
+def test_stderr_lines_escape_control_characters_in_file_names(tmp_path, no_classifier_env, capsys):
+    """A file named with an ESC sequence (``bad<ESC>]0;pwned<BEL>.heic``: retitles the terminal) reached stderr raw,
+    in the "skipped:" line and in "error: PATH: no such file" (tryout); the table escaped it already. Every line
+    on stderr escapes C0 and C1 control characters and DEL, as the table does, logging's lines too."""
+    import logging
+
+    from webapp.cli import classify, common
+
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "bad\x1b]0;pwned\x07.heic").write_bytes(b"x")
+    assert cli.main(["classify", str(folder)]) == 2  # only a skipped HEIC: no image file
+    said = capsys.readouterr().err
+    assert f"{folder}/bad\\x1b]0;pwned\\x07.heic: skipped: HEIC" in said, said
+    missing = "/tmp/nope\x1b[2J\x9b\x7f.jpg"
+    assert cli.main(["classify", missing]) == 2
+    said = capsys.readouterr().err
+    assert said == "error: /tmp/nope\\x1b[2J\\x9b\\x7f.jpg: no such file or directory\n", said
+    common.err("a\nb\udce9")  # a newline cannot forge a line either; a name's byte that is not UTF-8 is \xNN
+    assert capsys.readouterr().err == "a\\nb\\xe9\n"
+    stream = io.StringIO()
+    restore = classify._setup_logging("warning", stream)
+    try:
+        logging.getLogger("webapp.test").warning("unexpected error on %s", "x\x1b[2J.jpg")
+    finally:
+        restore()
+    assert stream.getvalue() == "WARNING webapp.test: unexpected error on x\\x1b[2J.jpg\n"
+    for text in (said, stream.getvalue()):
+        assert not re.search(r"[\x00-\x09\x0b-\x1f\x7f-\x9f]", text)
+
+
+def test_the_folder_search_takes_every_file_name_the_server_reads(tmp_path):
+    """.mpo (read as JPEG), .apng (as PNG), .pjpeg, .pjp and .jfif files in a folder were skipped as "other files"
+    (tryout). The names come from one table of the server's formats (contract.FORMATS), which holds every name
+    Pillow gives those formats: it cannot drift from what the server opens."""
+    from PIL import Image
+
+    from webapp.contract import FORMATS
+
+    names = ["a.mpo", "b.apng", "c.pjpeg", "d.pjp", "e.jfif", "f.PFM", "g.avifs", "h.jpg"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    items, skipped = files.collect_files([str(tmp_path)])
+    assert [Path(shown).name for shown, _, _ in items] == names[:5] + ["f.PFM", "g.avifs", "h.jpg"] and not skipped
+    assert set(files.FORMAT_SUFFIXES) == set(FORMATS)
+    read = {ext for ext, fmt in Image.registered_extensions().items() if fmt in (*FORMATS, "MPO")}
+    assert read <= files.IMAGE_SUFFIXES, sorted(read - files.IMAGE_SUFFIXES)
+
+
+def test_no_scale_without_server_is_a_usage_error(tmp_path, no_classifier_env, capsys):
+    """--no-scale alone did nothing, said nothing, while --out without --cluster is a usage error: so is it."""
+    photo = tmp_path / "x.jpg"
+    photo.write_bytes(b"x")
+    assert cli.main(["classify", "--no-scale", str(photo)]) == 2
+    assert capsys.readouterr().err == ("error: --no-scale goes with --server (it sends the files as they are "
+                                       "instead of scaled down first)\n")
+    assert cli.main(["classify", "--no-scale", "--cluster", "--out", str(tmp_path / "o.parquet"), str(photo)]) == 2
+    assert "--no-scale goes with --server" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_is_exit_141_not_files_failed(no_classifier_env, monkeypatch, capsys):
+    """``classify ... | head -1`` exited 1, which the exit table gives to "some files failed, each has its error
+    line", with no line (tryout): a closed pipe is 141 (128 + SIGPIPE, as a shell reports it), in the table."""
+    from webapp.cli import classify
+    from webapp.cli.common import CLASSIFY_EXIT_STATUS, EXIT_PIPE
+
+    def reader_left(args):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(classify, "cmd_classify", reader_left)
+    assert cli.main(["classify", "x.jpg"]) == EXIT_PIPE == 141
+    assert capsys.readouterr().err == ""
+    assert "head -1" in CLASSIFY_EXIT_STATUS[141] and "|" not in CLASSIFY_EXIT_STATUS[141]  # (a markdown cell)
+
+
+def test_serve_bind_onto_a_busy_port_names_bind(tmp_path):
+    """``serve --bind`` onto a port in use said "choose another address with CLASSIFIER_BIND (or gunicorn's -b)",
+    not naming the option given (tryout): with --bind, the line names --bind; the exit status is the listen
+    check's own (5)."""
+    import socket
+
+    from webapp import lifecycle
+
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        for port in range(18430, 18450):
+            try:
+                busy.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        busy.listen()
+        out = run_cli("serve", "--bind", f"127.0.0.1:{port}", "--workers", "1", env=clean_env(), timeout=60)
+    assert out.returncode == lifecycle.EXIT_LISTEN, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and last.endswith(
+        "; choose another address with --bind (or CLASSIFIER_BIND, or gunicorn's -b)"), out.stderr[-2000:]

@@ -285,7 +285,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     image_body = {"type": "string", "format": "binary"}
     topk = {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}
     predict = {
-        "operationId": "predict",
+        "operationId": "predict", "x-max-upload-bytes": settings.MAX_UPLOAD_BYTES,  # read by classify --server
         "summary": "Classify one or several images",
         "description": (
             "Send the image(s) as multipart field `file` (repeat it for several), or one image as the raw body "

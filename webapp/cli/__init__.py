@@ -30,7 +30,7 @@ import sys
 
 from ..settings import SettingsError
 from . import bundle, classify, info, serve, settings_cmd, warm, weights
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, silence_stdout
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIPE, EXIT_USAGE, err, silence_stdout
 from .options import HelpFormatter, settings_epilog
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "build_parser", "main"]
@@ -64,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args, extra) if args.command == "serve" else args.func(args)
     except SettingsError as exc:
-        print(f"configuration error: {exc}", file=sys.stderr)
+        err(f"configuration error: {exc}")
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except BrokenPipeError:  # `... | head`: the reader left; say nothing more
+    except BrokenPipeError:  # `... | head`: the reader left; say nothing more, and not 1 (that is "files failed")
         silence_stdout()
-        return EXIT_FAILED
+        return EXIT_PIPE

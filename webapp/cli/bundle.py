@@ -205,7 +205,8 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         if line.startswith(("Collecting", "Saved", "Successfully", "ERROR", "File was already")):
             err(f"  {line}")
     if proc.wait() != 0:
-        err("\n".join(tail))
+        for line in tail:
+            err(line)
         err(f"error: pip download failed (exit {proc.returncode}): {' '.join(cmd)}")
         return EXIT_FAILED
     try:

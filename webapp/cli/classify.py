@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import caches
 from .. import settings as settings_mod
 from ..settings import PREFIX
-from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, ray_missing
+from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err, plural, printable, ray_missing
 from ..paths import expand, kind, said
 from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, read_limited, report_skipped,
                     skipped_note, unreadable)
@@ -83,7 +83,7 @@ class _StderrHandler(logging.Handler):
         try:
             from tqdm import tqdm
 
-            tqdm.write(self.format(record), file=self.stream or sys.stderr)
+            tqdm.write(printable(self.format(record)), file=self.stream or sys.stderr)  # (it may name a file)
         except Exception:
             self.handleError(record)
 
@@ -155,6 +155,9 @@ def cmd_classify(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     if args.server is not None:  # --server "" ($URL unset) is a usage error there, not a local run
         return classify_remote(args)
+    if args.no_scale:  # as --out without --cluster: an option that would do nothing is said, not ignored
+        err("error: --no-scale goes with --server (it sends the files as they are instead of scaled down first)")
+        return EXIT_USAGE
     if args.cluster:
         return classify_cluster(args)
     if args.out or args.address:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # holds gunicorn.conf.py, wsgi.py and the requirements files
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a process that a closed pipe ended (`... | head -1`)
 
 # What ``classify``'s exit status means (locally and with --cluster): its --help and the README's table
 # come from here (tests/test_docs.py checks the README, tests/test_cli.py runs each row).
@@ -24,6 +25,9 @@ CLASSIFY_EXIT_STATUS = {
                 "no image file in the paths, a model that cannot start (e.g. --weights missing or damaged), Ray "
                 "missing or no cluster at --address",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+    EXIT_PIPE: "standard output's reader left before the end (piped into `head -1`): the rows it read are right, "
+               "the run stopped there, nothing said (128 + SIGPIPE, as a shell reports a process a closed pipe "
+               "ended)",
 }
 
 
@@ -32,9 +36,26 @@ def exit_status_table(meanings: dict[int, str]) -> str:
     return "\n".join(["| exit status | meaning |", "|---|---|", *(f"| {k} | {v} |" for k, v in meanings.items())])
 
 
+def unicode_text(text: str) -> str:
+    """``text`` as valid Unicode: bytes of a file name that are not UTF-8 (kept by Python as surrogates) written
+    ``\\xNN``. Raises nothing."""
+    try:
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
+    except UnicodeError:  # a lone surrogate that no file name's byte gives
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def printable(text: str) -> str:
+    """``unicode_text(text)`` with every character that is not printable escaped as Python writes it (``\\x1b``,
+    ``\\n``, ``\\x85``): C0 and C1 control characters, DEL, and the like. A file name can then neither break a
+    line nor drive the terminal (an ESC sequence that retitles it or clears the screen)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in unicode_text(text))
+
+
 def err(message: str) -> None:
-    """Print one line to stderr (results go to stdout; everything else goes here)."""
-    print(message, file=sys.stderr)
+    """Print one line to stderr (results go to stdout; everything else goes here), its control characters escaped
+    (``printable``): it may name a file, and file names may hold anything but ``/`` and NUL."""
+    print(printable(message), file=sys.stderr)
 
 
 def silence_stdout() -> None:

@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..contract import FORMAT_NAMES
+from ..contract import FORMAT_NAMES, FORMATS
 from ..paths import Unusable, kind
 from .common import err, plural
 
+# The file names of each format the server reads (``contract.FORMATS``, the formats Pillow may open there; one
+# table, so the folder search cannot drift from it: tests/test_cli.py checks it against Pillow's own extensions).
+# MPO (a JPEG with more images after it: phones' gain and depth maps) is read as JPEG, APNG as PNG, PFM as PPM;
+# .pjpeg and .pjp are browsers' names for JPEG files.
+FORMAT_SUFFIXES = {"JPEG": (".jpg", ".jpeg", ".jpe", ".jfif", ".pjpeg", ".pjp", ".mpo"), "PNG": (".png", ".apng"),
+                   "GIF": (".gif",), "WEBP": (".webp",), "BMP": (".bmp", ".dib"), "TIFF": (".tif", ".tiff"),
+                   "AVIF": (".avif", ".avifs"), "PPM": (".ppm", ".pgm", ".pbm", ".pnm", ".pfm")}
 # What ``classify`` takes from a folder (files named on the command line are always tried).
-IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".gif", ".webp", ".bmp", ".dib", ".tif",
-                            ".tiff", ".avif", ".ppm", ".pgm", ".pbm", ".pnm"})
+IMAGE_SUFFIXES = frozenset(x for f in FORMATS for x in FORMAT_SUFFIXES[f])
 
 # Photos by their file names that the service cannot decode: a folder's are skipped and named, with why.
 UNREADABLE_PHOTOS = {".heic": "HEIC", ".heif": "HEIF", ".hif": "HEIF", ".dng": "RAW (DNG)", ".cr2": "RAW (Canon)",

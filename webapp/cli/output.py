@@ -5,20 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import sys
 
-from .common import silence_stdout
+from .common import err, printable, silence_stdout, unicode_text
 
-
-def _unicode(path: str) -> str:
-    """``path`` as valid Unicode: bytes that are not UTF-8 (kept by Python as surrogates) written ``\\xNN``."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
-
-
-def _printable(path: str) -> str:
-    """``_unicode(path)`` with control characters (a newline in a file name) escaped, so a row stays one line."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in _unicode(path))
+_unicode, _printable = unicode_text, printable  # (the names this module has used)
 
 
 def _error_text(error: dict) -> str:
@@ -95,7 +86,7 @@ class ResultStream:
             raise
         except OSError as exc:
             self.ok = False
-            print(f"error: cannot write the results to standard output: {exc.strerror or exc}", file=sys.stderr)
+            err(f"error: cannot write the results to standard output: {exc.strerror or exc}")
             if self.out is None:
                 silence_stdout()
 

@@ -14,8 +14,9 @@ server's ``POST /api/v1/predict``. What makes it fit for a big folder and a busy
 - **Back-pressure honoured** (``retries``): a 429 or 503 is tried again after its ``Retry-After``, a
   dropped connection or a reverse proxy's own 502/504 after a short growing pause; a bounded number
   of tries and seconds of waiting per file.
-- **Files read as locally** (``files.read_limited``): one over ``MAX_UPLOAD_BYTES`` is ``too_large``
-  unread, and no more than the limit + 1 bytes of any file are ever held.
+- **The server's upload limit** (``uploading``): the one its ``/openapi.json`` publishes, or ``--max-upload-bytes``;
+  a file over it is ``too_large`` unread. With none known every file is sent (the server's 413 answers). No
+  file over ``uploading.HELD_BYTES`` is held in memory: it is sent from disk as it is read.
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
   and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
   no answer within ``READ_TIMEOUT_S`` is ``no_answer``, not tried again, and the files not yet sent are
@@ -38,13 +39,15 @@ import time
 from pathlib import Path
 
 from .. import settings as settings_mod
-from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, err, plural, silence_stdout
-from .files import collect_files, error_code, no_image_files, read_limited, report_skipped, skipped_note
+from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIPE, EXIT_USAGE, err, plural, silence_stdout
+from .files import collect_files, error_code, no_image_files, report_skipped, skipped_note
 from .options import given_settings
 from .output import ResultStream, public
 from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it)
-from .retries import backoff, error as _error, out_of_tries, parsed, refusal as _refusal, retry_wait
+from .retries import backoff, described, error as _error, out_of_tries, parsed, reason as _reason, refusal as _refusal
+from .retries import retry_wait
 from .scaling import scaled
+from .uploading import OPTION, SERVERS, Limit, published_limit, read_upload
 
 DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full, few enough for its queue
 # READ: an answer's longest silence. The server bounds answers by CLASSIFIER_REQUEST_TIMEOUT_S (30 s) and refuses
@@ -54,9 +57,11 @@ CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
 PROBE_READ_TIMEOUT_S = 30.0
 START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
 # The settings the client itself uses with --server (the others are the server's, refused): the labels asked for,
-# its log, and its own file limits (over MAX_UPLOAD_BYTES unread, over MAX_PIXELS unscaled), to raise for a server
-# set higher.
+# its log, and its own file limits: --max-upload-bytes (a file over it unread; without it the server's published
+# limit applies: uploading) and MAX_PIXELS (over it unscaled), to raise for a server set higher. Of the variables,
+# CLASSIFIER_MAX_UPLOAD_BYTES is the server's setting (named as such), not a limit here.
 _CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL", "MAX_UPLOAD_BYTES", "MAX_PIXELS")
+_CLIENT_VARIABLES = ("TOP_K", "LOG_LEVEL", "MAX_PIXELS", "API_TOKEN")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -189,37 +194,40 @@ class Client:
             serving = doc["serving"] or doc["requested"]
             return next(m for m in doc["models"] if m["name"] == serving)
         except (KeyError, TypeError, StopIteration):
-            raise Unreachable(f"{self.url} is not a photo classifier: GET /api/v1/models answered {resp.status} "
-                              f"{resp.data[:80]!r}") from None
+            raise Unreachable(f"{self.url} is not a photo classifier: GET /api/v1/models answered "
+                              f"{described(resp)}") from None
+
+    def upload_limit(self) -> int | None:
+        """The upload limit (bytes) the server publishes in its ``GET /openapi.json``, or None (none published, or
+        no such answer). Raises nothing."""
+        import urllib3
+
+        try:
+            resp = self.request("GET", "/openapi.json", read_timeout_s=PROBE_READ_TIMEOUT_S)
+        except urllib3.exceptions.HTTPError:
+            return None
+        return published_limit(parsed(resp)) if resp.status == 200 else None
 
 
-def _reason(exc: Exception) -> str:
-    """urllib3's wrapped error in a few words: the OS's reason where there is one."""
-    inner = getattr(exc, "reason", None) or exc
-    while getattr(inner, "reason", None) is not None and inner.reason is not inner:
-        inner = inner.reason
-    text = str(inner)
-    return text.split(": ", 1)[-1] if "Failed to establish a new connection" in text else text
-
-
-def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int,
+def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int | Limit | None,
                  resample: str = "bilinear", max_pixels: int | None = None) -> dict:
     """One file's result: ``{"width", "height", "format", "predictions", "batch_size", "retries"}`` or
-    ``{"error": {"code", "message"}, "retries"}``. A file over ``max_bytes`` bytes (``MAX_UPLOAD_BYTES``, as
-    local classify) is ``too_large`` with local classify's message, unread (``files.read_limited``); one over
-    ``max_pixels``, or a JPEG cut short, is sent unscaled for the server to judge (``scaling.scaled``). Never
+    ``{"error": {"code", "message"}, "retries"}``. A file over ``max_bytes`` (a ``uploading.Limit``: the server's
+    or ``--max-upload-bytes``; an int is the latter; None: no limit known) is ``too_large``, unread, its message
+    naming the limit's source; one over ``uploading.HELD_BYTES`` is sent from disk as it is read, unscaled. One
+    over ``max_pixels``, or a JPEG cut short, is sent unscaled for the server to judge (``scaling.scaled``). Never
     raises for a file, a server's refusal or a dropped connection (see the module docstring for the retries)."""
     import urllib3
 
-    from ..errors import ServiceError
-
+    limit = max_bytes if isinstance(max_bytes, Limit) else Limit(max_bytes, OPTION)
     try:
-        data = read_limited(path, max_bytes)
-    except ServiceError as exc:  # too_large
-        return {"error": _error(exc.code, exc.message), "retries": 0}
+        data = read_upload(path, limit)
+    except ValueError as exc:  # over the limit
+        return {"error": _error("too_large", str(exc)), "retries": 0}
     except OSError as exc:
         return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}"), "retries": 0}
-    body, info = scaled(data, short_side, resample, max_pixels) if short_side else (data, None)
+    held = isinstance(data, bytes)
+    body, info = scaled(data, short_side, resample, max_pixels) if short_side and held else (data, None)
     waited, tries = 0.0, 0
     while True:
         if client.stopped:
@@ -227,8 +235,9 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
         tries += 1
         wait = None
         try:
-            resp = client.request("POST", f"/api/v1/predict?topk={topk}", body=body,
-                                  headers={"Content-Type": "application/octet-stream"})
+            resp = client.request("POST", f"/api/v1/predict?topk={topk}", body=body if held else body.chunks(),
+                                  headers={"Content-Type": "application/octet-stream",
+                                           **({} if held else {"Content-Length": str(body.size)})})
         except urllib3.exceptions.ReadTimeoutError:  # it took the upload and said nothing: stuck, not restarting
             why = (f"{client.url} took an upload and gave no answer within {READ_TIMEOUT_S:g} s (its answers are "
                    f"bounded by its CLASSIFIER_REQUEST_TIMEOUT_S: the server is stuck)")
@@ -286,7 +295,7 @@ def classify_remote(args: argparse.Namespace) -> int:
     # The same settings given as variables cannot be refused (one shell may also start a local server), but are
     # not ignored unsaid either (tryout17: the options were refused, the variables silently did nothing).
     unused = [settings_mod.PREFIX + x.name for x in settings_mod.SETTINGS
-              if settings_mod.PREFIX + x.name in os.environ and x.name not in (*_CLIENT_SETTINGS, "API_TOKEN")]
+              if settings_mod.PREFIX + x.name in os.environ and x.name not in _CLIENT_VARIABLES]
     if unused and not args.quiet:
         err(f"note: {', '.join(unused)} {'is' if len(unused) == 1 else 'are'} set here but "
             f"{'is a setting' if len(unused) == 1 else 'are settings'} of the server: with --server the server's "
@@ -305,6 +314,9 @@ def classify_remote(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         err(f"error: {exc}")
         return EXIT_FAILED
+    # The upload limit: --max-upload-bytes where given, else the server's own where it publishes it, else none here
+    published = None if "MAX_UPLOAD_BYTES" in given else client.upload_limit()
+    limit = Limit(s.MAX_UPLOAD_BYTES, OPTION) if "MAX_UPLOAD_BYTES" in given else Limit(published, SERVERS)
     short_side = None if args.no_scale else model.get("send_short_side")
     from PIL import Image
 
@@ -316,11 +328,11 @@ def classify_remote(args: argparse.Namespace) -> int:
         err(f"classifying with {client.url}: {model.get('title', model['name'])}, {model.get('precision', '?')}; "
             f"{plural(jobs, 'connection')}, photos {scale}")
     return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, resample=resample,
-                jobs=jobs, skipped=skipped, max_bytes=s.MAX_UPLOAD_BYTES, max_pixels=s.MAX_PIXELS)
+                jobs=jobs, skipped=skipped, max_bytes=limit, max_pixels=s.MAX_PIXELS)
 
 
 def _run(args, client: Client, model: str, items: list, *, topk: int, short_side: int | None, resample: str,
-         jobs: int, max_bytes: int, skipped: list = (), max_pixels: int | None = None) -> int:
+         jobs: int, max_bytes: Limit, skipped: list = (), max_pixels: int | None = None) -> int:
     from concurrent.futures import as_completed
 
     from tqdm import tqdm
@@ -365,7 +377,7 @@ def _run(args, client: Client, model: str, items: list, *, topk: int, short_side
         if isinstance(exc, BrokenPipeError):
             silence_stdout()
             sys.stderr.flush()
-            os._exit(EXIT_FAILED)  # as main says nothing for a closed pipe
+            os._exit(EXIT_PIPE)  # as main: nothing said for a closed pipe, and not 1 (that is "files failed")
         if stream is not None:
             stream.close()  # the rows written so far stay a whole table, CSV or JSON list
         err("interrupted")

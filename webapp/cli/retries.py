@@ -53,6 +53,34 @@ def refusal(resp, doc: dict | None = None) -> dict:
                  .removeprefix("upload: "))  # the server names a raw body "upload"; the path says it
 
 
+def described(resp, most: int = 80) -> str:
+    """An answer that is not this service's, in words: its status and reason, size, content type and first line of
+    text (at most ``most`` characters, control characters escaped), e.g. ``404 Not Found (1,234 bytes, Content-Type:
+    text/html); first line: <!doctype html>``, never a Python bytes repr. Raises nothing."""
+    from .common import printable
+
+    data = resp.data or b""
+    parts = [f"{len(data):,} bytes" if data else "an empty body",
+             f"Content-Type: {resp.headers.get('Content-Type') or 'none'}"]
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = ""
+        parts.append("not UTF-8 text")
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    line = f"; first line: {printable(first[:most])}" + ("..." if len(first) > most else "") if first else ""
+    return f"{resp.status} {resp.reason or ''}".strip() + f" ({', '.join(parts)}){line}"
+
+
+def reason(exc: Exception) -> str:
+    """urllib3's wrapped error in a few words: the OS's reason where there is one."""
+    inner = getattr(exc, "reason", None) or exc
+    while getattr(inner, "reason", None) is not None and inner.reason is not inner:
+        inner = inner.reason
+    text = str(inner)
+    return text.split(": ", 1)[-1] if "Failed to establish a new connection" in text else text
+
+
 def _from_a_proxy(resp) -> str:
     if resp.status in GATEWAY_STATUSES:
         return " from a proxy in front of the server, not the server's own answer (the server may be restarting)"

@@ -29,7 +29,8 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
     would be a good photo. A JPEG over ``max_pixels`` (``CLASSIFIER_MAX_PIXELS`` where the client runs:
     the server's own limit is not published; both default to 80 MP), and a JPEG cut short and closed by
     an EOI marker, which libjpeg decodes with grey fill, or blurred where it is progressive
-    (``incomplete.jpeg_rows_decoded`` and ``jpeg_scans_cut``, the server's own checks, at the same scale). Pillow's warnings about the file are silenced as in the server.
+    (``incomplete.jpeg_rows_decoded`` and ``jpeg_scans_cut``, the server's own checks, at the same scale), and
+    what ``refused_as_it_is`` finds. Pillow's warnings about the file are silenced as in the server.
     """
     from PIL import Image
 
@@ -52,6 +53,8 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
         return data, info
     if max_pixels is not None and width * height > max_pixels:
         return data, info  # the server's 413, not a classified copy
+    if refused_as_it_is(jpeg):
+        return data, info  # the server's 400, not a good copy of what libjpeg makes of the damage
     try:
         keep = 2 * short_side  # what the server's fast decode keeps (imaging._draft)
         factor = keep / min(width, height)
@@ -79,3 +82,16 @@ def scaled(data: bytes, short_side: int, resample: str = "bilinear",
     except Exception:  # damaged data: the server says so for the original
         return data, info
     return (out.getvalue(), info) if out.tell() < len(data) else (data, info)
+
+
+def refused_as_it_is(jpeg: bytes) -> bool:
+    """Whether the server refuses JPEG bytes ``jpeg`` that libjpeg decodes without an error, as the server's own
+    checks find it (tryout19: a copy made here got labels where the API answers 400): a 0 DC quantizer
+    (``formats.jpeg_frame``), colour components in separate scans closed before all came
+    (``incomplete.jpeg_components_cut``), a copy made as text (``mangled.jpeg_copied_as_text``)."""
+    from .. import incomplete, mangled
+    from ..formats import jpeg_frame
+
+    frame = jpeg_frame(jpeg)
+    return bool(frame and frame.zero_dc) or incomplete.jpeg_components_cut(jpeg) is not None \
+        or mangled.jpeg_copied_as_text(jpeg) is not None

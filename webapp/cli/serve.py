@@ -88,10 +88,32 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
         print(f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])}")
         print(shlex.join(cmd))
         return EXIT_OK
+    if "BIND" in given_settings(args) and (problem := _bind_problem(s.BIND, extra)):
+        from .. import lifecycle
+
+        err(f"error: {problem}")
+        return lifecycle.EXIT_LISTEN  # the status gunicorn.conf.py's own check exits with
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)  # never returns: gunicorn's master is this process now
     return EXIT_FAILED  # pragma: no cover
+
+
+def _bind_problem(bind: str, extra: list[str]) -> str | None:
+    """Whether gunicorn can listen on ``--bind``'s address (``bind``, parsed), checked before the exec as
+    gunicorn.conf.py checks it (``listen.check_listen``), so that the line names --bind, which was given (the
+    config's check names CLASSIFIER_BIND and gunicorn's -b only); None where it can, or where a gunicorn -b after
+    ``--`` (``extra``) decides instead."""
+    if any(a in ("-b", "--bind") or a.startswith(("-b", "--bind=")) for a in extra):
+        return None
+    from gunicorn.util import parse_address
+
+    from .. import listen
+
+    problem = listen.check_listen([parse_address(bind)])
+    if problem is None or "CLASSIFIER_BIND (or gunicorn's -b)" not in problem:
+        return problem and f"{problem} (given as --bind)"
+    return problem.replace("CLASSIFIER_BIND (or gunicorn's -b)", "--bind (or CLASSIFIER_BIND, or gunicorn's -b)")
 
 
 def serve_cluster(args: argparse.Namespace, env: dict, extra: list[str]) -> int:

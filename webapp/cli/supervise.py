@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
+
+from .common import err
 
 # In the driver's environment: this pid. ``serve --cluster`` seeing it runs the driver itself.
 DRIVER_ENV = "PHOTO_CLASSIFIER_CLUSTER_SUPERVISOR"
@@ -63,6 +64,6 @@ def supervise(cmd: list[str], env: dict, *, hard_stop_s: float) -> int:
         except subprocess.TimeoutExpired:
             pass
         if first_signal and time.monotonic() > first_signal[0] + hard_stop_s:
-            print(f"error: serve --cluster did not stop within {hard_stop_s:.0f} s; killing it", file=sys.stderr)
+            err(f"error: serve --cluster did not stop within {hard_stop_s:.0f} s; killing it")
             child.kill()
             return exit_status(child.wait())

@@ -80,7 +80,8 @@ def cmd_weights_fetch(args: argparse.Namespace) -> int:
         why = f"cannot write {target}: {exc.strerror or exc}"
     if why:
         _remove(made)
-        err(f"error: {why}.\nNo network here? Run `python -m webapp weights fetch --dest DIR` on a machine that "
+        err(f"error: {why}.")
+        err(f"No network here? Run `python -m webapp weights fetch --dest DIR` on a machine that "
             f"has one (or download {url} there), then carry the file over.")
         return EXIT_FAILED
     try:
