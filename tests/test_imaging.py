@@ -1220,6 +1220,21 @@ def test_an_animation_that_never_shows_much_uses_its_most_visible_frame():
     assert tuple(got[0, 0]) == tuple(round(255 - (255 - c) * 60 / 255) for c in (200, 0, 0))  # alpha 60 on white
 
 
+@pytest.mark.parametrize("budget_frames, shown", [(1, 0), (2, 1), (8, 1)])
+def test_an_animations_frames_are_looked_through_within_a_pixel_budget(monkeypatch, budget_frames, shown):
+    """A fade-in whose frames are huge is not decoded frame after frame: a 414-byte WebP of eight 8900x8900 frames
+    took 9.5 s (tryout19). Frames are looked through while their pixels fit ``_FRAME_PIXELS_JUDGED``; frames too
+    large for two of them judge the first alone, as a still image (here: blank, on white)."""
+    from webapp import modes
+
+    frames = [Image.new("RGBA", (32, 32), (0, 0, 0, 0)), Image.new("RGBA", (32, 32), (200, 0, 0, 255))]
+    buf = io.BytesIO()
+    frames[0].save(buf, "PNG", save_all=True, append_images=frames[1:], duration=100)
+    monkeypatch.setattr(modes, "_FRAME_PIXELS_JUDGED", 32 * 32 * budget_frames)
+    got = tuple(pixels(decode(buf.getvalue(), max_pixels=BIG).image)[0, 0])
+    assert got == ((200, 0, 0) if shown else (255, 255, 255))
+
+
 def _jpegtran(data: bytes, *args: str) -> bytes:
     import subprocess
 
