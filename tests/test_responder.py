@@ -5,6 +5,7 @@ The same over a real gunicorn cold start is ``tests/test_lifecycle.py::test_cold
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -101,12 +102,8 @@ def test_while_starting_liveness_is_200_and_readiness_503(listening):
     process is up and answering (200, "starting"); ready: it can serve (503 not_ready, Retry-After). Logged and
     counted as the 503s are (``on_answer``). Stopping: liveness is 503 too."""
     sock, port = listening
-    r, w = os.pipe()
     state, seen = {"stopping": False}, []
-    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: True,
-                          stopping=lambda: state["stopping"], ended=lambda: False, on_answer=seen.append)
-    responder.start()
-    try:
+    with running(sock, needed=lambda: True, stopping=lambda: state["stopping"], on_answer=seen.append):
         status, headers, body = ask(port, "GET", "/healthz?verbose=1")
         assert status == 200 and "Retry-After" not in headers and headers["Content-Type"] == "application/json"
         health = json.loads(body)
@@ -128,11 +125,6 @@ def test_while_starting_liveness_is_200_and_readiness_503(listening):
         for path in LIVE_PATHS:
             status, headers, body = ask(port, "GET", path)
             assert status == 503 and "stopping" in body.decode(), (path, body)
-    finally:
-        responder.finish()
-        time.sleep(2 * 0.05)
-        os.close(r)
-        os.close(w)
 
 
 def test_tritonclient_sees_the_starting_server_live_and_not_ready(listening):
@@ -140,18 +132,27 @@ def test_tritonclient_sees_the_starting_server_live_and_not_ready(listening):
     import tritonclient.http as httpclient
 
     sock, port = listening
+    with running(sock, needed=lambda: True, stopping=lambda: False):
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=5, network_timeout=5)
+        try:
+            assert client.is_server_live() is True
+            assert client.is_server_ready() is False
+            assert client.is_model_ready("classifier") is False
+            assert client.is_server_live() is True
+        finally:
+            client.close()
+
+
+@contextlib.contextmanager
+def running(sock, **kwargs):
+    """A started ``Responder`` on ``sock`` (``kwargs``: its ``needed``, ``stopping``, ``on_answer``...), finished
+    and its wake pipe closed on the way out."""
     r, w = os.pipe()
-    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: True,
-                          stopping=lambda: False, ended=lambda: False)
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), ended=lambda: False, **kwargs)
     responder.start()
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=5, network_timeout=5)
     try:
-        assert client.is_server_live() is True
-        assert client.is_server_ready() is False
-        assert client.is_model_ready("classifier") is False
-        assert client.is_server_live() is True
+        yield responder
     finally:
-        client.close()
         responder.finish()
         time.sleep(2 * 0.05)
         os.close(r)
