@@ -161,8 +161,8 @@ export function jpegAsItIs(b) {
 }
 
 // True for JPEG bytes `b` that a text copy changed: in the first 64 KiB after the first SOS marker (judged where
-// there are 16 KiB or more of it, as random as a photo's: >= 7 bits a byte), no CR or LF byte at all (curl -d
-// strips them), or 8 LFs or more each after a CR (an FTP ASCII copy). Decoders make noise of it without an error;
+// there are 16 KiB or more of it, as random as a photo's: >= 7 bits a byte), no CR or no LF byte at all (curl -d
+// strips both, tr -d '\r' the CRs, an old Mac copy makes LF CR), or 8 LFs or more each after a CR (FTP ASCII). Decoders make noise of it without an error;
 // the server refuses it (webapp/mangled.py jpeg_copied_as_text, whose docstring says why these marks decide), so
 // the file goes as it is.
 export function copiedAsText(b) {
@@ -177,7 +177,7 @@ export function copiedAsText(b) {
     if (w[i] === 0x0a) { lf += 1; if (i > 0 && w[i - 1] === 0x0d) crlf += 1; } else if (w[i] === 0x0d) cr += 1;
   }
   for (const c of counts) if (c) bits -= (c / w.length) * Math.log2(c / w.length);
-  return bits >= 7 && ((lf === 0 && cr === 0) || (lf >= 8 && crlf === lf));
+  return bits >= 7 && (lf === 0 || cr === 0 || (lf >= 8 && crlf === lf));
 }
 
 // True for an animation: a GIF with more than one image, a WebP with VP8X's animation flag or an ANIM chunk, a PNG

@@ -1515,3 +1515,21 @@ def test_a_tiff_thumbnail_page_before_the_photo_is_skipped():
     got = decode(_with_thumbnail_page(), max_pixels=BIG)
     assert got.size == (768, 576)
     assert decode(_with_thumbnail_page(reduced_photo_page=True), max_pixels=BIG).size == (96, 72)
+
+
+@pytest.mark.parametrize("damage", ["next page past the end", "next page unreadable"])
+def test_a_tiff_thumbnail_page_before_a_page_pillow_cannot_read_is_the_thumbnail_not_a_500(damage):
+    """tryout20: a thumbnail page, then a page Pillow cannot open (its offset past the end of the file, or a
+    float64 photo) raised out of the page search: a 500 that failed the request's other photos too. The first page
+    is classified then, as before the search."""
+    data = bytearray(_with_thumbnail_page())
+    first = struct.unpack_from("<I", data, 4)[0]
+    at = first + 2 + 12 * struct.unpack_from("<H", data, first)[0]  # the first IFD's next-IFD offset
+    if damage == "next page past the end":
+        struct.pack_into("<I", data, at, len(data) + 1000)
+    else:  # the second IFD's SampleFormat made IEEE float at 8 bits a sample: no mode Pillow has
+        second = struct.unpack_from("<I", data, at)[0]
+        entries = struct.unpack_from("<H", data, second)[0]
+        tags = {struct.unpack_from("<H", data, second + 2 + 12 * i)[0]: second + 2 + 12 * i for i in range(entries)}
+        struct.pack_into("<HHIHH", data, tags[262], 262, 3, 1, 32844, 0)  # Photometric: a kind Pillow lacks
+    assert decode(bytes(data), max_pixels=BIG).size == (96, 72)

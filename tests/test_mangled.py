@@ -60,16 +60,24 @@ def test_a_photo_changed_as_text_is_400_saying_how_and_what_to_send(mangling, fm
 
 
 @pytest.mark.parametrize("path", sorted(SHARED_IMAGES.glob("*.jpg")), ids=lambda p: p.name)
-@pytest.mark.parametrize("mangling", ["curl -d (CR and LF stripped)", "LF to CR LF"])
+@pytest.mark.parametrize("mangling", ["curl -d (CR and LF stripped)", "LF to CR LF", "LF to CR", "CR to LF",
+                                      "CR dropped"])
 def test_every_shared_jpeg_copied_as_text_is_400_even_where_libjpeg_would_decode_it(path, mangling):
     """libjpeg decodes many of these without an error, into noise (tryout19: phone-12mp.jpg with each LF made CR LF
     answered 200 "radio"); the marks in its coded data decide before the decode (``mangled.jpeg_copied_as_text``),
     whatever a CR put into a header segment's length. Only LFs that do not follow a CR become CR LF, as a text copy
     of a file with some CR LF already in it does."""
     whole = path.read_bytes()
-    changed = (re.sub(rb"(?<!\r)\n", b"\r\n", whole) if mangling == "LF to CR LF" else MANGLINGS[mangling](whole))
+    one_gone = {"LF to CR": (lambda b: b.replace(b"\n", b"\r"), "no LF byte at all"),
+                "CR to LF": (lambda b: b.replace(b"\r", b"\n"), "no CR byte at all"),
+                "CR dropped": (lambda b: b.replace(b"\r", b""), "no CR byte at all")}  # tryout20: 200s for noise
+    if mangling in one_gone:
+        changed, said = one_gone[mangling][0](whole), one_gone[mangling][1]
+    else:
+        said = SAID[mangling]
+        changed = (re.sub(rb"(?<!\r)\n", b"\r\n", whole) if mangling == "LF to CR LF" else MANGLINGS[mangling](whole))
     with pytest.raises(UndecodableImage, match=re.escape(f"{path.name}: a JPEG changed on the way: ") + ".*" +
-                       re.escape(SAID[mangling])):
+                       re.escape(said)):
         decode(changed, max_pixels=10**8, name=path.name, min_side=224)
 
 

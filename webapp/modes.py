@@ -47,28 +47,35 @@ def visible_frame(img: Image.Image) -> None:
 
 
 def _reduced(img: Image.Image) -> bool:
-    """Whether the TIFF page loaded is marked a reduced-resolution copy of another (NewSubfileType, tag 254, bit 0)."""
+    """Whether the TIFF page loaded is not the photo: marked a reduced-resolution copy of another or a transparency
+    mask (NewSubfileType, tag 254, bits 0 and 2), or a reduced-resolution copy by the older SubfileType (tag 255: 2)."""
     try:
-        return bool(int(getattr(img, "tag_v2", {}).get(254, 0)) & 1)
+        tags = getattr(img, "tag_v2", {})
+        return bool(int(tags.get(254, 0)) & 0b101) or int(tags.get(255, 1)) == 2
     except (TypeError, ValueError):
         return False
 
 
 def main_page(img: Image.Image) -> None:
     """Move a TIFF whose first page is marked a reduced-resolution copy (NewSubfileType bit 0, TIFF 6.0 section 8:
-    a thumbnail or preview written first) to its first page that is not, among its first ``_FRAMES_JUDGED``; a
-    file with no such page stays on its first. Only IFDs are read (tryout19: a 96x72 thumbnail page before the
-    photo was classified, and reported as the photo's size). Call it before the size is judged: the page changes."""
+    a thumbnail or preview written first) to its first page that is neither that nor a mask, among its first
+    ``_FRAMES_JUDGED``; a file with no such page, or whose next page Pillow cannot read, stays on its first (a
+    later page's error was a 500 that failed the request's other photos: tryout20). Only IFDs are read (tryout19: a
+    96x72 thumbnail page before the photo was classified, and reported as the photo's size). Call it before the
+    size is judged: the page changes."""
     if getattr(img, "format", None) != "TIFF" or not _reduced(img):
         return
-    for i in range(1, _FRAMES_JUDGED):
-        try:
+    try:
+        for i in range(1, _FRAMES_JUDGED):
             img.seek(i)
-        except EOFError:
-            break
-        if not _reduced(img):
-            return
-    img.seek(0)
+            if not _reduced(img):
+                return
+    except Exception:  # EOFError, or a page Pillow cannot read (float64, a next-page offset past the end: tryout20)
+        pass
+    try:
+        img.seek(0)  # no page but the first: the first, as before
+    except Exception:  # the decode judges the file (a 400 where it cannot read it)
+        pass
 
 
 _BAND = 256  # rows converted at a time from 16-bit and float images (an 8000 px wide band: ~16 MB in float64)
