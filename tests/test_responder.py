@@ -121,6 +121,10 @@ def test_while_starting_liveness_is_200_and_readiness_503(listening):
             ("GET", "/healthz", 200, ""), ("GET", "/v2/health/live", 200, ""), ("HEAD", "/healthz", 200, ""),
             ("HEAD", "/v2/health/live", 200, "")]
         assert seen[0]["query"] == "verbose=1" and {a["code"] for a in seen[4:]} == {"not_ready"}
+        for line in (b"GET /healthz\r\n\r\n", b"GET /healthz HTTP/2.0\r\n\r\n", b"GARBAGE\r\n\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:  # what gunicorn refuses (400)
+                raw.sendall(line)  # gets no 200 from the master (tryout20: HTTP/0.9 and 2.0 were "live")
+                assert raw.recv(100).startswith(b"HTTP/1.1 503 "), line
         state["stopping"] = True  # the master is going away: live no more
         for path in LIVE_PATHS:
             status, headers, body = ask(port, "GET", path)

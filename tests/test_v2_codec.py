@@ -347,14 +347,15 @@ def test_binary_data_without_its_header_length_says_what_is_missing():
     assert refused(BadRequest, b'{"inputs": [}').startswith("the inference request is not valid JSON")
 
 
-@pytest.mark.parametrize("path", ["dog.jpg", "png"])
+@pytest.mark.parametrize("path", ["dog.jpg", "png", "heic"])
 def test_a_photo_posted_as_the_body_says_it_is_a_photo_not_bad_json(path):
     """A photo's bytes posted as the inference body (``Content-Type: application/octet-stream``, tryout19 with
     curl --data-binary): 415 naming the photo's format and the two ways to send it, not a UTF-8 decoding error.
     Other binary bytes: the 400 names the binary extension's header."""
-    photo = PNG if path == "png" else shared_image(path).read_bytes()
+    heic = b"\0\0\0\x18ftypheic\0\0\0\0mif1heic" + bytes(200)  # a format the server does not decode (tryout20)
+    photo = PNG if path == "png" else heic if path == "heic" else shared_image(path).read_bytes()
     message = refused(NotAnImage, photo)
-    fmt = "PNG" if path == "png" else "JPEG"
+    fmt = {"png": "PNG", "heic": "HEIC"}.get(path, "JPEG")
     assert message.startswith(f"the body is {fmt} bytes, not an inference request") and codec.HEADER in message \
         and "/api/v1/predict" in message, message
     message = refused(BadRequest, b"\x00\xff" * 40)

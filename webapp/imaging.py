@@ -169,8 +169,9 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: it is progressive and "
                                    f"{'its data ends' if _repaired else 'a marker closes it'} after {scans} "
                                    f"scan{'s' if scans != 1 else ''}, before every part of the "
-                                   f"image has arrived, so it would decode blurred (a file cut short); send the "
-                                   f"whole file")
+                                   f"image has arrived, so it would decode blurred (a file cut short; or, rarely, "
+                                   f"saved with a scan script that stops early); send the whole file, or save it "
+                                   f"again")
         visible_frame(img)
         if fmt == "BMP" and img.mode == "RGBA" and img.getchannel("A").getextrema() == (0, 0):
             # A 32-bit BMP whose alpha bytes are all 0: writers that leave the 4th byte unset (or mark it

@@ -124,8 +124,8 @@ def live_path(head_bytes: bytes) -> str | None:
     from urllib.parse import urlsplit
 
     parts = head_bytes.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
-    if len(parts) < 2 or parts[0] not in ("GET", "HEAD"):
-        return None
+    if len(parts) != 3 or parts[0] not in ("GET", "HEAD") or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+        return None  # HTTP/0.9, HTTP/2.0, garbage: a worker's gunicorn refuses them (400), so no 200 here (tryout20)
     path = urlsplit(parts[1]).path
     return path if path in LIVE_PATHS else None
 

@@ -40,7 +40,7 @@ import struct
 from dataclasses import dataclass, field
 
 from .errors import BadRequest, NotAnImage
-from .formats import claimed_format
+from .formats import claimed_format, sniff_format
 from .uploads import parse_topk
 from .v2_inputs import (HEADER, INPUT, as_object, count, flag, json_kind, no_other_parameters, read_content_type,
                         read_input)
@@ -139,7 +139,8 @@ def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
         if header_length is None and (end := _json_object_end(head)) is not None:
             raise BadRequest(f"the body is a JSON header of {end:,} bytes followed by {len(head) - end:,} more (binary "
                              f"tensor data?): send the {HEADER} header with the JSON header's length, {end}") from None
-        if header_length is None and (fmt := claimed_format(head)):  # a photo posted as is (tryout19: octet-stream)
+        if header_length is None and (fmt := claimed_format(head) or sniff_format(head)):  # a photo posted as is
+            # (tryout19: octet-stream; tryout20: HEIC, JPEG XL)
             raise NotAnImage(f"the body is {fmt} bytes, not an inference request: send the protocol's JSON (photos as "
                              f"base64 strings), or binary tensor data after a JSON header whose length the {HEADER} "
                              f"header gives; or POST the photo to /api/v1/predict")
