@@ -56,7 +56,7 @@ from webapp import assets, bf16, imaging, models, settings  # noqa: E402
 OFFLINE_MODEL = "efficientnet_lite0"
 SEEDED_MODEL = "resnet18_seeded"
 BATCH = 8
-# Layer groups kept in fp32, per eager variant (the policy's groups are in webapp/bf16.py BF16_KEEP_FP32).
+# Layer groups kept in fp32, per eager variant (each model's policy: webapp/bf16.py keep_fp32_for).
 EAGER_SWEEP = {
     "policy: none": (),
     "policy: head": ("head",),
@@ -159,26 +159,31 @@ def aoti(module: torch.nn.Module, size: int, workdir: Path, name: str) -> Callab
 
 
 def build_variants(module: torch.nn.Module, size: int, *, quick: bool, compile: bool, real: bool,
-                   workdir: Path) -> dict[str, tuple[str, Callable | None, str | None, float]]:
-    """name -> (kind, predict or None, error or None, build s). ``real``: weights with a meaningful top-1."""
-    policy = bf16.BF16_KEEP_FP32
+                   workdir: Path, policy: tuple[str, ...] = bf16.BF16_KEEP_FP32,
+                   ) -> dict[str, tuple[str, Callable | None, str | None, float]]:
+    """name -> (kind, predict or None, error or None, build s). ``real``: weights with a meaningful top-1;
+    ``policy``: the model's own bf16 policy (``bf16.keep_fp32_for``); where it is not the default one
+    (``bf16.BF16_KEEP_FP32``), that one gets a compiled row too, to compare."""
     specs: list[tuple[str, str, Callable[[], Callable]]] = [
         ("eager fp32", "eager", lambda: eager(module)),
         ("eager autocast", "eager", lambda: eager(bf16.bf16_policy(module, ()))),
     ]
-    sweep = [k for k in EAGER_SWEEP if not quick or k in QUICK_SWEEP] if real else ["policy: stem+head"]
+    sweep = [k for k in EAGER_SWEEP if not quick or k in QUICK_SWEEP] if real else ["policy: head", "policy: stem+head"]
     specs += [(f"eager {k}", "eager", lambda k=k: eager(bf16.bf16_policy(module, EAGER_SWEEP[k]))) for k in sweep]
     if compile:
         specs += [("compiled fp32", "compiled", lambda: compiled(module)),
                   ("compiled autocast", "compiled", lambda: compiled(bf16.bf16_policy(module, ()))),
-                  (f"compiled policy ({'+'.join(policy)})", "compiled", lambda: compiled(bf16.bf16_policy(module)))]
+                  (f"compiled policy ({'+'.join(policy)})", "compiled", lambda: compiled(bf16.bf16_policy(module, policy)))]
         specs += [(f"compiled {k}", "compiled", lambda k=k: compiled(bf16.bf16_policy(module, COMPILED_SWEEP[k])))
                   for k in COMPILED_SWEEP if real and (not quick or k in QUICK_COMPILED) and COMPILED_SWEEP[k] != policy]
+        if policy != bf16.BF16_KEEP_FP32:
+            default = bf16.BF16_KEEP_FP32
+            specs.append((f"compiled {'+'.join(default)}", "compiled", lambda: compiled(bf16.bf16_policy(module, default))))
         if real:
             if not quick:
                 specs.append(("aoti autocast", "aoti", lambda: aoti(bf16.bf16_policy(module, ()), size, workdir, "autocast")))
             specs.append((f"aoti policy ({'+'.join(policy)})", "aoti",
-                          lambda: aoti(bf16.bf16_policy(module), size, workdir, "policy")))
+                          lambda: aoti(bf16.bf16_policy(module, policy), size, workdir, "policy")))
     out = {}
     for name, kind, make in specs:
         t0 = time.perf_counter()
@@ -240,7 +245,7 @@ def measure_model(model_name: str, *, quick: bool, compile: bool, rounds: int, i
     x, n_shared, names = make_inputs(loaded, quick=quick)
     log(f"{model_name}: {len(x)} inputs ({n_shared} from the shared photos)")
     variants = build_variants(module, loaded.preprocessing.crop, quick=quick, compile=compile, real=real,
-                              workdir=workdir)
+                              workdir=workdir, policy=bf16.keep_fp32_for(model_name))
     ref = logits(variants["eager fp32"][1], x)
     top2 = ref.softmax(1).topk(2, dim=1).values
     margin = ((top2[:, 0] - top2[:, 1]) * 100).tolist()
@@ -266,7 +271,8 @@ def measure_model(model_name: str, *, quick: bool, compile: bool, rounds: int, i
     for name, img_s in speed.items():
         base = speed.get("compiled fp32" if rows[name]["kind"] != "eager" else "eager fp32")
         rows[name].update(img_s=img_s, x_fp32=img_s / base if base else None)
-    return {"inputs": len(x), "shared_inputs": n_shared, "real_weights": real, "rows": rows}
+    return {"inputs": len(x), "shared_inputs": n_shared, "real_weights": real, "rows": rows,
+            "policy": list(bf16.keep_fp32_for(model_name))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     torch._dynamo.config.cache_size_limit = 64  # one graph per variant wrapper: more than the default 8
     rounds = args.rounds or (4 if args.quick else 10)
     t0 = time.perf_counter()
-    result: dict = {"policy": list(bf16.BF16_KEEP_FP32), "quick": bool(args.quick), "threads": torch.get_num_threads(),
+    result: dict = {"quick": bool(args.quick), "threads": torch.get_num_threads(),
                     "torch": torch.__version__, "load_avg_start": os.getloadavg()[0], "models": {}}
     with tempfile.TemporaryDirectory(prefix="fidelity-bench-") as tmp:
         for model_name in [m.strip() for m in args.models.split(",") if m.strip()]:

@@ -45,6 +45,7 @@ from bench import log, main, num, table  # noqa: E402
 from bench.inputs import BATCH, Inputs, augmented, make_inputs, shared_photos  # noqa: E402
 from bench.runtimes import Runner, short_error  # noqa: E402
 from webapp import models, settings  # noqa: E402
+from webapp.bf16 import keep_fp32_for  # noqa: E402
 from webapp.engine import Engine, choose_reduce_range, configure_threads  # noqa: E402
 from webapp.quantize import INT8_KEEP_FP32  # noqa: E402
 
@@ -132,7 +133,8 @@ def build(loaded, precision: str, keep: tuple[str, ...], inputs: Inputs, cache_d
         engine = Engine(copy.deepcopy(loaded.module), input_size=loaded.preprocessing.crop, compile=True,
                         precision=precision, calibration=inputs.calibration,
                         reduce_range=choose_reduce_range("auto"), cache_dir=cache_dir,
-                        cache_id=f"int8_bench|{loaded.name}|{loaded.weights}", int8_keep_fp32=keep)
+                        cache_id=f"int8_bench|{loaded.name}|{loaded.weights}", int8_keep_fp32=keep,
+                        bf16_keep_fp32=keep_fp32_for(loaded.name))
         engine.warm_up(BATCH)
     except Exception as exc:  # reported in the table, the others still run
         log(f"  {key} FAILED: {short_error(exc)}")

@@ -65,7 +65,7 @@ import torch
 
 from bench import log
 from bench.inputs import BATCH, Inputs
-from webapp import assets
+from webapp import assets, bf16
 from webapp import engine as engine_mod
 from webapp.cpu import cpu_info
 
@@ -140,7 +140,8 @@ def build_ours(loaded, inputs: Inputs, env: Env, precision: str) -> Runner:
     calib_id = "|".join(f"{p.name}:{p.stat().st_size}" for p in assets.calibration_files())
     kwargs = dict(input_size=loaded.preprocessing.crop, compile=True, precision=precision,
                   calibration=inputs.calibration if precision == "int8" else None, cache_dir=env.cache_dir,
-                  cache_id=f"bench|{loaded.name}|{loaded.weights}|{calib_id}")
+                  cache_id=f"bench|{loaded.name}|{loaded.weights}|{calib_id}",
+                  bf16_keep_fp32=bf16.keep_fp32_for(loaded.name))  # the model's own policy, as served
     if precision == "int8":
         kwargs["reduce_range"] = engine_mod.choose_reduce_range("auto")
     if precision == "int8":

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torchvision
 
-from webapp import bf16
+from webapp import bf16, catalog
 from webapp.efficientnet_lite import create_model
 
 
@@ -54,6 +54,49 @@ def test_policy_runs_kept_layers_in_fp32_and_returns_fp32_logits(lite0):
     # The model itself is untouched (an fp32 engine may share it) and the weights are shared, not copied.
     assert not any(isinstance(m, bf16._Fp32) for m in lite0.modules())
     assert policy.module.conv_stem.module.weight is lite0.conv_stem.weight
+
+
+def test_each_model_has_its_own_policy():
+    """ResNet-18 keeps only its classifier in fp32 (BN folds into its bf16 convs); Lite0, and any model the
+    sweep has not measured, the default policy; every name in the table is a catalog model (no typo)."""
+    assert bf16.keep_fp32_for("resnet18") == bf16.keep_fp32_for("resnet18_seeded") == ("head",)
+    assert bf16.keep_fp32_for("efficientnet_lite0") == bf16.keep_fp32_for("another") == bf16.BF16_KEEP_FP32
+    assert set(bf16.BF16_KEEP_FP32_BY_MODEL) <= set(catalog.NAMES)
+    for keep in bf16.BF16_KEEP_FP32_BY_MODEL.values():
+        assert "head" in keep  # the classifier in fp32: the logits never carry bf16's rounding ties
+        for group in keep:
+            bf16.bf16_layers(torchvision.models.resnet18(), group)  # a known group (raises ValueError if not)
+
+
+def test_folded_bn_gives_fp32_logits_of_the_model_and_leaves_an_untraceable_one_as_it_is(lite0):
+    torch.manual_seed(0)
+    resnet = torchvision.models.resnet18().eval()
+    for bn in (m for m in resnet.modules() if isinstance(m, torch.nn.BatchNorm2d)):  # statistics a fold must honour
+        bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2.0), bn.weight.data.uniform_(0.5, 1.5)
+    folded = bf16.folded_bn(resnet)
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in folded.modules())
+    assert any(isinstance(m, torch.nn.BatchNorm2d) for m in resnet.modules())  # a copy: the model is untouched
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        ref, got = resnet(x), folded(x)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
+    assert bf16.bf16_layers(folded, "head") == ["fc"]  # the policy finds its groups in the folded copy
+    assert bf16.folded_bn(lite0) is lite0  # timm's EfficientNet has control flow torch.fx cannot trace
+
+
+@pytest.mark.parametrize("keep, folded", [(("head",), True), (bf16.BF16_KEEP_FP32, False)], ids=["bn-to-bf16", "bn-fp32"])
+def test_judge_bf16_judges_the_policy_as_compiled(monkeypatch, keep, folded):
+    """Where the policy leaves BN to bf16, inductor's freezing folds it into the bf16 convs: the judgement
+    measures the policy with BN folded as well, not the eager model with BN in fp32 it would never serve."""
+    given = []
+    policy = bf16.bf16_policy
+    monkeypatch.setattr(bf16, "bf16_policy", lambda module, keep_fp32=bf16.BF16_KEEP_FP32: (
+        given.append((tuple(keep_fp32), any(isinstance(m, torch.nn.BatchNorm2d) for m in module.modules())))
+        or policy(module, keep_fp32)))
+    torch.manual_seed(0)
+    bf16.judge_bf16(torchvision.models.resnet18().eval(), torch.randn(2, 3, 64, 64), runs=1, keep_fp32=keep)
+    assert given[0] == (keep, not folded)  # the judged policy
+    assert given[1] == ((), True)  # plain autocast for the speed part, as before
 
 
 def test_ties_count_equal_probabilities_at_the_answers_6_decimals():

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torchvision
 
+from webapp import bf16
 from webapp.aoti import MAX_BATCH, SharedLibrary
 from webapp.engine import Engine
 
@@ -60,11 +61,14 @@ def test_auto_precision_follows_onednn_not_cpu_flags(monkeypatch):
     assert engine.choose_precision("int8") == ("int8", "set by CLASSIFIER_PRECISION")
 
 
-def test_bf16_stays_close_to_fp32(resnet):
+@pytest.mark.parametrize("keep", [bf16.BF16_KEEP_FP32, bf16.keep_fp32_for("resnet18_seeded")],
+                         ids=["default-policy", "resnet-policy"])
+def test_bf16_stays_close_to_fp32(resnet, keep):
     x = torch.randn(4, 3, 224, 224)
     with torch.inference_mode():
         ref = resnet(x)
-    engine = Engine(resnet, input_size=224, compile=False, precision="bf16")
+    engine = Engine(resnet, input_size=224, compile=False, precision="bf16", bf16_keep_fp32=keep)
+    assert engine._fn.keep_fp32 == keep
     got = engine.predict(x)
     assert got.dtype == torch.float32
     assert (got - ref).abs().max() / ref.abs().max() < 0.03
@@ -262,13 +266,17 @@ def test_bf16_is_packaged_ahead_of_time_and_reloaded(resnet, tmp_path):
     x = torch.randn(3, 3, 224, 224)
     with torch.inference_mode():
         ref = resnet(x)
-    first = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded")
+    # ResNet-18's own policy, as served: BN folded into the bf16 convs by freezing, only the classifier in fp32.
+    keep = bf16.keep_fp32_for("resnet18_seeded")
+    first = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded",
+                   bf16_keep_fp32=keep)
     assert first.backend == "aoti" and len(list(tmp_path.glob("aoti-bf16-*.pt2"))) == 2  # batch 1, 2..N
     first.warm_up(3)
     got = first.predict(x)
     assert got.dtype == torch.float32 and (got - ref).abs().max() / ref.abs().max() < 0.03
     start = time.perf_counter()
-    again = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded")
+    again = Engine(resnet, input_size=224, compile=True, precision="bf16", cache_dir=tmp_path, cache_id="seeded",
+                   bf16_keep_fp32=keep)
     assert time.perf_counter() - start < 10  # a later worker loads the package instead of compiling
     assert torch.allclose(again.predict(x), got, rtol=0, atol=1e-3 * float(got.abs().max()))
 

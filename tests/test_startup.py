@@ -173,7 +173,7 @@ def test_auto_is_judged_on_the_calibration_photos_and_the_record_keeps_the_figur
                              "top-1 agreement 96.4%, so fp32 (decided once for this host and CPU: ")
     record, = (json.loads(p.read_text()) for p in tmp_path.glob("precision-*.json"))
     assert record["figures"] == {"top1_agree": 0.964} and record["precision"] == "fp32"
-    assert record["key"]["bf16_policy"] == list(startup.BF16_KEEP_FP32)
+    assert record["key"]["bf16_policy"] == list(startup.keep_fp32_for("resnet18_seeded")) == ["head"]  # the model's own
     assert record["key"]["photos"] == startup.photos_id(assets.calibration_files())
     # Other judged photos (CALIBRATION_DIR) are another key: judged again.
     own = tmp_path / "own"

@@ -1,15 +1,18 @@
 """bf16 as faithful as fp32: which layers run in bf16 (the policy), and how faithful it is (the judgement).
 
 **The policy** (``bf16_policy``): the model under ``torch.autocast("cpu", bfloat16)`` except the layer
-groups of ``BF16_KEEP_FP32``, which run in fp32, and logits always returned in fp32, so softmax and
-top-k never see two labels with exactly equal (bf16-rounded) probabilities. The groups were chosen
-with ``bench/fidelity_bench.py`` (``python -m bench --only fidelity``), a per-layer-group sweep of
-top-1 agreement and top-1 probability change against fp32 on real photos, with the speed each costs:
-the layers kept in fp32 are those where bf16 loses fidelity but that cost little time (the stem
-conv, which sees the raw normalized pixels; the depthwise convs of the first three stages, few
-FLOPs; the 1x1 head conv and the classifier, which make the logits; BatchNorm, applied in fp32 to
-the bf16 convs' outputs as eager autocast does, where inductor's freezing would otherwise fold it
-into bf16 conv weights and a bf16 bias, which cost EfficientNet-Lite0 more than autocast itself).
+groups it keeps in fp32 (``keep_fp32_for(model name)``), and logits always returned in fp32, so softmax
+and top-k never see two labels with exactly equal (bf16-rounded) probabilities. The groups were chosen
+per architecture with ``bench/fidelity_bench.py`` (``python -m bench --only fidelity``), a per-layer-group
+sweep of top-1 agreement and top-1 probability change against fp32 on real photos, with the speed each
+costs: the layers kept in fp32 are those where bf16 loses fidelity but that cost little time.
+``BF16_KEEP_FP32``, for EfficientNet-Lite0 and any model not named in ``BF16_KEEP_FP32_BY_MODEL``: the stem
+conv, which sees the raw normalized pixels; the depthwise convs of the first three stages, few FLOPs;
+the 1x1 head conv and the classifier, which make the logits; BatchNorm, applied in fp32 to the bf16
+convs' outputs as eager autocast does, where inductor's freezing would otherwise fold it into bf16 conv
+weights and a bf16 bias, which cost EfficientNet-Lite0 more than autocast itself. ResNet-18 keeps only
+its classifier: BatchNorm kept in fp32 bought it nothing (logit error 0.34% against 0.28% with only the
+classifier kept, seeded weights) and cost 1.5x its bf16 speed where AMX makes the convs cheap.
 The convs carrying most FLOPs stay bf16.
 Eager (``Engine(compile=False)``), ``torch.compile`` and the AOTInductor package all run this module.
 
@@ -31,6 +34,17 @@ from torch import nn
 
 # Layer groups the bf16 policy keeps in fp32 (see ``bf16_layers``), chosen by bench/fidelity_bench.py.
 BF16_KEEP_FP32 = ("stem", "head", "early_depthwise", "bn")
+# Per architecture, where the sweep chose otherwise (webapp/catalog.py names). ResNet-18, 2026-12-06, Intel
+# Xeon with AMX, one thread, compiled, seeded weights, 64 inputs: keeping BN (and stem) in fp32 gave logit
+# error 0.34% at 3.76x compiled fp32's images/s; only the classifier 0.28% at 5.51x (plain autocast 0.40%
+# at 5.31x, with 3 rounding ties). Freezing folds its BN into bf16 conv weights, which cost it nothing.
+BF16_KEEP_FP32_BY_MODEL = {"resnet18": ("head",), "resnet18_seeded": ("head",)}
+
+
+def keep_fp32_for(model_name: str) -> tuple[str, ...]:
+    """The layer groups the bf16 policy keeps in fp32 for the catalog model ``model_name``
+    (``BF16_KEEP_FP32_BY_MODEL``, else ``BF16_KEEP_FP32``)."""
+    return BF16_KEEP_FP32_BY_MODEL.get(model_name, BF16_KEEP_FP32)
 
 
 def bf16_layers(module: nn.Module, group: str) -> list[str]:
@@ -172,13 +186,29 @@ def faithful(fig: dict) -> bool:
             and fig["max_change_pts"] <= MAX_PROB_CHANGE_PTS and fig["ties"] == 0)
 
 
+def folded_bn(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with each BatchNorm folded into the conv before it, in fp32 (``torch.fx``'s
+    ``fuse``), as inductor's freezing folds it in the compiled graph, where the policy leaves BN to bf16;
+    ``module`` itself where torch.fx cannot trace it (timm's EfficientNet: control flow; it keeps BN in
+    fp32 anyway)."""
+    from torch.fx.experimental.optimization import fuse
+
+    try:
+        return fuse(module)
+    except Exception:  # noqa: BLE001 - any trace failure: judge the unfolded model, as before
+        return module
+
+
 def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_batch: int = 8, timed_n: int = 2,
-               cores: list[int] | None = None) -> tuple[bool, str, dict]:
+               cores: list[int] | None = None,
+               keep_fp32: tuple[str, ...] = BF16_KEEP_FP32) -> tuple[bool, str, dict]:
     """The start-up check behind ``auto`` where oneDNN claims native bf16: is the bf16 policy faithful here,
     and are bf16 kernels really fast here?
 
     Eager, in batches of ``speed_batch`` of ``photos`` ``(N, 3, S, S) float32`` (the calibration photos):
-    the fidelity of ``bf16_policy(module)`` against ``module`` in fp32 over all N (``fidelity``, judged
+    the fidelity of ``bf16_policy(module, keep_fp32)`` (the model's policy, ``keep_fp32_for``; with BN folded
+    first, ``folded_bn``, where the policy leaves BN to bf16, as the compiled graph folds it) against
+    ``module`` in fp32 over all N (``fidelity``, judged
     by ``faithful``), on ``cores`` (the server's, borrowed while its other workers wait: ``cpu.borrowed_cores``,
     one intra-op thread per core; None: this thread's own); then speed on ``timed_n`` photos of the last
     batch, back on this thread's cores and intra-op threads, plain bf16 autocast against fp32, ``runs`` times
@@ -197,7 +227,8 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
     """
     from .cpu import borrowed_cores
 
-    fns = {"fp32": module, "policy": bf16_policy(module), "bf16": bf16_policy(module, ())}
+    policy = bf16_policy(module if "bn" in keep_fp32 else folded_bn(module), keep_fp32)
+    fns = {"fp32": module, "policy": policy, "bf16": bf16_policy(module, ())}
     batches = [photos[i:i + speed_batch] for i in range(0, len(photos), speed_batch)]
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     times: dict[str, list[float]] = {"fp32": [], "bf16": []}

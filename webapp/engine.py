@@ -129,7 +129,8 @@ class Engine:
 
     ``precision`` is ``fp32``, ``bf16`` or ``int8`` (see module docstring); int8 needs
     ``calibration`` images ``(3, S, S) float32`` (a list, or a function that makes it, called only where
-    no package or saved program spares the quantization) and leaves the layer groups ``int8_keep_fp32`` in fp32 (``webapp/quantize.py``).
+    no package or saved program spares the quantization) and leaves the layer groups ``int8_keep_fp32`` in fp32 (``webapp/quantize.py``);
+    bf16 keeps the groups ``bf16_keep_fp32`` in fp32 (the model's own: ``bf16.keep_fp32_for``).
     ``compile=False`` runs eager (still channels_last, inference mode): it starts in about a second,
     for unit tests; int8 without compile runs the reference (simulated) quantized graph, slow, for
     tests only. With ``compile`` and a ``cache_dir``, ``backend`` is ``aoti`` (the package, see
@@ -142,6 +143,7 @@ class Engine:
                  reduce_range: bool = False,
                  cache_dir: Path | None = None, cache_id: str = "",
                  int8_keep_fp32: tuple[str, ...] = INT8_KEEP_FP32,
+                 bf16_keep_fp32: tuple[str, ...] = BF16_KEEP_FP32,
                  build_elsewhere: Callable[[list[Path]], None] | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -163,8 +165,8 @@ class Engine:
                                             reduce_range=reduce_range, keep_fp32=int8_keep_fp32)
         else:
             module = module.to(memory_format=torch.channels_last)
-            variant = BF16_KEEP_FP32 if precision == "bf16" else ()
-            ready = bf16_policy(module) if precision == "bf16" else module
+            variant = tuple(bf16_keep_fp32) if precision == "bf16" else ()
+            ready = bf16_policy(module, variant) if precision == "bf16" else module
             make = lambda: ready
         self._fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.backend, self.package = "eager", None

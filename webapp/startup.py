@@ -28,7 +28,7 @@ from torchvision.transforms import v2
 
 from . import caches, catalog, children, cpu, imaging
 from .assets import GOLDEN, GOLDEN_SHOWN, calibration_files
-from .bf16 import BF16_KEEP_FP32, judge_bf16
+from .bf16 import judge_bf16, keep_fp32_for
 from .engine import Engine, GraphsDisagree, choose_precision, choose_reduce_range, configure_threads, native_bf16
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
@@ -163,7 +163,8 @@ def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
                                                              name=f.name).image, transform) for f in files])
     # The workers of a server starting together wait for this one's judgement (recorded_precision's lock):
     # its fidelity part may use their cores meanwhile (the speed part stays on this worker's own threads).
-    ok, measured, figures = judge_bf16(model.module, photos, cores=cpu.SERVER_CORES)
+    ok, measured, figures = judge_bf16(model.module, photos, cores=cpu.SERVER_CORES,
+                                       keep_fp32=keep_fp32_for(model.name))
     if ok:
         return "bf16", f"{reason}; {measured}", figures
     return "fp32", f"auto: oneDNN claims native bf16 but {measured}, so fp32", figures
@@ -173,12 +174,12 @@ def precision_key(model: LoadedModel, threads: int, photos: str = "") -> dict:
     """What ``auto``'s decision depends on: torch's version, the model and its weights, the intra-op
     threads it was measured with, the CPU as this process runs it (its model name, the kernels
     torch picks and oneDNN's ISA cap, both of which the environment can lower, and whether oneDNN
-    claims native bf16), the bf16 policy (``bf16.BF16_KEEP_FP32``) and the judged photos (``photos_id``).
+    claims native bf16), the model's bf16 policy (``bf16.keep_fp32_for``) and the judged photos (``photos_id``).
     Any change of these measures again."""
     return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
             "cpu": cpu.cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16(),
-            "bf16_policy": list(BF16_KEEP_FP32), "photos": photos,
+            "bf16_policy": list(keep_fp32_for(model.name)), "photos": photos,
             "bf16_auto_off": bool(catalog.BY_NAME[model.name].bf16_auto_off) if model.name in catalog.BY_NAME else False}
 
 
@@ -275,6 +276,7 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
     engine = Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE,
                     precision=precision, calibration=photos,
                     reduce_range=choose_reduce_range(settings.INT8_REDUCE_RANGE),
+                    bf16_keep_fp32=keep_fp32_for(model.name),
                     cache_dir=cache, cache_id=f"{model.name}|{model.weights}|{calib_id}",
                     build_elsewhere=build_elsewhere(precision) if build_elsewhere else None)
     log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
