@@ -11,8 +11,9 @@ conv, which sees the raw normalized pixels; the depthwise convs of the first thr
 the 1x1 head conv and the classifier, which make the logits; BatchNorm, applied in fp32 to the bf16
 convs' outputs as eager autocast does, where inductor's freezing would otherwise fold it into bf16 conv
 weights and a bf16 bias, which cost EfficientNet-Lite0 more than autocast itself. ResNet-18 keeps only
-its classifier: BatchNorm kept in fp32 bought it nothing (logit error 0.34% against 0.28% with only the
-classifier kept, seeded weights) and cost 1.5x its bf16 speed where AMX makes the convs cheap.
+its classifier: BatchNorm and the stem kept in fp32 bought it nothing (logit error 0.34% against 0.28%
+with only the classifier kept, seeded weights) and cost it 29% of its bf16 speed where AMX makes the
+convs cheap.
 The convs carrying most FLOPs stay bf16.
 Eager (``Engine(compile=False)``), ``torch.compile`` and the AOTInductor package all run this module.
 
@@ -34,10 +35,11 @@ from torch import nn
 
 # Layer groups the bf16 policy keeps in fp32 (see ``bf16_layers``), chosen by bench/fidelity_bench.py.
 BF16_KEEP_FP32 = ("stem", "head", "early_depthwise", "bn")
-# Per architecture, where the sweep chose otherwise (webapp/catalog.py names). ResNet-18, 2026-12-06, Intel
-# Xeon with AMX, one thread, compiled, seeded weights, 64 inputs: keeping BN (and stem) in fp32 gave logit
-# error 0.34% at 3.76x compiled fp32's images/s; only the classifier 0.28% at 5.51x (plain autocast 0.40%
-# at 5.31x, with 3 rounding ties). Freezing folds its BN into bf16 conv weights, which cost it nothing.
+# Per architecture, where the sweep chose otherwise (webapp/catalog.py names). ResNet-18, fidelity bench
+# --quick, 2026-12-06, Intel Xeon with AMX, one thread, compiled, seeded weights, 64 inputs: the default
+# policy gave logit error 0.34% at 3.56x compiled fp32's images/s; only the classifier in fp32 0.28% at
+# 5.01x (plain autocast 0.40% at 4.96x, with 3 rounding ties). Freezing folds its BN into bf16 conv
+# weights, which cost it nothing.
 BF16_KEEP_FP32_BY_MODEL = {"resnet18": ("head",), "resnet18_seeded": ("head",)}
 
 

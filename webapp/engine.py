@@ -129,8 +129,9 @@ class Engine:
 
     ``precision`` is ``fp32``, ``bf16`` or ``int8`` (see module docstring); int8 needs
     ``calibration`` images ``(3, S, S) float32`` (a list, or a function that makes it, called only where
-    no package or saved program spares the quantization) and leaves the layer groups ``int8_keep_fp32`` in fp32 (``webapp/quantize.py``);
-    bf16 keeps the groups ``bf16_keep_fp32`` in fp32 (the model's own: ``bf16.keep_fp32_for``).
+    no package or saved program spares the quantization) and leaves the layer groups ``int8_keep_fp32`` in
+    fp32 (``webapp/quantize.py``); bf16 keeps the groups ``bf16_keep_fp32`` in fp32 (the model's own:
+    ``bf16.keep_fp32_for``; the default is EfficientNet-Lite0's and any unmeasured model's).
     ``compile=False`` runs eager (still channels_last, inference mode): it starts in about a second,
     for unit tests; int8 without compile runs the reference (simulated) quantized graph, slow, for
     tests only. With ``compile`` and a ``cache_dir``, ``backend`` is ``aoti`` (the package, see
