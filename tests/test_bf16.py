@@ -58,11 +58,10 @@ def test_policy_runs_kept_layers_in_fp32_and_returns_fp32_logits(lite0):
 
 def test_each_model_has_its_own_policy():
     """ResNet-18 keeps only its classifier in fp32 (BN folds into its bf16 convs); Lite0, and any model the
-    sweep has not measured, the default policy; every name in the table is a catalog model (no typo)."""
+    sweep has not measured, the default policy; every catalog model's policy keeps the classifier and names known groups."""
     assert bf16.keep_fp32_for("resnet18") == bf16.keep_fp32_for("resnet18_seeded") == ("head",)
     assert bf16.keep_fp32_for("efficientnet_lite0") == bf16.keep_fp32_for("another") == bf16.BF16_KEEP_FP32
-    assert set(bf16.BF16_KEEP_FP32_BY_MODEL) <= set(catalog.NAMES)
-    for keep in bf16.BF16_KEEP_FP32_BY_MODEL.values():
+    for keep in {bf16.keep_fp32_for(name) for name in catalog.NAMES}:
         assert "head" in keep  # the classifier in fp32: the logits never carry bf16's rounding ties
         for group in keep:
             bf16.bf16_layers(torchvision.models.resnet18(), group)  # a known group (raises ValueError if not)

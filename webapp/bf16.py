@@ -6,7 +6,7 @@ and top-k never see two labels with exactly equal (bf16-rounded) probabilities. 
 per architecture with ``bench/fidelity_bench.py`` (``python -m bench --only fidelity``), a per-layer-group
 sweep of top-1 agreement and top-1 probability change against fp32 on real photos, with the speed each
 costs: the layers kept in fp32 are those where bf16 loses fidelity but that cost little time.
-``BF16_KEEP_FP32``, for EfficientNet-Lite0 and any model not named in ``BF16_KEEP_FP32_BY_MODEL``: the stem
+``BF16_KEEP_FP32``, for EfficientNet-Lite0 and any model whose catalog entry sets no other: the stem
 conv, which sees the raw normalized pixels; the depthwise convs of the first three stages, few FLOPs;
 the 1x1 head conv and the classifier, which make the logits; BatchNorm, applied in fp32 to the bf16
 convs' outputs as eager autocast does, where inductor's freezing would otherwise fold it into bf16 conv
@@ -33,20 +33,18 @@ import time
 import torch
 from torch import nn
 
+from .catalog import BY_NAME
+
 # Layer groups the bf16 policy keeps in fp32 (see ``bf16_layers``), chosen by bench/fidelity_bench.py.
 BF16_KEEP_FP32 = ("stem", "head", "early_depthwise", "bn")
-# Per architecture, where the sweep chose otherwise (webapp/catalog.py names). ResNet-18, fidelity bench
-# --quick, 2026-12-06, Intel Xeon with AMX, one thread, compiled, seeded weights, 64 inputs: the default
-# policy gave logit error 0.34% at 3.56x compiled fp32's images/s; only the classifier in fp32 0.28% at
-# 5.01x (plain autocast 0.40% at 4.96x, with 3 rounding ties). Freezing folds its BN into bf16 conv
-# weights, which cost it nothing.
-BF16_KEEP_FP32_BY_MODEL = {"resnet18": ("head",), "resnet18_seeded": ("head",)}
 
 
 def keep_fp32_for(model_name: str) -> tuple[str, ...]:
-    """The layer groups the bf16 policy keeps in fp32 for the catalog model ``model_name``
-    (``BF16_KEEP_FP32_BY_MODEL``, else ``BF16_KEEP_FP32``)."""
-    return BF16_KEEP_FP32_BY_MODEL.get(model_name, BF16_KEEP_FP32)
+    """The layer groups the bf16 policy keeps in fp32 for the model ``model_name``: its catalog entry's
+    ``bf16_keep_fp32`` where the sweep chose otherwise for it (ResNet-18: the classifier only), else
+    ``BF16_KEEP_FP32``."""
+    entry = BY_NAME.get(model_name)
+    return entry.bf16_keep_fp32 if entry is not None and entry.bf16_keep_fp32 is not None else BF16_KEEP_FP32
 
 
 def bf16_layers(module: nn.Module, group: str) -> list[str]:
