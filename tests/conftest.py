@@ -3,14 +3,15 @@
 at teardown), and the shared photos in ``../shared/images``; helpers every test file may import.
 
 Markers (pytest.ini): every test is of one kind. ``server`` (starts a real gunicorn or another subprocess
-server), ``cluster`` (Ray), ``browser`` (Chromium) and ``slow`` (in-process, but compiles or
+server), ``cli`` (runs ``python -m webapp ...`` in a child process: seconds each where it imports torch),
+``cluster`` (Ray), ``browser`` (Chromium) and ``slow`` (in-process, but compiles or
 quantizes a model: minutes on a small box) are set by the test module (``pytestmark``) or the test; a
 test with none of them is ``unit`` (``pytest_collection_modifyitems`` below adds the mark). The fast
 subset is ``python -m pytest -m unit``; a plain ``python -m pytest`` runs every kind.
 
-``extended`` is not a kind but a tier, set beside a test's kind (``slow``, ``server`` or ``cluster``): the
-expensive checks of rare paths (more precisions, more signals, repeated runs of a once-seen race) that
-would push the plain run past ~10 minutes on 2 cores. The plain run skips them, saying how to run them:
+``extended`` is not a kind but a tier, set beside a test's kind (any but ``unit``): the
+expensive checks of rare paths (more precisions, more signals, repeated runs of a once-seen race, refusals
+of rare inputs that cost a server or a command's start) that would push the plain run past ~10 minutes on 2 cores. The plain run skips them, saying how to run them:
 ``python -m pytest -m extended`` (CI runs that as its own step, so every test still runs in CI).
 """
 
@@ -36,7 +37,7 @@ def shared_image(name: str) -> Path:
     return path
 
 
-KINDS = ("unit", "slow", "server", "cluster", "browser", "kit")  # registered in pytest.ini (so is extended: a tier)
+KINDS = ("unit", "slow", "server", "cli", "cluster", "browser", "kit")  # registered in pytest.ini (so is extended: a tier)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
         extended = item.get_closest_marker("extended") is not None
         if not kinds:
             if extended:
-                raise pytest.UsageError(f"{item.nodeid} is marked extended but has no kind (slow, server, cluster)")
+                raise pytest.UsageError(f"{item.nodeid} is marked extended but has no kind (slow, server, cli, cluster, browser)")
             item.add_marker(pytest.mark.unit)
         elif len(kinds) > 1:
             raise pytest.UsageError(f"{item.nodeid} is marked {sorted(kinds)}: one kind per test")

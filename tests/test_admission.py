@@ -474,6 +474,7 @@ def fresh(tmp_path_factory):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # clients that ignore Retry-After, rare (~15 s): with `-m extended`
 def test_clients_that_ignore_retry_after_do_not_talk_a_worker_into_refusing_what_fits(fresh):
     """Hammered from its start by clients that retry at once whatever it answers, a worker whose load fits
     the budget several times over keeps admitting it, and the costs it measures are its CPU's.

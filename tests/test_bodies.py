@@ -428,6 +428,7 @@ def test_fifty_stalled_uploads_do_not_slow_the_others(srv):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # SIGTERM beside stalled uploads, rare (~10 s): with `-m extended`
 def test_sigterm_does_not_wait_on_stalled_uploads_past_the_body_timeout(tmp_path):
     server = Server(tmp_path / "server.log", args=("--no-control-socket",), MODEL="resnet18_seeded", COMPILE=0,
                     WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1, BODY_TIMEOUT_S=BODY_TIMEOUT)

@@ -294,6 +294,7 @@ def test_photos_picked_while_others_run_are_counted_until_all_are_done(server, b
         tab.close()
 
 
+@pytest.mark.extended  # a token-protected API behind the page, rare (~3 s): with `-m extended`
 def test_a_token_protected_api_falls_back_to_the_form_with_the_scaled_copies(server, browser):
     """With CLASSIFIER_API_TOKEN set the page's API calls get 401 and it falls back to its own form. It sent the
     originals there, EXIF and GPS included, under its promise that large photos go without them (tryout), and
@@ -376,6 +377,7 @@ def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_on
         tab.close()
 
 
+@pytest.mark.extended  # a proxy's own error pages, rare (~8 s): with `-m extended`
 def test_a_proxys_own_answers_are_said_as_such_and_its_gateway_errors_retried(server, browser):
     """Behind a proxy, its own pages reach the page: a 502 HTML page said "Something went wrong on the server (it is
     logged there)", where nothing was logged, and a 503 without the classifier's JSON (the server restarting
@@ -419,6 +421,7 @@ def test_a_proxys_own_answers_are_said_as_such_and_its_gateway_errors_retried(se
         tab.close()
 
 
+@pytest.mark.extended  # a server that never answers the page, rare (~3 s): with `-m extended`
 def test_an_answer_that_never_comes_is_a_failed_card_in_time(server, browser):
     """A link that drops without a reset (Wi-Fi gone, a laptop asleep, a proxy that holds on) left the card
     "Classifying…" for good: fetch has no timeout of its own. The page waits what the server says (its
@@ -1157,6 +1160,7 @@ def _luma_scan_only() -> bytes:
         Image.open(shared_image("kite.jpg")).convert("P").resize((768, 576))], duration=500), "animated"),
     ("cmyk.jpg", _cmyk_without_adobe_marker, "cmyk"),
 ], ids=["fade-in-webp", "fade-in-apng", "apng-default-image-apart", "gif", "cmyk-jpeg"])
+@pytest.mark.extended  # animations and CMYK through the page, rare (~2 s each): with `-m extended`
 def test_what_the_browser_decodes_otherwise_goes_up_as_it_is_for_the_servers_answer(server, browser, name, build,
                                                                                    how):
     """The browser's decode is not the server's for these (tryout): an animation's first frame as stored, where
@@ -1191,6 +1195,7 @@ def test_what_the_browser_decodes_otherwise_goes_up_as_it_is_for_the_servers_ans
     ("ftp-ascii.jpg", lambda: re.sub(rb"(?<!\r)\n", b"\r\n", shared_image("phone-12mp.jpg").read_bytes()),
      "damaged")],
     ids=["zero-dc", "components-cut", "copied-as-text"])
+@pytest.mark.extended  # damaged JPEGs through the page, rare (~3 s each): with `-m extended`
 def test_a_jpeg_the_server_refuses_and_the_browser_decodes_goes_up_as_it_is(server, browser, name, build, how):
     """A JPEG with a 0 DC quantizer (grey where libjpeg decodes it), and a sequential one whose colour components
     come in separate scans, closed after the luma's (a colourless photo): Chromium decodes both without an error,
@@ -1228,6 +1233,7 @@ BROKEN_ENCODER = """{
 @pytest.mark.parametrize("script, how, fmt", [(NO_WEBP, "scaled", "PNG"), (LOSSY_WEBP, "scaled", "PNG"),
                                               (BROKEN_ENCODER, "failed", None)],
                          ids=["no-webp-encoder", "lossy-webp", "encoder-fails"])
+@pytest.mark.extended  # browsers without a lossless WebP encoder, rare (~3 s each): with `-m extended`
 def test_scaling_without_a_lossless_webp_or_with_a_failing_encoder(server, browser, script, how, fmt):
     phone = shared_image(PHONE)
     original = phone.read_bytes()

@@ -79,6 +79,7 @@ def test_importing_the_cli_imports_no_torch():
     assert out.stdout.strip() == "[]"
 
 
+@pytest.mark.cli
 def test_help_lists_every_setting_from_the_table():
     serve = run_cli("serve", "--help", env=clean_env(COLUMNS="200"))
     assert serve.returncode == 0, serve.stderr
@@ -110,6 +111,7 @@ def test_server_only_settings_exist():
     assert settings.BY_NAME["API_TOKEN"].secret
 
 
+@pytest.mark.cli
 def test_serve_sets_the_variables_and_passes_the_rest_to_gunicorn():
     out = run_cli("serve", "--dry-run", "--model", "efficientnet_lite0", "--no-compile", "--workers", "2",
                   "--bind", "0.0.0.0:9001", "--api-token", "s3cret", "--", "--preload", "--timeout", "90",
@@ -123,6 +125,7 @@ def test_serve_sets_the_variables_and_passes_the_rest_to_gunicorn():
     assert lines[-1].endswith(f"-m gunicorn -c {ROOT / 'gunicorn.conf.py'} wsgi:app --preload --timeout 90")
 
 
+@pytest.mark.cli
 def test_serve_execs_gunicorn():
     # gunicorn's --version exits before loading the config or the app: proves the exec and the pass-through
     # cheaply (tests/test_server.py runs the real server from the same CLASSIFIER_* variables).
@@ -131,6 +134,7 @@ def test_serve_execs_gunicorn():
     assert re.match(r"gunicorn \(version [0-9.]+\)", out.stdout + out.stderr), out.stdout + out.stderr
 
 
+@pytest.mark.cli
 def test_bad_values_are_usage_errors(no_classifier_env, monkeypatch, capsys):
     out = run_cli("serve", "--max-batch-size", "0")
     assert out.returncode == 2 and "--max-batch-size" in out.stderr and "1 to 256" in out.stderr
@@ -212,6 +216,7 @@ def test_settings_flags_a_rate_limit_the_server_would_refuse(environ, flagged, n
     assert flagged in capsys.readouterr().out
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("environ", [{"CLASSIFIER_RATE_LIMIT": "lots"},
                                      {"CLASSIFIER_RATE_LIMIT_STORAGE": "bogus://x"},
                                      {"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": ""}])
@@ -222,6 +227,7 @@ def test_classify_refuses_a_bad_rate_limit_setting_in_one_line(environ):
     assert out.stderr.startswith(f"configuration error: {name}=") and out.stderr.count("\n") == 1, out.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("where, why", [("/proc/nope", "cannot be created: No such file or directory"),
                                         ("a-file", "cannot be created: it exists and is not a folder"),
                                         ("a-file/sub", "cannot be created: Not a directory"),
@@ -270,6 +276,7 @@ def test_a_path_that_cannot_be_looked_at_is_a_usage_error_naming_the_os_reason(n
     assert capsys.readouterr().err == f"error: {long}: File name too long\n"
 
 
+@pytest.mark.cli
 def test_a_path_that_cannot_be_looked_at_in_the_real_cli_is_one_line(tmp_path):
     out = run_cli("classify", f"{LONG}.jpg")
     assert (out.returncode, out.stdout, out.stderr) == (2, "", f"error: {LONG}.jpg: File name too long\n")
@@ -431,6 +438,8 @@ def test_a_folders_broken_links_fifos_and_devices_are_error_entries_not_skipped(
         assert files.collect_files([str(tmp_path / "f" / name)])[0] == [(str(tmp_path / "f" / name), None, why)]
 
 
+@pytest.mark.cli
+@pytest.mark.extended  # unreadable folder entries, rare (~7 s): with `-m extended`
 def test_classify_reports_a_folders_unreadable_entries_and_never_opens_a_fifo(tmp_path):
     if not (SHARED_IMAGES / "dog.jpg").is_file():
         pytest.skip(f"{SHARED_IMAGES} is absent (the shared photos live in ../shared/images)")
@@ -518,6 +527,7 @@ def test_classify_reads_paths_from_stdin(photos, tmp_path, no_classifier_env, mo
     assert capsys.readouterr().err == "error: no paths (stdin was empty)\n"
 
 
+@pytest.mark.cli
 def test_classify_from_stdin_in_a_shell(photos, tmp_path):
     out = subprocess.run(f"ls {SHARED_IMAGES / 'dog.jpg'} | {sys.executable} -m webapp classify {' '.join(QUICK)} -q -",
                          shell=True, cwd=ROOT, env=clean_env(CLASSIFIER_CACHE_DIR=tmp_path), capture_output=True,
@@ -527,6 +537,7 @@ def test_classify_from_stdin_in_a_shell(photos, tmp_path):
 
 
 # -- classify: the real engine ----------------------------------------------------------------------------
+@pytest.mark.cli
 def test_classify_table_reports_every_file_and_goes_on_past_a_broken_one(photos, tmp_path):
     out = run_cli("classify", *QUICK, str(SHARED_IMAGES), str(photos),
                   env=clean_env(CLASSIFIER_CACHE_DIR=tmp_path))
@@ -978,6 +989,7 @@ def test_a_reader_that_leaves_is_exit_141_not_files_failed(no_classifier_env, mo
     assert "head -1" in CLASSIFY_EXIT_STATUS[141] and "|" not in CLASSIFY_EXIT_STATUS[141]  # (a markdown cell)
 
 
+@pytest.mark.cli
 def test_serve_bind_onto_a_busy_port_names_bind(tmp_path):
     """``serve --bind`` onto a port in use said "choose another address with CLASSIFIER_BIND (or gunicorn's -b)",
     not naming the option given (tryout): with --bind, the line names --bind; the exit status is the listen

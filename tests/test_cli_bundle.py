@@ -140,7 +140,9 @@ def test_bundle_refuses_a_folder_that_is_not_empty(small_kit, tmp_path):
     assert proc.returncode == 2 and "not an empty folder" in proc.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("name", ["a" * 300, "a-file/kit"])
+@pytest.mark.extended  # bundle's refusals, rare (~6 s each): with `-m extended`
 def test_bundle_refuses_an_out_that_cannot_be_looked_at_or_made_in_one_line(tmp_path, name):
     """A name part over 255 bytes (pathlib's exists() raises for it), a file on the way: the OS's reason."""
     (tmp_path / "a-file").write_text("x")
@@ -149,11 +151,13 @@ def test_bundle_refuses_an_out_that_cannot_be_looked_at_or_made_in_one_line(tmp_
     assert (proc.returncode, proc.stderr) == (2, f"error: --out: {tmp_path / name}: {why}\n"), proc.stderr
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("weights, words", [
     ("missing.pth", "does not exist or is not a file. Put a copy of https://download.pytorch.org/models/"
                     "resnet18-f37072fd.pth there, or unset CLASSIFIER_WEIGHTS to bundle without it."),
     ("resnet18-f37072fd.pth", "sha256"),  # there, but not the file its name promises
 ])
+@pytest.mark.extended  # bundle's refusals, rare (~6 s each): with `-m extended`
 def test_bundle_judges_the_weights_before_downloading_anything(tmp_path, weights, words):
     """A CLASSIFIER_WEIGHTS that names no file (the service would refuse to start on it) or a damaged one fails
     the bundle at once, in one line, with no folder made: not after minutes of downloading wheels, and not as

@@ -109,6 +109,7 @@ def assert_same_answers(local: dict, got: dict, *, probability_tol: float) -> No
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a busy server's 429s through a whole folder (~16 s): with `-m extended`
 def test_every_file_answered_through_429s_like_local_classify(busy, folder, local):
     out, got = remote_run(busy, folder)
     assert out.returncode == 1, out.stderr  # the four bad files, as locally
@@ -149,6 +150,7 @@ def test_table_and_csv_outputs_match_local(busy, folder):
         assert theirs.stdout.count("error") == mine.stdout.count("error") == 1
 
 
+@pytest.mark.cli
 def test_dead_server_is_one_error_line_and_exit_1(folder):
     url = f"http://127.0.0.1:{free_port()}"
     out = run_cli(str(folder / "dog.jpg"), "--server", url, timeout=60)
@@ -159,6 +161,7 @@ def test_dead_server_is_one_error_line_and_exit_1(folder):
     assert "refused" in lines[0].lower()
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("extra, message", [
     (("--model", "resnet18"), "error: --model does not go with --server: the server's own settings decide"),
     (("--cluster", "--out", "x.parquet"), "error: --cluster, --out do not go with --server: they run classify over "
@@ -171,6 +174,7 @@ def test_server_settings_are_refused(folder, extra, message):
     assert out.returncode == 2 and out.stderr.startswith(message), out.stderr
 
 
+@pytest.mark.cli
 def test_server_settings_in_the_environment_are_named_not_ignored_unsaid(folder):
     """Options of the server's are refused with --server; as variables (one shell may also start a local server)
     they are named on stderr, while the client's own (TOP_K, API_TOKEN) are not."""
@@ -186,11 +190,13 @@ def test_server_settings_in_the_environment_are_named_not_ignored_unsaid(folder)
     assert "note:" not in quiet.stderr and quiet.returncode == 1
 
 
+@pytest.mark.cli
 def test_server_must_be_a_url(folder):
     out = run_cli(str(folder / "dog.jpg"), "--server", "localhost:8000", timeout=60)
     assert out.returncode == 2 and out.stderr.startswith("error: --server must be an http:// or https:// URL")
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("url, message", [
     ("", "error: --server must be an http:// or https:// URL, got ''"),  # --server "$URL" with URL unset
     ("http://127.0.0.1:8000/api/v1/predict", "error: --server 'http://127.0.0.1:8000/api/v1/predict' ends in the "
@@ -383,6 +389,7 @@ def test_the_services_own_504_is_an_answer_not_tried_again(tmp_path):
                                                   "retries": 0}
 
 
+@pytest.mark.cli
 def test_the_progress_bar_counts_the_files_that_failed_before_upload(tmp_path):
     """Its total was the files sent (1/1 here) while the summary counted every file (2 files: 1 failed;
     tryout17): both count 2 now."""
@@ -411,6 +418,7 @@ def test_retries_are_bounded_and_end_in_an_error(tmp_path, monkeypatch):
     assert result["error"] == {"code": "overloaded", "message": "server busy (gave up after 3 tries, 0 s of waiting)"}
 
 
+@pytest.mark.cli
 def test_a_file_over_the_upload_limit_is_too_large_unread_as_locally(tmp_path):
     """A 40 MB sparse file (no real bytes on disk) is refused by its size, over the server's published limit (its
     default), before anything is read or sent; the other file is classified and the run exits 1, as locally."""
@@ -437,6 +445,7 @@ def sparse(path: Path, size: int) -> Path:
     return path
 
 
+@pytest.mark.cli
 def test_the_servers_own_upload_limit_applies_not_the_clients_default(tmp_path, monkeypatch):
     """A server started with CLASSIFIER_MAX_UPLOAD_BYTES=100000000 takes a 42 MB BMP (curl gets 200), which
     classify --server refused as too_large by the client's own default, 32 MiB (tryout). The limit is the one the
@@ -463,6 +472,7 @@ def test_the_servers_own_upload_limit_applies_not_the_clients_default(tmp_path, 
     assert len(stub.sizes) == 1  # neither refused file was sent
 
 
+@pytest.mark.cli
 def test_with_no_limit_published_every_file_is_sent_for_the_server_to_judge(tmp_path):
     """A server that publishes no limit (an older one; a proxy that passes only the API) is sent a file over the
     client's default, read from disk as it is sent, for its own answer (its 413, or its labels); the client's
@@ -498,6 +508,8 @@ def test_the_clients_own_limits_can_be_raised_for_a_server_set_higher(tmp_path):
     assert (refused, sent) == (1, 0) and len(stub.arrivals) == 1
 
 
+@pytest.mark.cli
+@pytest.mark.extended  # a server still starting, rare (~7 s): with `-m extended`
 def test_a_server_still_starting_is_waited_for(tmp_path):
     """503 not_ready + Retry-After on the probe is waited out as an upload's 429/503 is (with the jitter), saying
     so on stderr (not with -q); then the run goes on as usual."""
@@ -607,6 +619,7 @@ def test_a_missing_token_is_said_once_and_no_more_files_are_sent(tmp_path, capsy
     assert sum(e["message"] == f"not sent: {said}" for e in errors) == 5 and said in [e["message"] for e in errors]
 
 
+@pytest.mark.cli
 def test_ctrl_c_ends_a_run_waiting_on_answers_at_once(tmp_path):
     """tryout17: Ctrl-C said "interrupted" and went on waiting for the pool's threads (up to their read timeout);
     a second one printed a traceback."""
@@ -632,6 +645,7 @@ def test_ctrl_c_ends_a_run_waiting_on_answers_at_once(tmp_path):
     assert errors.rstrip().endswith("interrupted") and "Traceback" not in errors, errors[-2000:]
 
 
+@pytest.mark.cli
 def test_rows_are_written_as_they_are_ready_and_ctrl_c_keeps_them(tmp_path):
     """Every row was printed at the end of the run: a crash or Ctrl-C near the end lost them all (tryout17). The
     first file's row is out while the second waits on its answer, and after Ctrl-C the output is a whole JSON
@@ -660,6 +674,7 @@ def test_rows_are_written_as_they_are_ready_and_ctrl_c_keeps_them(tmp_path):
     assert [r["path"] for r in rows] == [str(tmp_path / "a.png")] and rows[0]["predictions"][0]["label"] == "kite"
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("quiet", [True, False])
 def test_a_reader_that_leaves_ends_the_run(tmp_path, quiet):
     """``classify ... | head -2``: with rows written as they come, the closed pipe is found at the next row, and the
@@ -808,6 +823,7 @@ def test_a_jpeg_the_server_refuses_though_libjpeg_decodes_it_is_sent_as_it_is():
     assert not scaling.refused_as_it_is(bytes(dog)) and remote.scaled(bytes(dog), 256)[0] != bytes(dog)
 
 
+@pytest.mark.cli
 def test_skipped_photos_are_named_and_no_image_file_is_a_usage_error_as_locally(tmp_path):
     """As local classify: a HEIC in a folder is named with why and counted in the summary; a folder with no
     image file (empty, or only a HEIC) is exit 2 before anything is sent."""

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,6 +22,7 @@ def _warm(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           env={**env, "TORCH_HOME": str(tmp_path / "torch")})
 
 
+@pytest.mark.cli
 def test_warm_runs_the_workers_start_up_and_says_where_the_cache_is(tmp_path):
     proc = _warm(tmp_path, "--model", "efficientnet_lite0", "--precision", "fp32", "--no-compile",
                  "--max-batch-size", "2")
@@ -34,6 +37,8 @@ def test_warm_runs_the_workers_start_up_and_says_where_the_cache_is(tmp_path):
     assert (tmp_path / "cache").is_dir()
 
 
+@pytest.mark.cli
+@pytest.mark.extended  # warm's failures, rare (~6 s): with `-m extended`
 def test_warm_fails_like_a_worker_start_naming_the_problem(tmp_path):
     proc = _warm(tmp_path, "--weights", str(tmp_path / "missing.pth"), "--no-compile")
     assert proc.returncode == 1 and f"CLASSIFIER_WEIGHTS={tmp_path / 'missing.pth'} does not exist" in proc.stderr
@@ -41,6 +46,8 @@ def test_warm_fails_like_a_worker_start_naming_the_problem(tmp_path):
     assert proc.returncode == 2 and "--max-batch-size" in proc.stderr
 
 
+@pytest.mark.cli
+@pytest.mark.extended  # warm's refusals, rare (~12 s): with `-m extended`
 def test_warm_says_in_one_line_that_a_path_cannot_be_looked_at(tmp_path):
     """A name part over 255 bytes: pathlib's probes raise for it (a traceback before)."""
     long = tmp_path / ("a" * 300)

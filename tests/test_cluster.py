@@ -385,6 +385,7 @@ def test_bulk_classify_usage_errors(tmp_path):
         assert "Traceback" not in result.stderr
 
 
+@pytest.mark.extended  # serve --cluster's refusals, rare (~7 s): with `-m extended`
 def test_serve_cluster_refuses_a_bad_or_busy_address_or_no_cluster():
     import socket
 

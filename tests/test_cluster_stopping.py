@@ -181,6 +181,7 @@ def test_stop_is_bounded_and_leaves_nothing_running(local_serve, sig, target):
         assert "were not all answered" not in log
 
 
+@pytest.mark.extended  # orphaned Ray processes, rare (~7 s): with `-m extended`
 def test_orphans_are_adopted_and_ended(tmp_path):
     """``LocalRay``: a grandchild whose parent exits (a worker whose raylet died) is found and ended."""
     script = """

@@ -417,6 +417,7 @@ def test_sigterm_drains_in_flight_requests(drain_server):
 
 
 # -- 5. SIGKILL of one worker ---------------------------------------------------------------------------
+@pytest.mark.extended  # a worker SIGKILLed, rare (~4 s): with `-m extended`
 def test_sigkill_of_one_worker(main_server):
     """Requests keep succeeding while one worker is SIGKILLed and replaced on the same cores.
 
@@ -479,6 +480,7 @@ class WrongCores(AssertionError):
     """Raised when a replacement lands on cores a live worker holds (fixed in gunicorn.conf.py pre_fork)."""
 
 
+@pytest.mark.extended  # a replacement after a reload, rare (~5 s): with `-m extended`
 def test_replacement_after_reload_takes_the_free_cores(main_server):
     """SIGHUP (gunicorn's reload), then SIGKILL the worker on the last cores: the replacement must get those cores."""
     old = healths(main_server, pids=main_server.health)

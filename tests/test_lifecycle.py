@@ -369,6 +369,7 @@ def test_missing_weights_is_one_line_and_exit_3(tmp_path, attempt):
 
 @pytest.mark.server
 @pytest.mark.parametrize("attempt", [1, *(pytest.param(n, marks=AGAIN) for n in (2, 3, 4, 5))])
+@pytest.mark.extended  # a start-up race seen once (~6 s a run): with `-m extended`
 def test_two_workers_failing_to_boot_at_once_stop_the_server_once(tmp_path, attempt):
     """Both workers fail within a millisecond (no such app module: gunicorn's own exit 3, with its traceback).
     gunicorn reaped the second while halting for the first and crashed on a chained HaltServer, exit 1,
@@ -384,6 +385,7 @@ def test_two_workers_failing_to_boot_at_once_stop_the_server_once(tmp_path, atte
 
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+@pytest.mark.extended  # tampered weights, rare (~6 s a launcher): with `-m extended`
 def test_tampered_weights_is_one_line_and_exit_3(tmp_path, launcher):
     fake = tmp_path / "resnet18-f37072fd.pth"
     fake.write_bytes(b"not the weights" * 1000)
@@ -393,6 +395,7 @@ def test_tampered_weights_is_one_line_and_exit_3(tmp_path, launcher):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a model that fails its self-test, rare (~7 s): with `-m extended`
 def test_failed_self_test_is_one_line_and_exit_3(tmp_path):
     # Seed 1's random weights put no dog breed in the golden photo's top 3 (seed 0's do, by chance).
     code, lines, temp = run_to_end(tmp_path, "selftest", GUNICORN, MODEL="resnet18_seeded", SEED=1, SELF_TEST="on")
@@ -653,6 +656,7 @@ def test_systemd_hears_ready_once_a_worker_serves_not_as_the_master_boots(tmp_pa
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a stop whose timeout cuts a request, rare (~8 s): with `-m extended`
 def test_a_stop_that_cuts_a_request_says_so(tmp_path):
     """SIGTERM with a slow upload still arriving when graceful_timeout ends: the worker is killed and the request
     cut. That said nothing (only "Shutting down: Master", status 0: tryout14); now one warning names it."""

@@ -45,6 +45,7 @@ def faulty_server(tmp_path, workers: int) -> Server:
 
 
 @pytest.mark.server
+@pytest.mark.extended  # a reload that cannot start, rare (~13 s): with `-m extended`
 def test_a_reload_that_cannot_start_leaves_the_old_worker_serving(tmp_path):
     srv = faulty_server(tmp_path, workers=1)
     try:
