@@ -7,6 +7,7 @@ of one real gunicorn, and a second start, serve one precision for one reason, fr
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -78,6 +79,53 @@ def test_workers_starting_together_wait_for_one_measurement(tmp_path):
     for t in threads:
         t.join(30)
     assert decide.calls == 1 and len(results) == 4 and len(set(results)) == 1
+
+
+SLOW_HERE = ("fp32", "auto: oneDNN claims native bf16 but bf16 kernels 0.62x fp32, so fp32 for this start",
+             {"faithful": True, "native_speedup": 0.62, "provisional": True})
+
+
+def test_a_provisional_decision_holds_for_its_start_only(tmp_path, monkeypatch):
+    """Native bf16 measured slow (a neighbour on the core, most often) is this start's decision, not the host's:
+    its workers and their replacements read it; a later start measures again and the ended start's file goes."""
+    main = records.precision_record_path(tmp_path, KEY)
+    ours = records.provisional_path(main, records.this_start())
+    ended = records.provisional_path(main, "999999999-5")  # no such pid
+    ended.write_text("{}")
+    slow = Decider(SLOW_HERE)
+    first = records.recorded_precision(tmp_path, KEY, slow)
+    assert records.recorded_precision(tmp_path, KEY, slow) == first and slow.calls == 1  # this start: read
+    assert first[0] == "fp32" and f"(decided for this server start: {ours.name} in CLASSIFIER_CACHE_DIR" in first[1]
+    assert not main.exists() and not ended.exists()
+    assert json.loads(ours.read_text())["start"] == records.this_start()
+    # Another start, later, alone on its core: measures again, and records for the host.
+    monkeypatch.setattr(records, "this_start", lambda: "1-1")
+    fast = Decider()
+    assert records.recorded_precision(tmp_path, KEY, fast)[0] == "bf16" and fast.calls == 1
+    assert json.loads(main.read_text())["start"] is None
+    assert ours.exists()  # this process's start is alive: its replacement workers must still read its fp32
+    monkeypatch.undo()
+    assert records.recorded_precision(tmp_path, KEY, fast) == first and fast.calls == 1
+
+
+def test_a_start_is_the_gunicorn_masters_for_its_workers(tmp_path):
+    """A worker's start is its master's (a child of this process, told it runs under gunicorn, names this one);
+    any other process's is its own; a reused pid is another start (its start time differs)."""
+    import subprocess
+    import sys
+
+    from webapp.settings import GUNICORN_ENV
+
+    code = "from webapp.records import this_start; import os; print(this_start(), os.getpid())"
+    env = {k: v for k, v in os.environ.items() if k != GUNICORN_ENV}
+    worker = subprocess.run([sys.executable, "-c", code], env={**env, GUNICORN_ENV: "1"}, capture_output=True,
+                            text=True, check=True).stdout.split()
+    alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert worker[0] == records.this_start() and records.this_start().startswith(f"{os.getpid()}-")
+    assert alone[0].startswith(f"{alone[1]}-") and alone[0] != records.this_start()
+    assert records._ended(int(alone[1]), alone[0].split("-")[1])  # that process has ended
+    assert not records._ended(os.getpid(), records.this_start().split("-")[1])
 
 
 def test_an_unusable_cache_decides_alone_and_says_so(tmp_path):
@@ -182,6 +230,24 @@ def test_auto_is_judged_on_the_calibration_photos_and_the_record_keeps_the_figur
     other = load(environ={}, overrides={"MODEL": "resnet18_seeded", "CALIBRATION_DIR": str(own)})
     startup.choose_engine_precision(other, model, transform, cache=tmp_path, threads=1)
     assert seen[-1] == (1, 3, 224, 224) and len(list(tmp_path.glob("precision-*.json"))) == 2
+
+
+@pytest.mark.parametrize("faithful, provisional", [(True, True), (False, False)])
+def test_only_a_faithful_but_slow_bf16_is_a_provisional_fp32(monkeypatch, faithful, provisional):
+    """Slow native bf16 kernels with faithful answers: fp32 for this start (measured again at the next);
+    unfaithful answers: fp32 for the host (a property of the model and CPU, not of the moment)."""
+    from webapp import engine, imaging
+    from webapp.models import load_model
+    from webapp.settings import load
+
+    figures = {"faithful": faithful, "native_speedup": 0.62 if faithful else 1.5}
+    monkeypatch.setattr(engine, "native_bf16", lambda: True)
+    monkeypatch.setattr(startup, "judge_bf16", lambda *a, **k: (False, "bf16 kernels 0.62x fp32", dict(figures)))
+    model = load_model(load(environ={}, overrides={"MODEL": "resnet18_seeded"}))
+    files = startup.calibration_files()[:2]
+    precision, reason, got = startup.decide_auto_precision(model, imaging.build_transform(model.preprocessing), files)
+    assert precision == "fp32" and bool(got.get("provisional")) is provisional
+    assert ("measured again at the next start" in reason) is provisional
 
 
 def test_auto_keeps_fp32_for_a_model_whose_bf16_misses_the_bench_targets(monkeypatch):

@@ -221,7 +221,7 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
     host does not stretch it), else wall time.
 
     Returns ``(ok, reason, figures)``: ``figures`` is ``fidelity``'s dict plus ``native_speedup`` (fp32
-    s / bf16 s) and ``photos``; ``reason`` says the figures in words. 28 photos at 224x224, ResNet-18,
+    s / bf16 s), ``photos`` and ``faithful`` (the fidelity part alone passed); ``reason`` says the figures in words. 28 photos at 224x224, ResNet-18,
     this 2-core box: 2.7 s on one core and one thread for all of it; 1.8 s with the fidelity part on
     both cores and the speed part on 2 photos instead of 4 (2026-12-01).
     """
@@ -249,4 +249,5 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
               f"({100 * fig['sure_agree']:.0f}% of {fig['sure_n']} with fp32 >= {SURE:.0%}), top-1 probability "
               f"change max {fig['max_change_pts']:.2f} points, {fig['ties']} ties; bf16 kernels "
               f"{fig['native_speedup']:.2f}x fp32")
-    return faithful(fig) and fig["native_speedup"] >= MIN_NATIVE_SPEEDUP, reason, fig
+    fig["faithful"] = faithful(fig)
+    return fig["faithful"] and fig["native_speedup"] >= MIN_NATIVE_SPEEDUP, reason, fig
