@@ -49,6 +49,12 @@ _DISCARD = bytearray(DRAIN_CHUNK)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
+def stopping() -> bool:
+    """Whether this worker is stopping (its answers then close their connection). Replaced by the gunicorn
+    worker as it runs (``webapp.worker.Worker.run``: ``not self.alive``); elsewhere never."""
+    return False
+
+
 class GuardedInput:
     """``wsgi.input`` with ``100 Continue`` sent on the first read and an idle timeout on every read.
 
@@ -228,7 +234,10 @@ def guard_bodies(wsgi_app, *, idle_s: float):
             # response must close, or keep-alive would read the rest of the body unbounded). Or an
             # upload answered by a worker that has others in progress while another worker is idle:
             # the client's next request connects again and goes to the idle one (webapp/balance.py).
-            if refused or guarded.cut_short or (environ.get("REQUEST_METHOD") == "POST" and balance.hand_over()):
+            # Or an answer written while the worker stops: the connection closes after it, so it must say so
+            # (gunicorn's check of ``alive`` is made as a request begins: one in flight said keep-alive).
+            if refused or guarded.cut_short or stopping() or \
+                    (environ.get("REQUEST_METHOD") == "POST" and balance.hand_over()):
                 resp = getattr(start_response, "__self__", None)
                 if hasattr(resp, "force_close"):
                     resp.force_close()

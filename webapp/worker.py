@@ -23,7 +23,8 @@
   ~0.5 s (measured on the 2-core box). Connections waiting for a next request that has not begun (a
   browser's idle keep-alive, a speculative preconnect) held a stop for gunicorn's ``keepalive`` (5 s);
   a stopping worker ends each such wait that has lasted ``IDLE_GRACE_S`` with nothing to read, as nginx closes idle
-  keep-alive connections on a graceful stop (``Worker.end_idle_waits``).
+  keep-alive connections on a graceful stop (``Worker.end_idle_waits``). A request in flight when the stop
+  comes is answered with ``Connection: close`` (``bodies.stopping``), as its connection then closes.
 - **New connections go to an idle worker first** (``CLASSIFIER_IDLE_FIRST``, ``webapp/balance.py``):
   its servers are ``IdleFirstServer``, which, while this worker has a request in progress and
   another worker is idle, leaves a new connection for ``balance.DEFER_S`` before accepting it.
@@ -48,7 +49,7 @@ from gunicorn import util as gunicorn_util
 from gunicorn.http import message as gunicorn_message
 from gunicorn.workers.ggevent import GeventWorker
 
-from . import balance, children
+from . import balance, bodies, children
 from .bodies import drain_socket
 from .errors import OTHER_HTTP_CODE, error_body
 from .logs import REQUEST_ID_HEADER, request_id_from
@@ -152,6 +153,7 @@ class Worker(GeventWorker):
             ggevent.StreamServer = IdleFirstServer
         ggevent.gevent = QuickTicks(self)
         gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
+        bodies.stopping = lambda: not self.alive  # an answer written while stopping says Connection: close
         super().run()
 
     def handle(self, listener, client, addr):
