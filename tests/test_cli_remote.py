@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import ROOT, SHARED_IMAGES, encode, shared_image
+from conftest import ROOT, SHARED_IMAGES, encode, shared_image, small_png
 from serving import Server, as_a_terminal_job, free_port
 from webapp.cli import remote, retries, scaling
 from webapp.settings import PREFIX
@@ -239,14 +239,16 @@ class Stub(http.server.ThreadingHTTPServer):
     GET /api/v1/models answers ``starting`` times as a starting server does (503 not_ready, Retry-After:
     ``retry_after``) first; ``probes`` records those GETs' arrival times. Listens on ``port`` (0: any free one).
     ``stall_from``: answer that many uploads, then stall as ``stall``; ``delay``: seconds before each answer.
-    ``limit``: GET /openapi.json is the real server's document with CLASSIFIER_MAX_UPLOAD_BYTES=limit (None: the
-    models answer, as for any GET: no limit published); ``sizes`` records each upload's size."""
+    ``limit``, ``topk``: GET /openapi.json is the real server's document with CLASSIFIER_MAX_UPLOAD_BYTES=limit and
+    CLASSIFIER_TOP_K=topk (both None: the models answer, as for any GET: nothing published); ``sizes`` records each
+    upload's size, ``paths`` its request target."""
 
     def __init__(self, plan: list[tuple[int, str | None]], *, starting: int = 0, retry_after: str = "1",
                  stall: bool = False, port: int = 0, stall_from: int | None = None, delay: float = 0.0,
-                 limit: int | None = None):
+                 limit: int | None = None, topk: int | None = None):
         self.plan, self.arrivals, self.probes, self.starting = list(plan), [], [], starting
         self.sizes: list[int] = []
+        self.paths: list[str] = []
         stub = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -268,9 +270,10 @@ class Stub(http.server.ThreadingHTTPServer):
                 data = json.dumps({"requested": "stub", "serving": "stub", "models": [
                     {"name": "stub", "title": "Stub", "precision": "fp32", "send_short_side": 256,
                      "send_resample": "bilinear", "serving": True}]}).encode()
-                if limit is not None and self.path == "/openapi.json":
+                if (limit is not None or topk is not None) and self.path == "/openapi.json":
                     from webapp import openapi, settings
-                    spec = openapi.build_spec(settings.load({f"{PREFIX}MAX_UPLOAD_BYTES": str(limit)}))
+                    spec = openapi.build_spec(settings.load({f"{PREFIX}{name}": str(value) for name, value in
+                                                             (("MAX_UPLOAD_BYTES", limit), ("TOP_K", topk)) if value}))
                     data = json.dumps(spec).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
@@ -285,6 +288,7 @@ class Stub(http.server.ThreadingHTTPServer):
                         break
                     left -= len(block)
                 stub.sizes.append(int(self.headers["Content-Length"]) - left)
+                stub.paths.append(self.path)
                 stub.arrivals.append(time.monotonic())
                 time.sleep(delay)
                 if stall or stall_from is not None and len(stub.arrivals) > stall_from:  # takes the upload and
@@ -470,6 +474,31 @@ def test_the_servers_own_upload_limit_applies_not_the_clients_default(tmp_path, 
     assert option.returncode == 1 and json.loads(option.stdout)[0]["error"] == {
         "code": "too_large", "message": "the file is 42,000,000 bytes; the limit is 40,000,000 (--max-upload-bytes)"}
     assert len(stub.sizes) == 1  # neither refused file was sent
+
+
+@pytest.mark.cli
+def test_the_servers_own_topk_applies_not_the_clients_default(tmp_path):
+    """With no --topk (nor CLASSIFIER_TOP_K) the labels per photo are the server's (its TOP_K, published in its
+    /openapi.json), as curl gets them, not this client's default of 3 (found and left in an earlier closing note);
+    given, the client's value is asked for."""
+    photo = tmp_path / "a.png"
+    photo.write_bytes(small_png())
+    stub = Stub([], topk=5)
+    try:
+        table = run_cli(str(photo), "--server", stub.url, "--quiet", timeout=60)
+        option = run_cli(str(photo), "--server", stub.url, "--quiet", "--topk", "2", timeout=60)
+        variable = run_cli(str(photo), "--server", stub.url, "--quiet", env={f"{PREFIX}TOP_K": "4"}, timeout=60)
+        older = Stub([])  # publishes nothing: the client's default
+        try:
+            assert run_cli(str(photo), "--server", older.url, "--quiet", timeout=60).returncode == 0
+        finally:
+            older.shutdown()
+    finally:
+        stub.shutdown()
+    assert [table.returncode, option.returncode, variable.returncode] == [0, 0, 0], (table.stderr, option.stderr)
+    assert stub.paths == ["/api/v1/predict?topk=5", "/api/v1/predict?topk=2", "/api/v1/predict?topk=4"]
+    assert older.paths == ["/api/v1/predict?topk=3"]
+    assert table.stdout.splitlines()[0].split()[-1] == "top-5", table.stdout
 
 
 @pytest.mark.cli

@@ -47,7 +47,7 @@ from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it
 from .retries import backoff, described, error as _error, out_of_tries, parsed, reason as _reason, refusal as _refusal
 from .retries import retry_wait
 from .scaling import scaled
-from .uploading import OPTION, SERVERS, Limit, published_limit, read_upload
+from .uploading import OPTION, SERVERS, Limit, published_limit, published_topk, read_upload
 
 DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full, few enough for its queue
 # READ: an answer's longest silence. The server bounds answers by CLASSIFIER_REQUEST_TIMEOUT_S (30 s) and refuses
@@ -197,16 +197,16 @@ class Client:
             raise Unreachable(f"{self.url} is not a photo classifier: GET /api/v1/models answered "
                               f"{described(resp)}") from None
 
-    def upload_limit(self) -> int | None:
-        """The upload limit (bytes) the server publishes in its ``GET /openapi.json``, or None (none published, or
-        no such answer). Raises nothing."""
+    def document(self) -> dict | None:
+        """The server's ``GET /openapi.json``, parsed (what it publishes: its upload limit, its default top-k), or
+        None (no such answer). Raises nothing."""
         import urllib3
 
         try:
             resp = self.request("GET", "/openapi.json", read_timeout_s=PROBE_READ_TIMEOUT_S)
         except urllib3.exceptions.HTTPError:
             return None
-        return published_limit(parsed(resp)) if resp.status == 200 else None
+        return parsed(resp) if resp.status == 200 else None
 
 
 def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int | Limit | None,
@@ -314,9 +314,11 @@ def classify_remote(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         err(f"error: {exc}")
         return EXIT_FAILED
-    # The upload limit: --max-upload-bytes where given, else the server's own where it publishes it, else none here
-    published = None if "MAX_UPLOAD_BYTES" in given else client.upload_limit()
-    limit = Limit(s.MAX_UPLOAD_BYTES, OPTION) if "MAX_UPLOAD_BYTES" in given else Limit(published, SERVERS)
+    # Upload limit, top-k: --max-upload-bytes, --topk (CLASSIFIER_TOP_K) where given, else the server's own, else none / ours
+    own_topk = "TOP_K" in given or settings_mod.PREFIX + "TOP_K" in os.environ
+    doc = None if "MAX_UPLOAD_BYTES" in given and own_topk else client.document()
+    limit = Limit(s.MAX_UPLOAD_BYTES, OPTION) if "MAX_UPLOAD_BYTES" in given else Limit(published_limit(doc), SERVERS)
+    topk = s.TOP_K if own_topk else published_topk(doc) or s.TOP_K
     short_side = None if args.no_scale else model.get("send_short_side")
     from PIL import Image
 
@@ -327,7 +329,7 @@ def classify_remote(args: argparse.Namespace) -> int:
         scale = "sent as they are" if short_side is None else f"over {short_side} px scaled locally first"
         err(f"classifying with {client.url}: {model.get('title', model['name'])}, {model.get('precision', '?')}; "
             f"{plural(jobs, 'connection')}, photos {scale}")
-    return _run(args, client, model["name"], items, topk=s.TOP_K, short_side=short_side, resample=resample,
+    return _run(args, client, model["name"], items, topk=topk, short_side=short_side, resample=resample,
                 jobs=jobs, skipped=skipped, max_bytes=limit, max_pixels=s.MAX_PIXELS)
 
 

@@ -42,6 +42,17 @@ def published_limit(doc: dict) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
+def published_topk(doc: dict) -> int | None:
+    """The labels per photo a server gives when not asked (its ``TOP_K``), from its ``/openapi.json`` (``doc``,
+    parsed): the predict operation's ``topk`` query parameter's default; None where absent. Raises nothing."""
+    try:
+        params = doc["paths"]["/api/v1/predict"]["post"]["parameters"]
+        value = next(p["schema"]["default"] for p in params if p.get("name") == "topk" and p.get("in") == "query")
+    except (KeyError, TypeError, AttributeError, StopIteration):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 10 else None
+
+
 class FileBody(NamedTuple):
     """A file sent from disk, not held: ``size`` bytes of ``path`` (its size when it was looked at)."""
     path: Path
