@@ -99,7 +99,7 @@ def test_the_masters_json_line_is_a_workers_line(access_lines):
 
     from webapp.responder import master_answers
 
-    answered = master_answers(None, types.SimpleNamespace(ACCESS_LOG="json", METRICS=False))
+    answered = master_answers(None, types.SimpleNamespace(ACCESS_LOG="json", METRICS=False, TRUSTED_PROXIES=0))
     answered({"remote_addr": "10.0.0.7", "request_line": "GET /readyz HTTP/1.1", "status": 503, "bytes": 120,
               "duration_ms": 0.4321, "request_id": "probe-1", "method": "GET", "path": "/readyz",
               "query": "q" * 5000, "user_agent": 'curl/8 "x"' + "a" * 900, "code": "not_ready"})

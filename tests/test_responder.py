@@ -261,6 +261,49 @@ def test_a_browser_opening_the_page_while_starting_gets_a_page_in_its_language(l
         os.close(w)
 
 
+@pytest.mark.parametrize("trusted, forwarded, logged", [
+    (0, "198.51.100.9, 203.0.113.5", "127.0.0.1"), (1, "198.51.100.9, 203.0.113.5", "203.0.113.5"),
+    (2, "198.51.100.9, 203.0.113.5", "198.51.100.9"), (3, "198.51.100.9, 203.0.113.5", "127.0.0.1"),
+    (1, None, "127.0.0.1")])
+def test_the_masters_access_line_names_the_client_behind_trusted_proxies(listening, trusted, forwarded, logged):
+    """The master's 503s were logged with the proxy's address where the workers' lines name the client
+    (TRUSTED_PROXIES: ProxyFix's rule, the n-th address from the right; fewer than n: the connection's)."""
+    from webapp import settings
+    from webapp.responder import client_address, master_answers
+
+    lines = []
+
+    class Log:
+        class access_log:
+            @staticmethod
+            def info(fmt, *args):
+                lines.append(fmt % args)
+
+    sock, port = listening
+    r, w = os.pipe()
+    answered = master_answers(Log, settings.load({"CLASSIFIER_ACCESS_LOG": "text", "CLASSIFIER_METRICS": "0",
+                                                  "CLASSIFIER_TRUSTED_PROXIES": str(trusted)}))
+    ended = []
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: True,
+                          stopping=lambda: False, ended=lambda: bool(ended), on_answer=answered)
+    responder.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2.0)
+        conn.request("GET", "/readyz", headers={"X-Forwarded-For": forwarded} if forwarded else {})
+        assert conn.getresponse().status == 503
+        conn.close()
+        deadline = time.monotonic() + 2.0
+        while not lines and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        ended.append(True)
+        time.sleep(0.5)
+        os.close(r)
+        os.close(w)
+    assert len(lines) == 1 and lines[0].split()[0] == logged, lines
+    assert client_address("10.0.0.1", " , 192.0.2.7 ,", 1) == "192.0.2.7"  # empty parts are no addresses
+
+
 def test_a_worker_forked_while_the_master_counts_an_answer_starts(tmp_path):
     """prometheus_client's multiprocess values take a module lock on every count. A worker forked while the master's
     responder thread held it (answering a probe during a cold start) inherited it held, and waited on it for ever in

@@ -249,7 +249,7 @@ class Responder:
                       "status": 200 if live else 503, "code": "" if live else NotReady.code,
                       "bytes": len(answer) - answer.index(b"\r\n\r\n") - 4,
                       "remote_addr": peer[0] if isinstance(peer, tuple) else str(peer),
-                      "user_agent": _header(head, b"user-agent")}
+                      "forwarded_for": _header(head, b"x-forwarded-for"), "user_agent": _header(head, b"user-agent")}
             conn.shutdown(socket.SHUT_WR)  # FIN now, even though forked workers may hold a copy
             _discard(conn)  # unread bytes at close would turn into a reset that can eat our answer
         except OSError:
@@ -329,18 +329,28 @@ def _discard(conn: socket.socket, limit: int = 1 << 20, wait_s: float = 0.2) -> 
         limit -= len(chunk)
 
 
+def client_address(peer: str | None, forwarded_for: str | None, trusted: int) -> str | None:
+    """The client's address as the workers log it behind ``trusted`` proxies (``TRUSTED_PROXIES``; Werkzeug's
+    ``ProxyFix(x_for=trusted)`` rule): the ``trusted``-th address from the right of ``X-Forwarded-For``, each
+    proxy having appended the address it heard from; the connection's ``peer`` where there are fewer, or none."""
+    values = [v.strip() for v in (forwarded_for or "").split(",") if v.strip()] if trusted > 0 else []
+    return values[-trusted] if len(values) >= trusted > 0 else peer
+
+
 def master_answers(gunicorn_log, settings) -> Callable[[dict], None]:
     """For the master's own answers, its 503s and its liveness 200s while starting (``Responder``'s
     ``on_answer``; ``code`` empty for a 200, as a worker's): each answer's access log line (in
     gunicorn's text format on ``gunicorn_log.access_log``, or ``ACCESS_LOG=json``'s object, "answered_by":
     "master") and its count in /metrics (endpoint "(master)"), as the workers write theirs. Without them, the
     503s of a start, a stop or a crash were in no log and no metric. The answer is a dict from the responder:
-    remote_addr, request_line, method, path, query, user_agent, status, code, bytes, duration_ms (ms),
-    request_id."""
+    remote_addr, forwarded_for, request_line, method, path, query, user_agent, status, code, bytes, duration_ms
+    (ms), request_id; the address logged is the client's behind ``TRUSTED_PROXIES`` (``client_address``)."""
     made: dict = {}
     fork_guard = fork_safe(Primitives.for_this_process().make_lock())
 
     def answered(rec: dict) -> None:
+        rec = {**rec, "remote_addr": client_address(rec.get("remote_addr"), rec.get("forwarded_for"),
+                                                    settings.TRUSTED_PROXIES)}
         # All under fork_guard: locks taken in here (prometheus_client's module lock, the import system's module
         # locks) must not be held by this thread as the master forks a worker, which would wait on them for ever.
         with fork_guard:
