@@ -1,9 +1,10 @@
 """``auto``'s precision decided once per host and CPU, and kept: the record in the cache folder
 (``precision-<key>.json``), read by every worker of every later start, and the lock that makes the workers of one
-server starting together wait for one measurement. A provisional verdict (its figures say ``provisional``:
-native bf16 measured slow, most often a loaded core) holds for the server start that measured it
-(``this_start``: its own file), so a start made beside a neighbour's compile does not keep a host on fp32 for good.
-Torch-free: the key and the measurement are ``webapp.startup``'s.
+server starting together wait for one measurement. Under gunicorn a provisional verdict (its figures say
+``provisional``: faithful answers, but native bf16 measured slow, most often a loaded core) holds for the server
+start that measured it (``this_start``: its own file), so a start made beside a neighbour's compile does not keep a
+host on fp32 for good; ``SLOW_STARTS_FOR_HOST`` such starts in a row, or one outside gunicorn (``warm``, the CLI,
+Ray), record it for the host. Torch-free: the key and the measurement are ``webapp.startup``'s.
 """
 
 from __future__ import annotations
@@ -28,16 +29,37 @@ def precision_record_path(cache: Path, key: dict) -> Path:
     return cache / f"precision-{digest}.json"
 
 
-def this_start() -> str:
-    """Which server start this process belongs to, as ``"<pid>-<start time>"``: under gunicorn its master's
-    (every worker of one server shares it: replacements and a SIGHUP reload's new workers too), elsewhere its
-    own (``python -m webapp warm``, the CLI, a Ray replica). The start time (clock ticks after boot, field 22
-    of ``/proc/PID/stat``) tells a reused pid from the first; where it cannot be read, the pid alone."""
+# A provisional verdict seen at this many server starts in a row (the same host, CPU and key) is the CPU's, not a
+# neighbour's: it is then recorded for the host, and later starts no longer spend the 2-4 s of measuring it.
+SLOW_STARTS_FOR_HOST = 3
+
+
+def this_start() -> str | None:
+    """The server start this process belongs to, as ``"<host>-<pid>-<start time>"``, or None outside gunicorn
+    (``python -m webapp warm``, the CLI, a Ray replica: no server start to hold a decision, so a provisional
+    one is recorded for the host there). Under gunicorn it is the master's: every worker of one server shares
+    it (replacements and a SIGHUP reload's new workers too). ``host`` names the machine and pid namespace
+    (``_namespace``): two containers sharing a cache volume each run their master as pid 1. The start time
+    (clock ticks after boot, field 22 of ``/proc/PID/stat``) tells a reused pid from the first."""
     from .settings import GUNICORN_ENV
 
-    pid = os.getppid() if os.environ.get(GUNICORN_ENV) else os.getpid()
-    started = _started(pid)
-    return f"{pid}-{started}" if started else str(pid)
+    if not os.environ.get(GUNICORN_ENV):
+        return None
+    pid = os.getppid()
+    return f"{_namespace()}-{pid}-{_started(pid) or 0}"
+
+
+def _namespace() -> str:
+    """8 hex digits naming this machine's boot and this process's pid namespace (``/proc/sys/kernel/random/boot_id``,
+    ``/proc/self/ns/pid``): processes whose pids can be compared share it. "0" * 8 where neither can be read."""
+    parts = []
+    for path, read in (("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
+                       ("/proc/self/ns/pid", os.readlink)):
+        try:
+            parts.append(read(path))
+        except OSError:
+            parts.append("")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8] if any(parts) else "0" * 8
 
 
 def _started(pid: int) -> str:
@@ -54,29 +76,24 @@ def provisional_path(path: Path, start: str) -> Path:
     return path.with_name(f"{path.stem}.start-{start}.json")
 
 
-def _remove_ended_starts(path: Path) -> None:
-    """Remove the provisional records of the record at ``path`` whose start has ended (its process gone, or
-    its pid now another process's); a live start's stays, so its replacement workers read what it chose."""
-    for old in path.parent.glob(f"{path.stem}.start-*.json"):
-        pid, _, started = old.name[len(path.stem) + len(".start-"):-len(".json")].partition("-")
-        if pid.isdigit() and _ended(int(pid), started):
-            try:
-                old.unlink()
-            except OSError:
-                pass
+def _ended_starts(path: Path) -> list[Path]:
+    """The provisional records of the record at ``path`` whose start has ended: made in this machine's boot and
+    pid namespace (others cannot be judged from here: left) by a process now gone, or its pid now another's."""
+    ns = _namespace()
+    ended = []
+    for old in path.parent.glob(f"{path.stem}.start-{ns}-*.json"):
+        pid, _, started = old.name[len(f"{path.stem}.start-{ns}-"):-len(".json")].partition("-")
+        if pid.isdigit() and int(pid) > 0 and _started(int(pid)) != started:
+            ended.append(old)
+    return ended
 
 
-def _ended(pid: int, started: str) -> bool:
-    """Whether the start ``pid`` (begun at ``started`` ticks, "" if unknown) is over."""
-    if started:
-        return _started(pid) != started
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # there, but not ours to signal
-        return False
-    return False
+def _remove(paths: list[Path]) -> None:
+    for old in paths:
+        try:
+            old.unlink()
+        except OSError:
+            pass
 
 
 def _read_record(path: Path, key: dict) -> dict | None:
@@ -101,10 +118,11 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
 
     Under a file lock, so the workers of one server starting together wait for the first one's
     measurement instead of each measuring while the others load the CPU (which is how two workers
-    came to serve in different precisions). A provisional decision (figures with ``provisional``) is
-    recorded for this start only (``provisional_path(path, this_start())``): its workers, replacements
-    included, read it; the next start, finding no record, measures again (and the ended starts' files go).
-    Every worker, the one that measured included, reports
+    came to serve in different precisions). Under gunicorn a provisional decision (figures with
+    ``provisional``) is recorded for this start only (``provisional_path(path, this_start())``): its workers,
+    replacements and a reload's included, read it; the next start, finding no host record, measures again (the
+    ended starts' files of this machine go, their count carried: ``SLOW_STARTS_FOR_HOST`` in a row make it the
+    host's). Every worker, the one that measured included, reports
     the record's reason, with its file name (the log has its path) and when it was measured: the same words
     in every ``/healthz``. Delete the file to measure again. Where the lock cannot be made (a read-only
     cache: a warm cache shipped so), the record is read without it (it is only ever renamed in whole).
@@ -114,15 +132,19 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     from filelock import FileLock, Timeout
 
     main = precision_record_path(cache, key)
-    this = provisional_path(main, this_start())
+    start = this_start()
+    this = provisional_path(main, start) if start else None
     path = main
 
     def alone(why: object) -> tuple[str, str]:
         log.warning("precision record %s unusable (%s): decided for this process only", path, why)
         return precision, f"{reason} (decided by this process only: the record {path.name} was unusable)"
 
-    def read() -> tuple[Path, dict | None]:  # this start's own provisional decision first
-        for candidate in (this, main):
+    def read(*, any_start: bool = False) -> tuple[Path, dict | None]:
+        # This start's own provisional decision first; a read-only cache (shipped warm) takes any start's
+        # rather than have each worker decide alone.
+        others = sorted(main.parent.glob(f"{main.stem}.start-*.json"), reverse=True) if any_start else []
+        for candidate in [p for p in (this, main) if p] + others:
             if (record := _read_record(candidate, key)) is not None:
                 return candidate, record
         return main, None
@@ -131,7 +153,7 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     try:
         lock.acquire()
     except (OSError, Timeout) as exc:
-        path, record = read() if isinstance(exc, OSError) else (main, None)  # a read-only cache's: whole (renamed in)
+        path, record = read(any_start=True) if isinstance(exc, OSError) else (main, None)  # read-only: renamed in whole
         if record is None:
             precision, reason = decide()[:2]
             return alone(exc)
@@ -139,30 +161,50 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     else:
         try:
             path, record = read()
+            ended = _ended_starts(main)
             if record is None:
                 decided = decide()  # its errors are the start-up's, not the record's
                 precision, reason = decided[:2]
                 figures = decided[2] if len(decided) > 2 else None
-                provisional = bool((figures or {}).get("provisional"))
+                slow_starts = 1 + max((_slow_starts(p, key) for p in ended), default=0)
+                provisional = bool((figures or {}).get("provisional")) and this is not None and \
+                    slow_starts < SLOW_STARTS_FOR_HOST
                 path = this if provisional else main
                 record = {"key": key, "precision": precision, "reason": reason, "measured_by_pid": os.getpid(),
                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "figures": figures,
-                          "start": this_start() if provisional else None}
+                          "start": start if provisional else None,
+                          "slow_starts": slow_starts if (figures or {}).get("provisional") and start else None}
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
                 try:
                     tmp.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
                     os.replace(tmp, path)  # atomic: a reader sees the old record or the new one, never half
                 except OSError as exc:
                     return alone(exc)
-                _remove_ended_starts(main)
                 log.info("precision for this %s decided and recorded in %s: %s (%s)",
                          "server start" if provisional else "host and CPU", path, precision, reason)
             else:
                 log.info("precision from the record %s (measured %s by pid %s): %s", path, record["measured_at"],
                          record["measured_by_pid"], record["precision"])
+            _remove(ended)
         finally:
             lock.release()
     # The file's name, not its path: this goes to every client (/healthz, answers); the log above has the path.
-    once = "for this server start" if record.get("start") is not None else "once for this host and CPU"
-    where = f"decided {once}: {path.name} in CLASSIFIER_CACHE_DIR, measured {record['measured_at']}"
+    measured = f"{path.name} in CLASSIFIER_CACHE_DIR, measured {record['measured_at']}"
+    if record.get("start") is not None:
+        where = (f"decided for this server start only: slow native bf16 is most often a loaded core, so the next "
+                 f"start (not a reload) measures again; {measured}")
+    elif (record.get("figures") or {}).get("provisional"):
+        slow = record.get("slow_starts")
+        where = (f"decided once for this host and CPU: {measured}; bf16 measured slow"
+                 + (f" at {slow} server starts in a row" if isinstance(slow, int) and slow > 1 else "")
+                 + ": if the host was busy then, delete the file to measure again")
+    else:
+        where = f"decided once for this host and CPU: {measured}"
     return record["precision"], f"{record['reason']} ({where})"
+
+
+def _slow_starts(path: Path, key: dict) -> int:
+    """How many starts in a row had measured bf16 slow, as the provisional record at ``path`` says (0: none)."""
+    record = _read_record(path, key)
+    count = (record or {}).get("slow_starts")
+    return count if isinstance(count, int) and count > 0 else 0

@@ -170,10 +170,9 @@ def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
     if figures.get("faithful"):
         # Faithful, but native bf16 kernels measured slow: on such a CPU that is a neighbour on this core
         # more often than the CPU (two servers started together here measured 0.62x, alone 1.27-1.51x), so
-        # the verdict holds for this server start only and the next start measures again (records.py).
+        # the verdict holds for this server start only and the next start measures again (records.py; three
+        # starts in a row make it the host's).
         figures = {**figures, "provisional": True}
-        return "fp32", (f"auto: oneDNN claims native bf16 but {measured}, so fp32 for this start (slow native "
-                        f"bf16 is most often a loaded core: measured again at the next start)"), figures
     return "fp32", f"auto: oneDNN claims native bf16 but {measured}, so fp32", figures
 
 
@@ -181,12 +180,13 @@ def precision_key(model: LoadedModel, threads: int, photos: str = "") -> dict:
     """What ``auto``'s decision depends on: torch's version, the model and its weights, the intra-op
     threads it was measured with, the CPU as this process runs it (its model name, the kernels
     torch picks and oneDNN's ISA cap, both of which the environment can lower, and whether oneDNN
-    claims native bf16), the model's bf16 policy (``bf16.keep_fp32_for``) and the judged photos (``photos_id``).
-    Any change of these measures again."""
+    claims native bf16), the model's bf16 policy (``bf16.keep_fp32_for``), the judged photos (``photos_id``) and
+    the version of the judgement's rules. Any change of these measures again."""
     return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
             "cpu": cpu.cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16(),
             "bf16_policy": list(keep_fp32_for(model.name)), "photos": photos,
+            "rules": 2,  # the judgement's rules: 2 made slow bf16 provisional (records of 1 are measured again)
             "bf16_auto_off": bool(catalog.BY_NAME[model.name].bf16_auto_off) if model.name in catalog.BY_NAME else False}
 
 
