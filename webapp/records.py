@@ -9,6 +9,7 @@ Ray), record it for the host. Torch-free: the key and the measurement are ``weba
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -86,14 +87,6 @@ def _ended_starts(path: Path) -> list[Path]:
         if pid.isdigit() and int(pid) > 0 and _started(int(pid)) != started:
             ended.append(old)
     return ended
-
-
-def _remove(paths: list[Path]) -> None:
-    for old in paths:
-        try:
-            old.unlink()
-        except OSError:
-            pass
 
 
 def _read_record(path: Path, key: dict) -> dict | None:
@@ -185,7 +178,9 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
             else:
                 log.info("precision from the record %s (measured %s by pid %s): %s", path, record["measured_at"],
                          record["measured_by_pid"], record["precision"])
-            _remove(ended)
+            for old in ended:
+                with contextlib.suppress(OSError):  # (another worker's start-up removed it first)
+                    old.unlink()
         finally:
             lock.release()
     # The file's name, not its path: this goes to every client (/healthz, answers); the log above has the path.
