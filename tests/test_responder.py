@@ -343,3 +343,28 @@ print("stuck", stuck)
                          env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split()[-2:] == ["stuck", "0"], run.stdout[-500:]
+
+
+@pytest.mark.parametrize("lines", [
+    ["X-Forwarded-For: 6.6.6.6", "X-Forwarded-For: 203.0.113.7"],  # a proxy's own line after the client's
+    ["X-Forwarded-For: " + "a" * 400 + "x, 6.6.6.6," + " " * 600 + ", 203.0.113.7"],  # the client's text pads
+    ["X-Forwarded-For: 198.51.100.9, 6.6.6.6", "x-forwarded-for: 10.1.1.1, 203.0.113.7"],
+    ['X-Forwarded-For: "6.6.6.6, 10.0.0.1", 203.0.113.7'],  # a quoted comma is no separator (ProxyFix's split)
+])
+@pytest.mark.parametrize("trusted", [1, 2])
+def test_the_master_reads_x_forwarded_for_as_the_workers_proxyfix_does(lines, trusted):
+    """The master took the first X-Forwarded-For line only, cut to its first 512 characters: the client's own text,
+    so a client chose the address its 503 was logged with (tried: 6.6.6.6). It reads the header whole, as gunicorn
+    gives it to a worker (repeated lines joined with ','), and splits it as ProxyFix does: the same address."""
+    from werkzeug.middleware.proxy_fix import ProxyFix
+    from webapp.responder import _header, client_address
+
+    head = ("POST /api/v1/predict HTTP/1.1\r\nHost: x\r\n" + "\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    seen = {}
+    ProxyFix(lambda environ, start: seen.update(addr=environ["REMOTE_ADDR"]) or [], x_for=trusted)(
+        {"REMOTE_ADDR": "127.0.0.1", "HTTP_X_FORWARDED_FOR": ",".join(v.split(":", 1)[1].strip() for v in lines)},
+        lambda *a: None)
+    got = client_address("127.0.0.1", _header(head, b"x-forwarded-for", limit=None), trusted)
+    assert got == seen["addr"], (got, seen)
+    if trusted == 1:  # one proxy: the address it appended, whatever the client wrote before it
+        assert got == "203.0.113.7"

@@ -249,7 +249,8 @@ class Responder:
                       "status": 200 if live else 503, "code": "" if live else NotReady.code,
                       "bytes": len(answer) - answer.index(b"\r\n\r\n") - 4,
                       "remote_addr": peer[0] if isinstance(peer, tuple) else str(peer),
-                      "forwarded_for": _header(head, b"x-forwarded-for"), "user_agent": _header(head, b"user-agent")}
+                      "forwarded_for": _header(head, b"x-forwarded-for", limit=None),
+                      "user_agent": _header(head, b"user-agent")}
             conn.shutdown(socket.SHUT_WR)  # FIN now, even though forked workers may hold a copy
             _discard(conn)  # unread bytes at close would turn into a reset that can eat our answer
         except OSError:
@@ -284,13 +285,19 @@ class Responder:
         self._socks = []
 
 
-def _header(head: bytes, name: bytes) -> str | None:
-    """The value of header ``name`` (lower case) in a request ``head``, or None."""
-    for raw in head.split(b"\r\n")[1:]:
-        key, _, value = raw.partition(b":")
-        if key.strip().lower() == name:
-            return value.strip().decode("latin-1")[:512]
-    return None
+def _header(head: bytes, name: bytes, *, limit: int | None = 512) -> str | None:
+    """The value of header ``name`` (lower case) in a request ``head``, or None: repeated lines joined with ``,``
+    as gunicorn joins them for the workers; its first ``limit`` characters (None: all, the head being bounded).
+
+    ``X-Forwarded-For`` is read whole: a proxy may add its own line after the client's (HAProxy's ``option
+    forwardfor``), and the addresses the proxies vouch for are at its right end, a client's own text at its left
+    (its first line alone, or its first 512 characters, let a client choose the address the master logged)."""
+    values = [value.strip() for key, _, value in (raw.partition(b":") for raw in head.split(b"\r\n")[1:])
+              if key.strip().lower() == name]
+    if not values:
+        return None
+    text = b",".join(values).decode("latin-1")
+    return text if limit is None else text[:limit]
 
 
 def _read_head(conn: socket.socket) -> bytes:
@@ -332,9 +339,15 @@ def _discard(conn: socket.socket, limit: int = 1 << 20, wait_s: float = 0.2) -> 
 def client_address(peer: str | None, forwarded_for: str | None, trusted: int) -> str | None:
     """The client's address as the workers log it behind ``trusted`` proxies (``TRUSTED_PROXIES``; Werkzeug's
     ``ProxyFix(x_for=trusted)`` rule): the ``trusted``-th address from the right of ``X-Forwarded-For``, each
-    proxy having appended the address it heard from; the connection's ``peer`` where there are fewer, or none."""
-    values = [v.strip() for v in (forwarded_for or "").split(",") if v.strip()] if trusted > 0 else []
-    return values[-trusted] if len(values) >= trusted > 0 else peer
+    proxy having appended the address it heard from; the connection's ``peer`` where there are fewer, or none.
+    The header is split by Werkzeug's own ``parse_list_header``, as ProxyFix splits it (empty parts dropped,
+    quoted commas kept), so that both name the same address for any header."""
+    if trusted <= 0 or not forwarded_for:
+        return peer
+    from werkzeug.http import parse_list_header  # (the master's answers only; Flask's, not this module's, import)
+
+    values = parse_list_header(forwarded_for)
+    return values[-trusted] if len(values) >= trusted else peer
 
 
 def master_answers(gunicorn_log, settings) -> Callable[[dict], None]:
