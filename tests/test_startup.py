@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -109,7 +110,8 @@ def test_a_provisional_decision_holds_for_its_start_only(tmp_path, monkeypatch, 
     assert under_gunicorn == f"{ns}-{os.getppid()}-{records._started(os.getppid())}"
     ended = records.provisional_path(main, f"{ns}-999999999-5")  # no such pid: that start has ended
     _record(ended, 1)
-    elsewhere = records.provisional_path(main, "ffffffff-1-5")  # another container's master (pid 1): left alone
+    boot = ns.split("-")[0]
+    elsewhere = records.provisional_path(main, f"{boot}-ffffffff-1-5")  # another container's master (pid 1): left
     _record(elsewhere, 1)
     slow = Decider(SLOW_HERE)
     first = records.recorded_precision(tmp_path, KEY, slow)
@@ -190,7 +192,53 @@ def test_a_start_is_the_gunicorn_masters_for_its_workers(tmp_path):
     alone = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            check=True).stdout.strip()
     assert worker == f"{records._namespace()}-{os.getpid()}-{records._started(os.getpid())}" and alone == "None"
-    assert len(records._namespace()) == 8 and records._started(os.getpid()).isdigit()
+    assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{8}", records._namespace()) and records._started(os.getpid()).isdigit()
+
+
+def test_containers_run_with_rm_still_reach_the_host_record_and_their_files_go_at_the_next_boot(tmp_path,
+                                                                                              monkeypatch):
+    """Each ``podman run --rm`` (the Containerfile's) is a new pid namespace, its master pid 1: only ended starts of
+    this namespace were counted, so the count stayed at 1 and every start measured (2-4 s) and left a file. Any
+    start's count is carried now, and a start of another boot has ended for certain."""
+    from webapp.settings import GUNICORN_ENV
+
+    monkeypatch.setenv(GUNICORN_ENV, "1")
+    main = records.precision_record_path(tmp_path, KEY)
+    boot = records._namespace().split("-")[0]
+    for i, ns in enumerate(("aaaaaaaa", "bbbbbbbb", "cccccccc")):
+        monkeypatch.setattr(records, "_namespace", lambda ns=ns: f"{boot}-{ns}")
+        monkeypatch.setattr(records, "this_start", lambda ns=ns: f"{boot}-{ns}-1-{100 + i}")
+        slow = Decider(SLOW_HERE)
+        records.recorded_precision(tmp_path, KEY, slow)
+        assert slow.calls == 1
+    record = json.loads(main.read_text())
+    assert record["slow_starts"] == 3 and record["start"] is None and record["precision"] == "fp32"
+    assert len(list(tmp_path.glob("*.start-*"))) == 2  # this boot's other containers: not judged from here
+    monkeypatch.setattr(records, "_namespace", lambda: "ffffffff-dddddddd")  # the next boot
+    monkeypatch.setattr(records, "this_start", lambda: "ffffffff-dddddddd-1-100")
+    first_rules = records.provisional_path(main, "0123abcd-7-7")
+    _record(first_rules, 1)
+    assert records.recorded_precision(tmp_path, KEY, Decider())[0] == "fp32"  # the host's record: read
+    assert list(tmp_path.glob("*.start-*")) == []
+
+
+def test_a_start_whose_time_cannot_be_read_keeps_its_file(tmp_path, monkeypatch, under_gunicorn):
+    """Without a readable start time the name says 0; the start was then judged ended by its own later workers
+    (their reading "" is not "0"), its file deleted, and each worker measured in turn. A start time of 0 is judged
+    by the pid alone, and a start's own file is never among the ended."""
+    monkeypatch.setattr(records, "_started", lambda pid: "")
+    start = records.this_start()
+    assert start.endswith(f"-{os.getppid()}-0")
+    monkeypatch.setattr(records, "this_start", lambda: start)
+    main = records.precision_record_path(tmp_path, KEY)
+    ns = records._namespace()
+    alive, gone = (records.provisional_path(main, f"{ns}-{pid}-0") for pid in (os.getpid(), 999999999))
+    _record(alive, 1)
+    _record(gone, 1)
+    slow = Decider(SLOW_HERE)
+    answers = [records.recorded_precision(tmp_path, KEY, slow) for _ in range(3)]  # three workers of this start
+    assert slow.calls == 1 and len(set(answers)) == 1
+    assert records.provisional_path(main, start).exists() and alive.exists() and not gone.exists()
 
 
 def test_an_unusable_cache_decides_alone_and_says_so(tmp_path):

@@ -36,12 +36,13 @@ SLOW_STARTS_FOR_HOST = 3
 
 
 def this_start() -> str | None:
-    """The server start this process belongs to, as ``"<host>-<pid>-<start time>"``, or None outside gunicorn
-    (``python -m webapp warm``, the CLI, a Ray replica: no server start to hold a decision, so a provisional
-    one is recorded for the host there). Under gunicorn it is the master's: every worker of one server shares
-    it (replacements and a SIGHUP reload's new workers too). ``host`` names the machine and pid namespace
-    (``_namespace``): two containers sharing a cache volume each run their master as pid 1. The start time
-    (clock ticks after boot, field 22 of ``/proc/PID/stat``) tells a reused pid from the first."""
+    """The server start this process belongs to, as ``"<boot>-<namespace>-<pid>-<start time>"``, or None outside
+    gunicorn (``python -m webapp warm``, the CLI, a Ray replica: no server start to hold a decision, so a
+    provisional one is recorded for the host there). Under gunicorn it is the master's: every worker of one server
+    shares it (replacements and a SIGHUP reload's new workers too). ``boot`` and ``namespace`` (``_namespace``) name
+    the machine's boot and the pid namespace: two containers sharing a cache volume each run their master as pid 1.
+    The start time (clock ticks after boot, field 22 of ``/proc/PID/stat``; 0 where it cannot be read) tells a
+    reused pid from the first."""
     from .settings import GUNICORN_ENV
 
     if not os.environ.get(GUNICORN_ENV):
@@ -51,16 +52,18 @@ def this_start() -> str | None:
 
 
 def _namespace() -> str:
-    """8 hex digits naming this machine's boot and this process's pid namespace (``/proc/sys/kernel/random/boot_id``,
-    ``/proc/self/ns/pid``): processes whose pids can be compared share it. "0" * 8 where neither can be read."""
+    """``<boot>-<pid namespace>``, 8 hex digits each (of ``/proc/sys/kernel/random/boot_id`` and
+    ``/proc/self/ns/pid``; "0" * 8 where unreadable): processes whose pids can be compared share both, and every
+    process of another boot has ended (a container run with ``--rm`` gets a new namespace each time: its earlier
+    starts' files are judged ended at the next boot, not before)."""
     parts = []
     for path, read in (("/proc/sys/kernel/random/boot_id", lambda p: Path(p).read_text().strip()),
                        ("/proc/self/ns/pid", os.readlink)):
         try:
-            parts.append(read(path))
+            parts.append(hashlib.sha256(read(path).encode()).hexdigest()[:8])
         except OSError:
-            parts.append("")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8] if any(parts) else "0" * 8
+            parts.append("0" * 8)
+    return "-".join(parts)
 
 
 def _started(pid: int) -> str:
@@ -77,16 +80,38 @@ def provisional_path(path: Path, start: str) -> Path:
     return path.with_name(f"{path.stem}.start-{start}.json")
 
 
-def _ended_starts(path: Path) -> list[Path]:
-    """The provisional records of the record at ``path`` whose start has ended: made in this machine's boot and
-    pid namespace (others cannot be judged from here: left) by a process now gone, or its pid now another's."""
-    ns = _namespace()
-    ended = []
-    for old in path.parent.glob(f"{path.stem}.start-{ns}-*.json"):
-        pid, _, started = old.name[len(f"{path.stem}.start-{ns}-"):-len(".json")].partition("-")
-        if pid.isdigit() and int(pid) > 0 and _started(int(pid)) != started:
-            ended.append(old)
-    return ended
+def _starts(path: Path) -> list[Path]:
+    """The provisional records of the record at ``path``, of every start, newest first (by modification time)."""
+    found = []
+    for p in path.parent.glob(f"{path.stem}.start-*.json"):
+        with contextlib.suppress(OSError):  # (removed meanwhile)
+            found.append((p.stat().st_mtime, p))
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _ended(name: str, stem: str) -> bool:
+    """Whether the start that made the provisional record named ``name`` has ended: made in another boot of this
+    machine (or under the first rules, which named boot and namespace as one), or in this boot and pid namespace
+    by a master now gone or its pid now another process's. Another namespace's starts in this boot cannot be
+    judged from here (a container beside this one may still run): not ended."""
+    parts = name[len(f"{stem}.start-"):-len(".json")].split("-")
+    if len(parts) != 4:
+        return True  # the first rules' name: "<boot and namespace>-<pid>-<ticks>"
+    boot, ns, pid, started = parts
+    here_boot, here_ns = _namespace().split("-")
+    if boot != here_boot:
+        return True
+    if ns != here_ns or not pid.isdigit() or int(pid) <= 0:
+        return False
+    if started == "0":  # its start time could not be read when made: judged by the pid alone
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+    return _started(int(pid)) != started
 
 
 def _read_record(path: Path, key: dict) -> dict | None:
@@ -114,8 +139,10 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     came to serve in different precisions). Under gunicorn a provisional decision (figures with
     ``provisional``) is recorded for this start only (``provisional_path(path, this_start())``): its workers,
     replacements and a reload's included, read it; the next start, finding no host record, measures again (the
-    ended starts' files of this machine go, their count carried: ``SLOW_STARTS_FOR_HOST`` in a row make it the
-    host's). Every worker, the one that measured included, reports
+    count of slow starts is carried from every start's file, a container's beside this one included, and
+    ``SLOW_STARTS_FOR_HOST`` in a row make it the host's; the files of ended starts go, ``_ended``: a container
+    run with ``--rm`` has a new pid namespace each time, so its earlier starts' files go at the next boot, while
+    their count still reaches the host record). Every worker, the one that measured included, reports
     the record's reason, with its file name (the log has its path) and when it was measured: the same words
     in every ``/healthz``. Delete the file to measure again. Where the lock cannot be made (a read-only
     cache: a warm cache shipped so), the record is read without it (it is only ever renamed in whole).
@@ -136,7 +163,7 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     def read(*, any_start: bool = False) -> tuple[Path, dict | None]:
         # This start's own provisional decision first; a read-only cache (shipped warm) takes any start's
         # rather than have each worker decide alone.
-        others = sorted(main.parent.glob(f"{main.stem}.start-*.json"), reverse=True) if any_start else []
+        others = _starts(main) if any_start else []
         for candidate in [p for p in (this, main) if p] + others:
             if (record := _read_record(candidate, key)) is not None:
                 return candidate, record
@@ -154,12 +181,15 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     else:
         try:
             path, record = read()
-            ended = _ended_starts(main)
+            starts = [p for p in _starts(main) if p != this]
+            ended = [p for p in starts if _ended(p.name, main.stem)]
             if record is None:
                 decided = decide()  # its errors are the start-up's, not the record's
                 precision, reason = decided[:2]
                 figures = decided[2] if len(decided) > 2 else None
-                slow_starts = 1 + max((_slow_starts(p, key) for p in ended), default=0)
+                # In a row: any start's count (a container's beside this one, or ended), none broken since by a
+                # host record (which would have been read above).
+                slow_starts = 1 + max((_slow_starts(p, key) for p in starts), default=0)
                 provisional = bool((figures or {}).get("provisional")) and this is not None and \
                     slow_starts < SLOW_STARTS_FOR_HOST
                 path = this if provisional else main
