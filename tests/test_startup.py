@@ -160,6 +160,27 @@ def test_outside_gunicorn_a_provisional_decision_is_the_hosts(tmp_path, monkeypa
     assert [p.name for p in tmp_path.glob("precision-*.json")] == [records.precision_record_path(tmp_path, KEY).name]
 
 
+def test_the_cli_beside_a_live_server_does_not_record_its_slow_bf16_for_the_host(tmp_path, monkeypatch):
+    """``classify`` or ``warm`` run while a server of this machine is up (its start measured bf16 slow and holds a
+    provisional fp32) measures beside that server's load: recorded for the host, its slow verdict kept every later
+    start on fp32. It decides for itself only; with no live server beside it, it records for the host as before."""
+    from webapp.settings import GUNICORN_ENV
+
+    monkeypatch.delenv(GUNICORN_ENV, raising=False)
+    main = records.precision_record_path(tmp_path, KEY)
+    ns = records._namespace()
+    live = records.provisional_path(main, f"{ns}-{os.getpid()}-{records._started(os.getpid())}")
+    _record(live, 1)
+    precision, reason = records.recorded_precision(tmp_path, KEY, Decider(SLOW_HERE))
+    assert precision == "fp32" and not main.exists() and live.exists()
+    assert reason.endswith(f"(decided for this process only: a server start beside it, {live.name}, loads the "
+                           "cores, so slow bf16 is not recorded for the host)")
+    live.unlink()
+    _record(records.provisional_path(main, f"{ns}-999999999-5"), 1)  # a server that has stopped: nothing beside
+    assert "decided once for this host and CPU" in records.recorded_precision(tmp_path, KEY, Decider(SLOW_HERE))[1]
+    assert main.exists()
+
+
 def test_a_read_only_cache_reads_a_starts_provisional_record_rather_than_each_worker_deciding(tmp_path, monkeypatch,
                                                                                             under_gunicorn):
     import errno

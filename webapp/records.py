@@ -114,6 +114,12 @@ def _ended(name: str, stem: str) -> bool:
     return _started(int(pid)) != started
 
 
+def _here(name: str, stem: str) -> bool:
+    """Whether the provisional record named ``name`` was made in this boot and pid namespace (its start judgeable)."""
+    parts = name[len(f"{stem}.start-"):-len(".json")].split("-")
+    return len(parts) == 4 and "-".join(parts[:2]) == _namespace()
+
+
 def _read_record(path: Path, key: dict) -> dict | None:
     """The record at ``path`` if it is whole and made for ``key``; else None (a damaged one is logged)."""
     try:
@@ -190,6 +196,13 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
                 # In a row: any start's count (a container's beside this one, or ended), none broken since by a
                 # host record (which would have been read above).
                 slow_starts = 1 + max((_slow_starts(p, key) for p in starts), default=0)
+                beside = [p for p in starts if p not in ended and _here(p.name, main.stem)]
+                if this is None and (figures or {}).get("provisional") and beside:
+                    # The CLI or ``warm`` run beside a live server of this machine: its load is the likeliest
+                    # cause of slow bf16; recorded for the host, it would keep every later start on fp32.
+                    log.info("precision decided for this process only: a server runs beside it (%s)", beside[0])
+                    return precision, (f"{reason} (decided for this process only: a server start beside it, "
+                                       f"{beside[0].name}, loads the cores, so slow bf16 is not recorded for the host)")
                 provisional = bool((figures or {}).get("provisional")) and this is not None and \
                     slow_starts < SLOW_STARTS_FOR_HOST
                 path = this if provisional else main
