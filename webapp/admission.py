@@ -64,14 +64,12 @@ refused again: at 2x overload the refusals cost the busy worker ~10% of its imag
 each, a 12 MP body drained included). A client that does not come back costs nothing but a later
 client's longer wait: the admission itself never counts these promises, only ``Retry-After`` does.
 
-Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from
-``concurrency.Primitives``; held for microseconds), so request greenlets, the CLI's threads and
-a dev server's threads may all call in.
+Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from ``concurrency.Primitives``;
+held for microseconds), so request greenlets, the CLI's threads and a dev server's threads may all call in.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections import deque
@@ -244,7 +242,7 @@ class Admission:
         self._image_ms, self._queued, self._clock = image_ms, queued, clock
         self._lock = Primitives.for_this_process().make_lock()
         self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
-        self._owed: list[tuple[float, float]] = []  # (when, ms): refused work told to come back then, in time order
+        self._owed: dict[int, list] = {}  # tenth of a s -> [ms, clients] told to come back then (not a list of each)
         self._decoding = Decoding(uploads=0, nbytes=0)  # every photo in classify not decoded yet, and their bytes
         self.admitted = self.refused = self.gone = 0  # gone: clients who left before their photos were decoded
 
@@ -252,6 +250,8 @@ class Admission:
     def _expire(self, now: float) -> None:
         while self._tickets and (not self._tickets[0].live or self._tickets[0].expires <= now):
             self._tickets.popleft().live = False
+        for tenth in [t for t in self._owed if t < 10 * (now - self.budget_ms / 1e3)]:  # back (or not) long ago
+            del self._owed[tenth]
 
     def _ahead(self) -> tuple[int, float]:
         """``(uploads, bytes)`` ahead of a new request: photos being decoded, and tickets whose bodies are
@@ -295,19 +295,19 @@ class Admission:
     def _come_back(self, p: Prediction, now: float) -> int:
         """Seconds (>= 1, <= ``MAX_RETRY_AFTER_S``) after which refused ``p`` fits, the work of the clients
         refused before it that will be back by then included; remembered for the next (module docstring)."""
-        del self._owed[:bisect.bisect_left(self._owed, (now - self.budget_ms / 1e3,))]  # back (or not) long ago
         own = min(p.own_ms, self.budget_ms / 2)
         over = p.ahead_ms + own - self.budget_ms
         r = min(MAX_RETRY_AFTER_S, max(1, math.ceil(over / 1e3)))
-        owed, i = 0.0, 0  # the work told to come back by now + r: one walk along the list as r grows
+        tenths, owed, i = sorted(self._owed), 0.0, 0  # the work back by now + r: one walk (<= ~600 tenths) as r grows
         while True:
-            while i < len(self._owed) and self._owed[i][0] <= now + r:
-                owed += self._owed[i][1]
+            while i < len(tenths) and tenths[i] <= 10 * (now + r):
+                owed += self._owed[tenths[i]][0]
                 i += 1
             if r >= MAX_RETRY_AFTER_S or over + owed <= 1e3 * r:
                 break
             r += 1
-        bisect.insort(self._owed, (now + r, own))
+        slot = self._owed.setdefault(math.floor(10 * (now + r)), [0.0, 0])
+        slot[0], slot[1] = slot[0] + own, slot[1] + 1
         return r
 
     # -- requests --------------------------------------------------------------------------------
@@ -397,4 +397,4 @@ class Admission:
                     "ahead_ms": round(p.ahead_ms, 1), "predicted_ms": round(p.total_ms, 1), "admitted": self.admitted, "refused": self.refused,
                     "client_gone": self.gone, "decodes": self.decode.count,
                     "overhead": round(self.overhead.value, 3) if self.overhead else 1.0,
-                    "told_to_return": len(self._owed)}
+                    "told_to_return": sum(clients for _, clients in self._owed.values())}
