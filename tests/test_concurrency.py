@@ -91,3 +91,38 @@ def test_widen_this_thread_widens_only_the_calling_thread():
         assert widen_this_thread([10**6]) is False  # no such core: refused, not raised
     finally:
         os.sched_setaffinity(0, everything)
+
+
+def test_a_decode_waiting_for_a_free_thread_times_out_on_time_and_never_runs():
+    """gevent's ``ThreadPool.spawn`` waits for a free thread without limit: with both decode threads busy, a request
+    due in 0.2 s got its timeout only after a whole decode (1 s here), and its photo was decoded afterwards for nobody.
+    A free thread is now waited for within the deadline, and work that got none never runs."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+from gevent import monkey; monkey.patch_all()
+import json, time, gevent
+from webapp.concurrency import Offloader, StillRunning
+off, ran = Offloader(max_threads=2), []
+def work(i):
+    ran.append(i)
+    monkey.get_original("time", "sleep")(1.0)  # a decode holding its real thread for 1 s
+def call(i):
+    t0 = time.monotonic()
+    try:
+        off.run(work, i, within=0.2)
+        return "answered", time.monotonic() - t0
+    except StillRunning:
+        return "timed out", time.monotonic() - t0
+calls = [gevent.spawn(call, i) for i in range(5)]
+gevent.joinall(calls)
+gevent.sleep(1.5)  # the two running decodes end
+print(json.dumps({"calls": [c.value for c in calls], "ran": sorted(ran)}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [kind for kind, _ in got["calls"]] == ["timed out"] * 5
+    assert max(s for _, s in got["calls"]) < 0.7, got  # each at its own 0.2 s deadline, not after a decode (1 s)
+    assert got["ran"] == [0, 1], got  # only the two that had a thread ran

@@ -13,7 +13,8 @@ runs through ``aoti._CApi`` for that reason, as torch's own runner keeps the GIL
   "Thread")`` is not enough: its ``start`` calls the patched module). The batcher's inference thread,
   ``keep_alive``'s heartbeat and ``call_with_timeout`` use it.
 - ``Offloader``: a gevent ``ThreadPool`` (real threads) for decoding uploads (one past its request's deadline runs
-  on: ``StillRunning``); outside gevent it calls the function in the caller's own thread. With
+  on: ``StillRunning``), its free threads counted by a gevent ``BoundedSemaphore`` that request greenlets wait on
+  until their deadline; outside gevent it calls the function in the caller's own thread. With
   ``DECODE_CORES=server`` its threads may run on any of the server's cores (``widen_this_thread``), the inference
   thread only on its worker's.
 - ``client_pool``, ``inference_executor``, ``decode_executor``: ``concurrent.futures`` pools for callers that are
@@ -22,9 +23,9 @@ runs through ``aoti._CApi`` for that reason, as torch's own runner keeps the GIL
 Priorities. The heavy threads (decode, inference) run ``WORK_NICE`` steps below the worker's main thread
 (``lower_this_thread``: Linux niceness is per thread), so that when the hub has something to do (a new connection, a
 refusal, ``/healthz``, reading an upload) the kernel runs it first instead of sharing the worker's core three ways.
-Measured at 2x overload on 2 cores (``bench/overload_bench.py``, small photos): refusals answered in 8 ms p99
-server-side instead of 70, and the images/s of the busy worker no longer drop under a stream of refusals (1.01x the
-server without admission, was 0.94x). It costs nothing when the hub is idle: the heavy threads then have the core to
+Measured at 2x overload on 2 cores (``bench/overload_bench.py``, small photos): refusals answered in 8 ms p99 server-
+side instead of 70, and the images/s of the busy worker no longer drop under a stream of refusals (1.01x the server
+without admission, was 0.94x). It costs nothing when the hub is idle: the heavy threads then have the core to
 themselves. Lowering a priority needs no privilege; raising one would, so the hub's stays as it is.
 
 Not threads, but safe between the two worlds:
@@ -91,7 +92,6 @@ class _GeventFuture:
     """Per-request future under gevent: an ``AsyncResult`` set from the real thread via the hub's loop."""
 
     def __init__(self):
-        import gevent
         import gevent.event
 
         self._hub = gevent.get_hub()  # the waiting greenlet's hub: the worker's main thread
@@ -179,11 +179,9 @@ def time_limit(seconds: float):
 
 def peer_closed(sock) -> bool:
     """True when the client at the other end of ``sock`` (a connected socket: gunicorn's ``gunicorn.socket``) has
-    closed or reset the connection, or ``sock`` is closed here.
-
-    A client that only half-closes (shuts down its sending side and still reads) counts as gone: HTTP clients keep
-    both sides open while they wait for an answer. See ``_poll_now``.
-    """
+    closed or reset the connection, or ``sock`` is closed here. A client that only half-closes (shuts down its
+    sending side and still reads) counts as gone: HTTP clients keep both sides open while they wait for an answer.
+    See ``_poll_now``."""
     events = _poll_now(sock)
     return events is None or bool(events & _GONE)
 
@@ -229,15 +227,11 @@ def blocking_sleep(seconds: float) -> None:
 def keep_alive(notify: Callable[[], None], *, every: float = 1.0, limit: float) -> Callable[[], None]:
     """Call ``notify`` every ``every`` s from a real OS thread for at most ``limit`` s; return a stop function.
 
-    Used while a gunicorn worker builds and compiles its model: the compile blocks the worker's main thread (and so
-    its heartbeat greenlet), and the arbiter would kill a worker that is merely busy compiling. Past ``limit`` the
-    beats stop, so a start-up that hangs is still killed.
-
-    The stop function returns only once the thread has made its last call: a worker whose start-up failed closes its
-    heartbeat file right after, and a beat after that raised ``ValueError: I/O operation on closed file`` from the
-    thread. A ``notify`` that raises (``ValueError``, ``OSError``: the worker is exiting) ends the beats quietly for
-    the same reason.
-    """
+    Used while a gunicorn worker builds its model: the compile blocks the worker's main thread (and its heartbeat
+    greenlet), and the arbiter would kill a worker merely busy compiling. Past ``limit`` the beats stop, so a start-up
+    that hangs is still killed. The stop function returns once the thread has made its last call (a worker whose
+    start-up failed closes its heartbeat file right after: a later beat raised ``ValueError``); a ``notify`` that
+    raises (``ValueError``, ``OSError``: the worker is exiting) ends the beats quietly."""
     p = Primitives.for_this_process()
     done, finished = p.make_lock(), p.make_lock()
     done.acquire()
@@ -322,15 +316,12 @@ def call_with_timeout(fn: Callable[[], object], timeout: float, *,
 class Offloader:
     """Runs CPU-heavy request work (decoding a photo) on real OS threads, at most ``max_threads`` at once.
 
-    Under gevent, decoding in the request greenlet would hold the worker's hub: no other request, not even
-    ``/healthz`` or gunicorn's heartbeat, is served until it ends (80 MP uploads held a worker for a minute). Pillow
-    and torch release the GIL while they work, so on a gevent ``ThreadPool`` (real threads) the greenlet waits
-    cooperatively and the hub keeps serving; ``max_threads`` bounds how many decodes compete with the model for the
-    worker's cores. ``cores`` (``DECODE_CORES=server``: the whole server's cores, ``cpu.SERVER_CORES``) widens each
-    pool thread's CPU affinity from the worker's own cores to those, so that while a neighbour worker is idle a busy
-    worker's decodes run on the idle core instead of queueing behind each other on one; the inference thread stays
-    pinned (its oneDNN kernels and caches). None: the pool threads keep the worker's affinity. Outside gevent
-    ``run`` just calls the function: there the caller is already a thread.
+    Under gevent, decoding in the request greenlet would hold the worker's hub (80 MP uploads held a worker, its
+    ``/healthz`` and heartbeat included, for a minute). Pillow and torch release the GIL, so on a gevent
+    ``ThreadPool`` the greenlet waits cooperatively and the hub keeps serving; ``max_threads`` bounds how many decodes
+    compete with the model for the worker's cores. ``cores`` (``DECODE_CORES=server``: ``cpu.SERVER_CORES``) widens
+    each pool thread's affinity to those, so a busy worker's decodes run on an idle neighbour's core instead of
+    queueing on one; the inference thread stays pinned (its oneDNN caches). Outside gevent ``run`` calls the function.
     """
 
     def __init__(self, max_threads: int, nice: int = 0, cores: list[int] | None = None):
@@ -339,9 +330,12 @@ class Offloader:
         self.cores = sorted(cores) if cores else None
         self._lowered: set[int] = set()  # the pool threads already set up (by native thread id)
         if gevent_active():
+            from gevent.lock import BoundedSemaphore
             from gevent.threadpool import ThreadPool
 
-            self._pool = ThreadPool(maxsize=max_threads)
+            # A free thread, taken before spawn: the pool's spawn itself waits for one, without limit, so a decode
+            # waiting there had its 504 a whole decode late (and was still decoded for nobody).
+            self._pool, self._free = ThreadPool(maxsize=max_threads), BoundedSemaphore(max_threads)
 
     def run(self, fn: Callable, *args, within: float | None = None, **kwargs):
         """``fn(*args, **kwargs)`` on a decode thread, its exception re-raised in the caller.
@@ -350,14 +344,20 @@ class Offloader:
             stopped and runs on, its result dropped (the caller's deadline is what the client was promised)."""
         if self._pool is None:
             return fn(*args, **kwargs)
-        if within is None:
+        if within is None:  # (start-up's measurement: no requests yet to share the threads with)
             ok, value = self._pool.apply(self._on_pool_thread, (fn, args, kwargs))
         else:
             import gevent
 
-            work = self._pool.spawn(self._on_pool_thread, fn, args, kwargs)
+            end = time.monotonic() + max(0.0, within)
+            if not self._free.acquire(timeout=max(0.0, within)):
+                late = StillRunning(f"no decode thread free within {within:.3g} s")
+                late.when_done = lambda then: then()  # nothing of it runs
+                raise late
+            work = self._pool.spawn(self._on_pool_thread, fn, args, kwargs)  # a thread is free: never waits
+            work.rawlink(lambda _result: self._free.release())
             try:
-                ok, value = work.get(timeout=max(0.0, within))
+                ok, value = work.get(timeout=max(0.0, end - time.monotonic()))
             except gevent.Timeout:
                 late = StillRunning(f"no result within {within:.3g} s")
                 late.when_done = lambda then: work.rawlink(lambda _result: then())
