@@ -5,6 +5,7 @@ import io
 import json
 import re
 
+import pytest
 from PIL import Image
 
 from conftest import png_bytes, shared_image
@@ -113,6 +114,17 @@ def test_empty_camera_input_is_not_a_photo(client):
     resp = client.post("/", data={"file": [(io.BytesIO(photo), "red.png"), (io.BytesIO(b""), "")]})
     html = resp.get_data(as_text=True)
     assert resp.status_code == 200 and html.count('class="result"') == 1 and "red.png" in html
+
+
+@pytest.mark.parametrize("camera_first", [True, False])
+def test_a_chosen_empty_file_is_shown_with_its_error_wherever_the_empty_camera_input_is(client, camera_first):
+    """The page paired its uploads (the empty camera part already dropped) with the form's parts (not dropped): with
+    the camera part first, every pair was off by one, and a chosen 0-byte file vanished from the page unsaid."""
+    photo = png_bytes(Image.new("RGB", (32, 32), "red"))
+    camera, chosen = [(io.BytesIO(b""), "")], [(io.BytesIO(b""), "empty.jpg"), (io.BytesIO(photo), "red.png")]
+    resp = client.post("/", data={"file": camera + chosen if camera_first else chosen + camera})
+    html = resp.get_data(as_text=True)
+    assert resp.status_code == 200 and "empty.jpg" in html and "red.png" in html
 
 
 def test_the_most_photos_with_the_empty_camera_input_are_all_classified(client):

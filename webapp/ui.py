@@ -127,11 +127,9 @@ def classify():
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
     require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
     topk = request_topk(request, clf.settings.TOP_K)
+    # The form has two file inputs named "file" (choose, and take a photo); read_uploads drops the one left empty (a
+    # part with no name and no bytes: not a photo the person sent).
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
-    # The form has two file inputs named "file" (choose, and take a photo); the one left empty
-    # arrives as a part with no name and no bytes: not a photo the person sent.
-    parts = request.files.getlist("file")
-    uploads = [u for u, p in zip(uploads, parts) if p.filename or u.data] or uploads
     if request.accept_mimetypes.best == "application/json":  # static/app.js (errors: JSON too, webapp/errors.py)
         return jsonify(clf.classify(uploads, topk=topk))
     # Classified one by one below: the request's photos are bounded together here, where this process decodes
