@@ -314,17 +314,47 @@ def test_failing_batch_is_isolated(make_batcher, fault):
     model.release.set()
 
     assert [ident(b.wait(r)) for r in r0 + before] == [0, 1, 2, 3, 4]
-    for r in bad:
-        with pytest.raises(InferenceFailed) as ei:
-            b.wait(r)
-        assert ei.value.status == 500
-        assert "secret" not in ei.value.message
+    # The failed batch runs again one image at a time: only the image that fails is refused.
+    assert [ident(b.wait(r)) for r in bad[:3]] == [10, 11, 12]
+    with pytest.raises(InferenceFailed) as ei:
+        b.wait(bad[3])
+    assert ei.value.status == 500
+    assert "secret" not in ei.value.message
     assert [ident(b.wait(r)) for r in after] == [20, 21, 22, 23]
-    assert model.calls == [[0], [1, 2, 3, 4], [10, 11, 12, 13], [20, 21, 22, 23]]
+    assert model.calls == [[0], [1, 2, 3, 4], [10, 11, 12, 13], [10], [11], [12], [13], [20, 21, 22, 23]]
     # The loop keeps going.
     assert b.alive
     assert [ident(r) for r in b.infer([img(30), img(31)])] == [30, 31]
-    assert b.images == 1 + 4 + 4 + 2  # the failed batch is not counted
+    assert b.images == 1 + 4 + 3 + 4 + 2  # the failed image is not counted
+
+
+def test_an_image_that_fails_the_forward_pass_fails_no_other_request_in_its_batch(make_batcher):
+    """One request's image made the whole batch raise, and every request batched with it got a 500 for it."""
+    model = FakeModel(hold={0}, poison={13})
+    b = make_batcher(model, max_batch_size=4, batch_timeout=0.05)
+    r0 = b.submit([img(0)])
+    assert model.entered.wait(5)
+    good, bad, also = b.submit([img(1), img(2)]), b.submit([img(13)]), b.submit([img(3)])  # one batch of four
+    model.release.set()
+    assert [ident(b.wait(r)) for r in r0 + good + also] == [0, 1, 2, 3]
+    with pytest.raises(InferenceFailed):
+        b.wait(bad[0])
+    assert model.calls[1] == [1, 2, 13, 3] and b.alive
+
+
+def test_an_error_before_the_forward_pass_fails_its_batch_not_the_inference_thread(make_batcher):
+    """``torch.stack`` ran outside the guard: its error (images of different shapes here; out of memory in real
+    life) ended the inference thread, failing everything queued and restarting the worker."""
+    model = FakeModel(hold={0})
+    b = make_batcher(model, max_batch_size=4, batch_timeout=0.05)
+    r0 = b.submit([img(0)])
+    assert model.entered.wait(5)
+    odd, fine = b.submit([torch.zeros(3, 8, 8)]), b.submit([img(6)])  # one batch: torch.stack raises
+    model.release.set()
+    assert [ident(b.wait(r)) for r in r0 + fine] == [0, 6]
+    with pytest.raises(InferenceFailed):
+        b.wait(odd[0])
+    assert b.alive and [ident(r) for r in b.infer([img(5)])] == [5]
 
 
 # -- 5. deadlines ------------------------------------------------------------------------------

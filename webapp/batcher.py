@@ -1,17 +1,16 @@
 """InferenceBatcher: dynamic batching in front of the model, on one real OS thread.
 
-Requests put one preprocessed image each into a bounded FIFO and wait on their own future.
-One real OS thread takes up to ``max_batch_size`` images, stacks them, calls ``predict`` once and
-hands each request its own row (LitServe's names and shape). Only that thread ever calls the model
-after start-up. It waits for company (at most ``batch_timeout`` after the first image) only while
-more images are on their way: a request counts its images with ``coming`` while it decodes them, so
-a lone request runs at once instead of waiting the whole timeout for nobody (``wait="fixed"``
-restores the fixed wait, for benchmarks).
+Requests put one preprocessed image each into a bounded FIFO and wait on their own future. One real OS thread takes up
+to ``max_batch_size`` images, stacks them, calls ``predict`` once and hands each request its own row (LitServe's names
+and shape). Only that thread ever calls the model after start-up. It waits for company (at most ``batch_timeout`` after
+the first image) only while more images are on their way: a request counts its images with ``coming`` while it decodes
+them, so a lone request runs at once instead of waiting the whole timeout for nobody (``wait="fixed"`` restores the
+fixed wait, for benchmarks). A batch that fails runs again one image at a time, so that only the image that fails is
+refused.
 
-The thread, queue, lock and future types come from ``webapp.concurrency``, which says which are
-real OS threads under gunicorn's gevent worker and why. On a Ray cluster Ray forms the batches
-(``@serve.batch``, Ray Data's ``map_batches``); every path checks its batches with
-``checked_predict``.
+The thread, queue, lock and future types come from ``webapp.concurrency``, which says which are real OS threads under
+gunicorn's gevent worker and why. On a Ray cluster Ray forms the batches (``@serve.batch``, Ray Data's ``map_batches``);
+every path checks its batches with ``checked_predict``.
 """
 
 from __future__ import annotations
@@ -46,9 +45,9 @@ class Result:
 
 
 def results(logits: torch.Tensor, enqueued: list[float], *, now: float, took: float) -> list[Result]:
-    """One ``Result`` per image of a batch: row i of ``logits`` ``(N, C) float32`` (a copy, so no
-    request holds the whole batch), its wait from ``enqueued[i]`` to ``now`` (``time.monotonic()``
-    s) and the forward pass's ``took`` (s), both reported in ms. Every batching path uses it."""
+    """One ``Result`` per image of a batch: row i of ``logits`` ``(N, C) float32`` (a copy, so no request holds the
+    whole batch), its wait from ``enqueued[i]`` to ``now`` (``time.monotonic()`` s) and the forward pass's ``took``
+    (s), both reported in ms. Every batching path uses it."""
     return [Result(logits=logits[i].clone(), queue_ms=(now - enq) * 1e3, inference_ms=took * 1e3,
                    batch_size=len(enqueued)) for i, enq in enumerate(enqueued)]
 
@@ -72,23 +71,21 @@ class Coming:
     batcher: "InferenceBatcher"
 
     def cancel(self) -> None:
-        """They will not come (a decode error, the client hung up, a refusal): stop counting them.
-        Idempotent, and a no-op once ``submit`` queued them; call it in a ``finally``."""
+        """They will not come (a decode error, the client hung up, a refusal): stop counting them. Idempotent, and a
+        no-op once ``submit`` queued them; call it in a ``finally``."""
         self.batcher._arrive(self, queued=False)
 
 
 class InferenceBatcher:
     """Dynamic batching in front of ``predict`` on one real OS thread.
 
-    ``predict`` maps ``(N, 3, H, W) float32`` to logits ``(N, C) float32`` for 1 <= N <=
-    ``max_batch_size``; ``batch_timeout`` is in seconds (LitServe's names), ``queue_size`` bounds
-    the images waiting, ``request_timeout`` (s) is each image's deadline from submission.
-    ``on_death`` is called (on the inference thread) if the loop dies unexpectedly, so the host
-    process can stop and be replaced; ``thread_init`` runs first thing on the inference thread;
-    ``on_idle`` runs there once per idle spell, ``idle_s`` s after the last image with none since.
-    ``wait``: ``"company"`` waits up to ``batch_timeout`` after the first image only while images
-    counted by ``coming`` are on their way and the batch is not full; ``"fixed"`` always waits it out
-    (the behaviour before, kept for benchmarks).
+    ``predict`` maps ``(N, 3, H, W) float32`` to logits ``(N, C) float32`` for 1 <= N <= ``max_batch_size``;
+    ``batch_timeout`` is in seconds (LitServe's names), ``queue_size`` bounds the images waiting, ``request_timeout``
+    (s) is each image's deadline from submission. ``on_death`` is called (on the inference thread) if the loop dies
+    unexpectedly, so the host process can stop and be replaced; ``thread_init`` runs first thing on the inference
+    thread; ``on_idle`` runs there once per idle spell, ``idle_s`` s after the last image with none since. ``wait``:
+    ``"company"`` waits up to ``batch_timeout`` after the first image only while images counted by ``coming`` are on
+    their way and the batch is not full; ``"fixed"`` always waits it out (the behaviour before, for benchmarks).
 
     :raises ValueError: ``wait`` is not one of ``WAITS``.
     """
@@ -104,19 +101,16 @@ class InferenceBatcher:
         self.predict, self.thread_init = predict, thread_init
         self.max_batch_size, self.batch_timeout = max_batch_size, batch_timeout
         self.queue_size, self.request_timeout = queue_size, request_timeout
-        self.on_death = on_death
-        self.on_idle, self.idle_s = on_idle, idle_s
+        self.on_death, self.on_idle, self.idle_s = on_death, on_idle, idle_s
         self._p = Primitives.for_this_process()
         self._queue = self._p.make_queue()
         self._lock = self._p.make_lock()
         self._waiting = 0  # images in the queue, guarded by _lock
         self._coming = 0  # images being decoded for the queue (``coming``), guarded by _lock
         self._in_batch = 0  # images in the forward pass running now (written by the inference thread only)
-        self._accepting = self._running = False
-        self.died: BaseException | None = None
-        # Held while the inference thread runs; stop() waits on it. A real lock, not a gevent
-        # future: at gunicorn's worker_exit the hub has nothing left to run, and a greenlet
-        # wait there ends in LoopExit ("would block forever") while a batch is still running.
+        self._accepting, self._running, self.died = False, False, None  # died: the error that ended the loop
+        # Held while the inference thread runs; stop() waits on it. A real lock, not a gevent future: at gunicorn's
+        # worker_exit the hub has nothing left to run, and a greenlet wait there ends in LoopExit while a batch runs.
         self._ended = self._p.make_lock()
         # Measured, for Retry-After and admission (ewma_batch_cpu: the inference thread's CPU time): EWMAs.
         self.ewma_queue_wait = self.ewma_batch_time = self.ewma_batch_cpu = self.ewma_batch_images = 0.0
@@ -325,9 +319,15 @@ class InferenceBatcher:
         self._in_batch = len(live)
         try:
             logits = checked_predict(self.predict, torch.stack([r.tensor for r in live]))
-        except InferenceFailed as exc:
-            for r in live:
-                r.future.reject(exc)
+        except Exception as exc:  # the stack's own errors too: raised out of here, one would end this thread
+            if len(live) > 1:  # perhaps one image's rows: each runs alone, so that the others still get answers
+                for r in live:
+                    self._run_batch([r])
+                return
+            if not isinstance(exc, InferenceFailed):
+                log.exception("inference failed for a batch of 1 image")
+                exc = InferenceFailed("the model failed on this batch; the error is logged on the server")
+            live[0].future.reject(exc)
             return
         finally:
             self._in_batch = 0
