@@ -218,6 +218,8 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
                     return alone(exc)
                 log.info("precision for this %s decided and recorded in %s: %s (%s)",
                          "server start" if provisional else "host and CPU", path, precision, reason)
+                if not provisional and (figures or {}).get("provisional"):  # the host's fp32 now: every start's
+                    ended = starts  # fp32 file goes (their count is in it; a live start's workers read the same)
             else:
                 log.info("precision from the record %s (measured %s by pid %s): %s", path, record["measured_at"],
                          record["measured_by_pid"], record["precision"])
