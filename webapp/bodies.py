@@ -8,8 +8,8 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   would upload a body the app then refuses. Here ``100 Continue`` goes out on the first read of the
   body instead: everything the request line and headers decide (413 by Content-Length, 415,
   401, 429, 503) is answered with no ``100`` at all. Never to an HTTP/1.0 request (RFC 9110 10.1.1).
-- An idle timeout between received bytes (``BODY_TIMEOUT_S``): a client that sends part of a body
-  and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
+- An idle timeout between received bytes (``BODY_TIMEOUT_S``, on each socket read of the body): a client
+  that sends part of a body and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
   connection forever nor stretch a graceful shutdown past that timeout.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
   chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
@@ -85,14 +85,20 @@ class GuardedInput:
         if self.pending_continue:
             self.pending_continue = False
             self.sock.sendall(_CONTINUE)
+        # The limit is on each socket read, not on this read: gunicorn's reader serves one app read with as many
+        # socket reads as the bytes need, so an upload over a slow link whose bytes keep coming got 408 once the
+        # whole body took idle_s (gevent's sockets, TLS ones too, raise socket.timeout, a TimeoutError).
+        before = self.sock.gettimeout()
+        self.sock.settimeout(self.idle_s)
         try:
-            with time_limit(self.idle_s):
-                data = fn(*args)
-        except TimeoutError:
+            data = fn(*args)
+        except TimeoutError:  # refused before its end: the connection closes after the 408, drained (below)
             raise BodyTimeout.after(self.idle_s) from None
         except (ParseException, NoMoreData) as exc:  # gunicorn's de-chunking: the client's error, never a 500
             self.ended = self.cut_short = True  # where a next request would start is unknown: close
             raise BadRequest(_chunked_problem(exc)) from None
+        finally:
+            self.sock.settimeout(before)
         if not data:
             self.ended = True
             if self.left is not None and self.left > 0 and (not args or args[0] != 0):
