@@ -40,19 +40,15 @@ def add_arguments(parser) -> None:
 
 
 def _build(module, path: Path, batch: int, dynamic: bool, config: dict) -> float:
-    """Package ``module`` for ``(batch, 3, 224, 224)`` channels_last float32 inputs into ``path`` (the batch dynamic,
-    2..64, where ``dynamic``) with inductor ``config``; the seconds it took (0 where ``path`` exists)."""
-    import torch
-    from torch.export import Dim, export
+    """Package ``module`` for ``(batch, 3, 224, 224)`` channels_last float32 inputs into ``path`` as serving does
+    (``webapp.aoti._build``: the batch dynamic from 2 where ``dynamic``) with inductor ``config``; the seconds it
+    took (0 where ``path`` exists)."""
+    from webapp.aoti import _build as build
 
     if path.exists():
         return 0.0
     t0 = time.perf_counter()
-    example = torch.zeros(batch, 3, 224, 224).contiguous(memory_format=torch.channels_last)
-    shapes = ({0: Dim("batch", min=2, max=64)},) if dynamic else None
-    with torch.no_grad():
-        program = export(module, (example,), dynamic_shapes=shapes, strict=False)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=config)
+    build(module, path, 224, batch, dynamic, inductor_configs=config)
     return time.perf_counter() - t0
 
 

@@ -261,9 +261,11 @@ def load_shared(package: Path) -> Callable:
     return torch._inductor.aoti_load_package(str(package))
 
 
-def _build(module: nn.Module, path: Path, input_size: int, batch: int, dynamic: bool) -> None:
+def _build(module: nn.Module, path: Path, input_size: int, batch: int, dynamic: bool,
+           inductor_configs: dict | None = None) -> None:
     """Export ``module`` for ``batch``-sized channels_last inputs (a dynamic batch dimension from 2 when
-    ``dynamic``) and compile it with freezing into the package ``path`` (temporary name, then renamed)."""
+    ``dynamic``) and compile it into the package ``path`` (temporary name, then renamed) with inductor's
+    ``inductor_configs`` (default: freezing only, what serving builds; ``bench/autotune_bench.py`` adds others)."""
     from torch.export import Dim, export
 
     example = torch.zeros(batch, 3, input_size, input_size).contiguous(memory_format=torch.channels_last)
@@ -271,7 +273,8 @@ def _build(module: nn.Module, path: Path, input_size: int, batch: int, dynamic: 
     tmp = path.with_name(f"{path.name[:-4]}.{os.getpid()}.tmp.pt2")  # .pt2 like the real name: no suffix warning
     with torch.no_grad():
         program = export(module, (example,), dynamic_shapes=shapes, strict=False)
-        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp), inductor_configs={"freezing": True})
+        torch._inductor.aoti_compile_and_package(program, package_path=str(tmp),
+                                                 inductor_configs=inductor_configs or {"freezing": True})
     os.replace(tmp, path)
 
 
