@@ -501,6 +501,21 @@ def test_the_servers_own_topk_applies_not_the_clients_default(tmp_path):
     assert table.stdout.splitlines()[0].split()[-1] == "top-5", table.stdout
 
 
+def test_an_empty_topk_variable_names_the_servers_default_not_3(tmp_path, monkeypatch, capsys):
+    """``CLASSIFIER_TOP_K=$K`` with K unset is refused as locally, but unsetting it with --server gives the server's
+    default (above), so the message says so instead of naming the table's 3; --help says the same."""
+    from webapp import cli
+
+    monkeypatch.setenv(f"{PREFIX}TOP_K", "")
+    assert cli.main(["classify", str(tiny_file(tmp_path)), "--server", "http://127.0.0.1:9"]) == 2
+    said = capsys.readouterr().err
+    assert "TOP_K='' is not valid" in said and "the server's default" in said and "3" not in said, said
+    with pytest.raises(SystemExit):
+        cli.main(["classify", "--help"])
+    assert "With --server, where neither this nor the variable is given: the server's default." in \
+        " ".join(capsys.readouterr().out.split())
+
+
 @pytest.mark.cli
 def test_with_no_limit_published_every_file_is_sent_for_the_server_to_judge(tmp_path):
     """A server that publishes no limit (an older one; a proxy that passes only the API) is sent a file over the

@@ -67,7 +67,10 @@ def add_parser(sub) -> None:
                           help="with --cluster: the Ray cluster to join (default: $RAY_ADDRESS, else a local Ray)")
     add_remote_arguments(classify)  # --server URL, --no-scale: the same command against a running server
     add_setting_options(classify, commands=(settings_mod.CLASSIFY, settings_mod.CLASSIFY_CLUSTER),
-                        aliases={"TOP_K": ("--topk", "-k")})
+                        aliases={"TOP_K": ("--topk", "-k")},
+                        notes={"TOP_K": "With --server, where neither this nor the variable is given: the server's "
+                                        "default.",
+                               "MAX_UPLOAD_BYTES": "With --server, where not given: the limit the server publishes."})
     classify.set_defaults(func=cmd_classify)
 
 
@@ -143,6 +146,10 @@ def cmd_classify(args: argparse.Namespace) -> int:
     or cannot be looked at (``path_problems``), or none holding an image file, is a usage error before any
     model starts.
     """
+    if args.server is not None and os.environ.get(settings_mod.PREFIX + "TOP_K") == "":  # the load would name 3
+        raise settings_mod.SettingsError(f"{settings_mod.PREFIX}TOP_K='' is not valid (empty: a shell variable not "
+                                         "set? unset it for the server's default); allowed: "
+                                         f"{settings_mod.BY_NAME['TOP_K'].rule()}")
     s = settings_mod.load(os.environ, given_settings(args))
     args.paths = read_paths(args.paths, sys.stdin)
     if not args.paths:

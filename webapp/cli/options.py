@@ -57,12 +57,14 @@ def _checked(s: Setting, flag: str):
     return check
 
 
-def add_setting_options(parser: argparse.ArgumentParser, *, commands: tuple[str, ...], aliases=None) -> None:
+def add_setting_options(parser: argparse.ArgumentParser, *, commands: tuple[str, ...], aliases=None,
+                        notes=None) -> None:
     """Add one option per row of ``SETTINGS`` that applies to any of ``commands`` (``settings.COMMANDS``).
 
-    Flag, env var, default, range and help come from the table; ``aliases`` maps a setting's name
-    to extra flags. Each option stores its text (checked, not converted) or bool in
-    ``setting_<NAME>``, None when not given; ``given_settings`` reads them back.
+    Flag, env var, default, range and help come from the table; ``aliases`` maps a setting's name to extra
+    flags, ``notes`` to a sentence added to its help (what differs for this command). Each option stores its
+    text (checked, not converted) or bool in ``setting_<NAME>``, None when not given; ``given_settings`` reads
+    them back.
     """
     aliases = aliases or {}
     group = parser.add_argument_group(
@@ -73,7 +75,8 @@ def add_setting_options(parser: argparse.ArgumentParser, *, commands: tuple[str,
             continue
         flag = option_name(s)
         rule = "" if _is_bool(s) or s.choices or s.low is None else f"; {_range(s)}"
-        text = f"{s.env} (default {default_text(s)}{rule}). {s.help}".replace("%", "%%")
+        note = f" {notes[s.name]}" if notes and s.name in notes else ""
+        text = f"{s.env} (default {default_text(s)}{rule}). {s.help}{note}".replace("%", "%%")
         names = (flag, *aliases.get(s.name, ()))
         if _is_bool(s):
             group.add_argument(*names, dest=f"setting_{s.name}", action=argparse.BooleanOptionalAction, default=None,

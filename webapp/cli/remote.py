@@ -56,10 +56,9 @@ CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
 # GET /api/v1/models is answered at once, even by a starting server (its 503): silence this long is a stuck one.
 PROBE_READ_TIMEOUT_S = 30.0
 START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
-# The settings the client itself uses with --server (the others are the server's, refused): the labels asked for,
-# its log, and its own file limits: --max-upload-bytes (a file over it unread; without it the server's published
-# limit applies: uploading) and MAX_PIXELS (over it unscaled), to raise for a server set higher. Of the variables,
-# CLASSIFIER_MAX_UPLOAD_BYTES is the server's setting (named as such), not a limit here.
+# The settings the client uses with --server (the others are the server's, refused): the labels asked for, its log,
+# its own file limits: --max-upload-bytes (a file over it unread; else the server's published limit) and MAX_PIXELS
+# (over it unscaled). Of the variables, CLASSIFIER_MAX_UPLOAD_BYTES is the server's (named as such), not a limit here.
 _CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL", "MAX_UPLOAD_BYTES", "MAX_PIXELS")
 _CLIENT_VARIABLES = ("TOP_K", "LOG_LEVEL", "MAX_PIXELS", "API_TOKEN")
 
@@ -139,12 +138,11 @@ class Client:
         """One request, waiting at most ``read_timeout_s`` seconds (``READ_TIMEOUT_S`` where None) for each read of
         the answer; returns urllib3's response. Raises urllib3's errors for a failed connection
         (``ReadTimeoutError`` for no answer in time)."""
-        read_timeout_s = READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
         import urllib3
 
+        read = READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s
         return self.http.request(method, self.url + path, body=body, headers={**self.headers, **(headers or {})},
-                                 preload_content=True,
-                                 timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=read_timeout_s))
+                                 preload_content=True, timeout=urllib3.Timeout(connect=CONNECT_TIMEOUT_S, read=read))
 
     def serving_model(self, say=None) -> dict:
         """The serving model's ``/api/v1/models`` entry (the one asked for, before the server has loaded one).
@@ -307,14 +305,13 @@ def classify_remote(args: argparse.Namespace) -> int:
             err(f"{shown}: {why}")
         no_image_files(args.paths, skipped)
         return EXIT_USAGE  # as local classify (README's exit table: no image file in the paths)
-    jobs = args.jobs or DEFAULT_JOBS
-    client = Client(args.server, jobs=jobs, token=s.API_TOKEN)
+    client = Client(args.server, jobs=(jobs := args.jobs or DEFAULT_JOBS), token=s.API_TOKEN)
     try:
         model = client.serving_model(say=None if args.quiet else err)
     except Unreachable as exc:
         err(f"error: {exc}")
         return EXIT_FAILED
-    # Upload limit, top-k: --max-upload-bytes, --topk (CLASSIFIER_TOP_K) where given, else the server's own, else none / ours
+    # Upload limit, top-k: --max-upload-bytes, --topk (CLASSIFIER_TOP_K) where given, else the server's, else none/ours
     own_topk = "TOP_K" in given or settings_mod.PREFIX + "TOP_K" in os.environ
     doc = None if "MAX_UPLOAD_BYTES" in given and own_topk else client.document()
     limit = Limit(s.MAX_UPLOAD_BYTES, OPTION) if "MAX_UPLOAD_BYTES" in given else Limit(published_limit(doc), SERVERS)
