@@ -195,7 +195,10 @@ def test_a_read_only_cache_reads_a_starts_provisional_record_rather_than_each_wo
 
     monkeypatch.setattr(FileLock, "acquire", read_only)
     decide = Decider()
-    assert records.recorded_precision(tmp_path, KEY, decide)[0] == "fp32" and decide.calls == 0
+    precision, reason = records.recorded_precision(tmp_path, KEY, decide)
+    assert precision == "fp32" and decide.calls == 0
+    # Not "the next start measures again": nothing is measured or written in a read-only cache (review finding).
+    assert "read from the read-only cache" in reason and "next start (not a reload) measures" not in reason, reason
 
 
 def test_a_start_is_the_gunicorn_masters_for_its_workers(tmp_path):

@@ -89,35 +89,41 @@ def _starts(path: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def _ended(name: str, stem: str) -> bool:
-    """Whether the start that made the provisional record named ``name`` has ended: made in another boot of this
-    machine (or under the first rules, which named boot and namespace as one), or in this boot and pid namespace
-    by a master now gone or its pid now another process's. Another namespace's starts in this boot cannot be
-    judged from here (a container beside this one may still run): not ended."""
+def _origin(name: str, stem: str) -> tuple[str, str, str, str] | None:
+    """``(boot, namespace, pid, ticks)`` from the provisional record named ``name`` of the record ``stem``; None for
+    the first rules' name (``<boot and namespace>-<pid>-<ticks>``, three parts)."""
     parts = name[len(f"{stem}.start-"):-len(".json")].split("-")
-    if len(parts) != 4:
-        return True  # the first rules' name: "<boot and namespace>-<pid>-<ticks>"
-    boot, ns, pid, started = parts
-    here_boot, here_ns = _namespace().split("-")
+    return tuple(parts) if len(parts) == 4 else None
+
+
+def _ended(origin: tuple[str, str, str, str] | None, here: str) -> bool:
+    """Whether the start ``origin`` (``_origin``'s) has ended, judged from the process whose ``_namespace()`` is
+    ``here``: made in another boot of this machine (or under the first rules, which named boot and namespace as
+    one), or in this boot and pid namespace by a master now gone or its pid now another process's. Another
+    namespace's starts in this boot cannot be judged from here (a container beside this one may still run): not
+    ended. A start whose start time could not be read when it was made (ticks "0") is judged by its pid alone."""
+    if origin is None:
+        return True
+    boot, ns, pid, started = origin
+    here_boot, here_ns = here.split("-")
     if boot != here_boot:
         return True
     if ns != here_ns or not pid.isdigit() or int(pid) <= 0:
         return False
-    if started == "0":  # its start time could not be read when made: judged by the pid alone
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except OSError:
-            return False
-        return False
-    return _started(int(pid)) != started
+    if started != "0":
+        return _started(int(pid)) != started
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # it runs, as another user's process
+        pass
+    return False
 
 
-def _here(name: str, stem: str) -> bool:
-    """Whether the provisional record named ``name`` was made in this boot and pid namespace (its start judgeable)."""
-    parts = name[len(f"{stem}.start-"):-len(".json")].split("-")
-    return len(parts) == 4 and "-".join(parts[:2]) == _namespace()
+def _here(origin: tuple[str, str, str, str] | None, here: str) -> bool:
+    """Whether the start ``origin`` was made in this boot and pid namespace, ``here`` (its start judgeable)."""
+    return origin is not None and f"{origin[0]}-{origin[1]}" == here
 
 
 def _read_record(path: Path, key: dict) -> dict | None:
@@ -188,7 +194,9 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
         try:
             path, record = read()
             starts = [p for p in _starts(main) if p != this]
-            ended = [p for p in starts if _ended(p.name, main.stem)]
+            here = _namespace()
+            origins = {p: _origin(p.name, main.stem) for p in starts}
+            ended = [p for p in starts if _ended(origins[p], here)]
             if record is None:
                 decided = decide()  # its errors are the start-up's, not the record's
                 precision, reason = decided[:2]
@@ -196,7 +204,7 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
                 # In a row: any start's count (a container's beside this one, or ended), none broken since by a
                 # host record (which would have been read above).
                 slow_starts = 1 + max((_slow_starts(p, key) for p in starts), default=0)
-                beside = [p for p in starts if p not in ended and _here(p.name, main.stem)]
+                beside = [p for p in starts if p not in ended and _here(origins[p], here)]
                 if this is None and (figures or {}).get("provisional") and beside:
                     # The CLI or ``warm`` run beside a live server of this machine: its load is the likeliest
                     # cause of slow bf16; recorded for the host, it would keep every later start on fp32.
@@ -230,7 +238,10 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
             lock.release()
     # The file's name, not its path: this goes to every client (/healthz, answers); the log above has the path.
     measured = f"{path.name} in CLASSIFIER_CACHE_DIR, measured {record['measured_at']}"
-    if record.get("start") is not None:
+    if path not in (this, main):  # another start's decision, read from a read-only cache
+        where = (f"read from the read-only cache: {measured} for the server start that warmed it; a read-only cache "
+                 "is not measured again, so a writable one measures at its next start")
+    elif record.get("start") is not None:
         where = (f"decided for this server start only: slow native bf16 is most often a loaded core, so the next "
                  f"start (not a reload) measures again; {measured}")
     elif (record.get("figures") or {}).get("provisional"):
