@@ -66,6 +66,23 @@ def read_status(sock: socket.socket, timeout: float = 5.0) -> tuple[int, bytes]:
     return int(data.split(b" ", 2)[1]), data
 
 
+def read_answer(sock: socket.socket, timeout: float) -> tuple[int, bytes]:
+    """The status (0 where what arrived is not the start of an answer) and every byte read from ``sock`` until
+    the server closes it, at most ``timeout`` s."""
+    sock.settimeout(timeout)
+    data = b""
+    end = time.monotonic() + timeout
+    try:
+        while time.monotonic() < end:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except (TimeoutError, socket.timeout, ConnectionResetError):
+        pass
+    return (int(data.split(b" ", 2)[1]) if data[:5] == b"HTTP/" else 0), data
+
+
 def closed_within(sock: socket.socket, seconds: float) -> bool:
     """True if the server closes the connection within ``seconds`` (reading and dropping what it sends)."""
     sock.settimeout(seconds)
@@ -476,6 +493,59 @@ def test_sigterm_does_not_wait_on_stalled_uploads_past_the_body_timeout(tmp_path
         assert took < BODY_TIMEOUT + DRAIN_SECONDS + 2, f"the worker took {took:.1f} s to stop with stalled uploads"
     finally:
         for sock in stalled:
+            sock.close()
+        server.stop()
+
+
+@pytest.mark.server
+@pytest.mark.extended  # SIGTERM beside uploads still arriving, rare (~12 s): with `-m extended`
+def test_uploads_still_arriving_when_a_stop_ends_get_503_not_a_reset(tmp_path):
+    """A stalled upload (BODY_TIMEOUT_S as long as the stop's wait, the defaults: 30 and 30) and one crawling in
+    were reset when the master killed the worker at graceful_timeout, and it logged the stalled one as cut
+    although its 408 had gone out a moment before. Both now get 503 not_ready before the wait ends, and the
+    worker exits on its own: the master kills nothing."""
+    graceful = 5
+    server = Server(tmp_path / "server.log", args=("--no-control-socket", "--graceful-timeout", str(graceful)),
+                    MODEL="resnet18_seeded", COMPILE=0, WORKERS=1, THREADS=1, BODY_TIMEOUT_S=30)
+    opened = []
+    try:
+        server.wait_ready(workers=1)
+        stalled, crawling = connect(server), connect(server)
+        opened += [stalled, crawling]
+        stalled.sendall(head(length=500_000, extra="") + b"\x89PNG" + b"\0" * 996)
+        crawling.sendall(head(length=500_000, extra="") + b"\x89PNG")
+        time.sleep(0.3)
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        answers = {}
+        with ThreadPoolExecutor(1) as pool:
+            def stalled_answer_and_when():
+                status, first = read_status(stalled, graceful + 5)
+                took = time.monotonic() - started
+                return (status, first + read_answer(stalled, 2.0)[1]), took
+
+            stalled_answer = pool.submit(stalled_answer_and_when)
+            crawling.settimeout(0.05)
+            while time.monotonic() - started < graceful + 5:
+                try:
+                    crawling.sendall(b"\0" * 100)  # 100 bytes every 50 ms: never a pause the body timeout cuts
+                    first = crawling.recv(65536)
+                except (TimeoutError, socket.timeout):
+                    continue
+                except OSError:  # reset
+                    first = b""
+                answers["crawling"] = (int(first.split(b" ", 2)[1]) if first else 0,
+                                       first + read_answer(crawling, 2.0)[1] if first else b""), \
+                    time.monotonic() - started
+                break
+            answers["stalled"] = stalled_answer.result()
+        assert server.proc.wait(timeout=graceful + 10) == 0
+        for name, ((status, data), took) in answers.items():
+            assert status == 503 and b"server is stopping" in data, (name, data[:400])
+            assert took < graceful, (name, took)
+        assert "killed, cutting" not in server.output(), server.output()[-2000:]
+    finally:
+        for sock in opened:
             sock.close()
         server.stop()
 

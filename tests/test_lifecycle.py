@@ -658,8 +658,10 @@ def test_systemd_hears_ready_once_a_worker_serves_not_as_the_master_boots(tmp_pa
 @pytest.mark.server
 @pytest.mark.extended  # a stop whose timeout cuts a request, rare (~8 s): with `-m extended`
 def test_a_stop_that_cuts_a_request_says_so(tmp_path):
-    """SIGTERM with a slow upload still arriving when graceful_timeout ends: the worker is killed and the request
-    cut. That said nothing (only "Shutting down: Master", status 0: tryout14); now one warning names it."""
+    """SIGTERM with a slow upload still arriving and a graceful_timeout (1 s) shorter than a refused body's drain
+    (DRAIN_SECONDS): its 503 goes out at once (webapp.worker.cut_body_reads) and the wait ends during the drain
+    after it, so the worker is killed and the connection cut. That said nothing (only "Shutting down: Master",
+    status 0: tryout14); now one warning names it."""
     srv = Server(tmp_path / "server.log", args=("--graceful-timeout", "1"), MODEL="efficientnet_lite0", COMPILE=0,
                  WORKERS=1, THREADS=1, CACHE_DIR=tmp_path / "cache")
     try:

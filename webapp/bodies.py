@@ -11,6 +11,10 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
 - An idle timeout between received bytes (``BODY_TIMEOUT_S``, on each socket read of the body): a client
   that sends part of a body and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
   connection forever nor stretch a graceful shutdown past that timeout.
+- A stopping worker answers every request whose body is still arriving ``DRAIN_SECONDS`` + 1 s before
+  its graceful timeout ends with ``503 not_ready`` (``cut_by_stop``; ``webapp.worker``): it was then cut
+  with a reset when the master killed the worker (a stalled upload with ``BODY_TIMEOUT_S`` equal to the
+  graceful timeout, or a slow one), and the master logged requests cut although the stalled one had its 408.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
   chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
 - A refused request whose body was not read to its end is answered at once, with the connection
@@ -33,7 +37,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 
 from . import balance
 from .concurrency import time_limit
-from .errors import BadRequest, BodyTimeout
+from .errors import BadRequest, BodyTimeout, NotReady
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +51,24 @@ DRAIN_CHUNK = 256 * 1024  # bytes per read of a drain from the socket
 _MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0) if sys.platform.startswith("linux") else 0
 _DISCARD = bytearray(DRAIN_CHUNK)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+# The sockets whose request body is being read now (a read waiting for bytes or under way): what a stopping
+# worker cuts before its graceful timeout ends (``webapp.worker.Worker.cut_body_reads``).
+_reading: set = set()
+
+
+def reading(sock) -> bool:
+    """Whether a request body is being read from ``sock`` (a client socket) now."""
+    return sock in _reading
+
+
+def cut_by_stop(seconds: float) -> NotReady:
+    """The 503 for a request whose body was still arriving ``seconds`` (s) after its worker began to stop, too
+    close to the end of the stop's wait (gunicorn's ``graceful_timeout``) to be read and answered: an answer
+    the client can act on instead of the reset it got when the wait ended."""
+    return NotReady(f"the server is stopping, and this request's body was still arriving {seconds:.1f} s after the "
+                    "stop began; send the request again", headers={"Retry-After": "1"})
 
 
 def stopping() -> bool:
@@ -90,6 +112,7 @@ class GuardedInput:
         # whole body took idle_s (gevent's sockets, TLS ones too, raise socket.timeout, a TimeoutError).
         before = self.sock.gettimeout()
         self.sock.settimeout(self.idle_s)
+        _reading.add(self.sock)
         try:
             data = fn(*args)
         except TimeoutError:  # refused before its end: the connection closes after the 408, drained (below)
@@ -98,6 +121,7 @@ class GuardedInput:
             self.ended = self.cut_short = True  # where a next request would start is unknown: close
             raise BadRequest(_chunked_problem(exc)) from None
         finally:
+            _reading.discard(self.sock)
             self.sock.settimeout(before)
         if not data:
             self.ended = True

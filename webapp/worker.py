@@ -145,6 +145,7 @@ class Worker(GeventWorker):
         super().__init__(*args, **kwargs)
         self._clients: dict = {}  # connection greenlet -> its client socket
         self._waits: dict = {}  # connection greenlet -> (timeout, client socket, monotonic start) of its wait
+        self._stop_began: float | None = None  # monotonic time of SIGTERM (or of the first tick of another stop)
 
     def run(self):
         """gunicorn's gevent loop, ticking every ``TICK_S``; its servers are ``IdleFirstServer`` where the
@@ -179,6 +180,27 @@ class Worker(GeventWorker):
         for greenlet, (_, _, since) in list(self._waits.items()):
             if now - since >= IDLE_GRACE_S:
                 hub.loop.run_callback(self._end_if_idle, greenlet)
+        self.cut_body_reads(now)
+
+    def cut_body_reads(self, now: float) -> None:
+        """While stopping: from ``DRAIN_SECONDS`` + 1 s before the stop's wait ends (``graceful_timeout``),
+        answer each request whose body is still being read with ``503 not_ready`` (``bodies.cut_by_stop``),
+        thrown into its greenlet from a callback of the hub, so that its answer and bounded drain are done before
+        the master kills this worker. Its upload stalled or crawled; at the wait's end it was reset instead."""
+        if self._stop_began is None:
+            self._stop_began = now  # a stop without SIGTERM (max_requests): noticed at its first tick
+        waited = now - self._stop_began
+        if waited < max(0.0, self.cfg.graceful_timeout - bodies.DRAIN_SECONDS - 1.0):
+            return
+        hub = gevent.get_hub()
+        for greenlet, client in list(self._clients.items()):
+            if bodies.reading(client):
+                hub.loop.run_callback(self._cut_body_read, greenlet, client, waited)
+
+    @staticmethod
+    def _cut_body_read(greenlet, client, waited: float) -> None:
+        if bodies.reading(client):  # still in its read (it has not moved on since the tick)
+            greenlet.throw(bodies.cut_by_stop(waited))
 
     def _end_if_idle(self, greenlet) -> None:
         entry = self._waits.get(greenlet)
@@ -209,6 +231,8 @@ class Worker(GeventWorker):
         """SIGTERM: before ready, leave now (no request to drain); after, gunicorn's graceful stop."""
         if not self.booted:
             leave_before_ready(self.log, sig)
+        if self._stop_began is None:
+            self._stop_began = time.monotonic()
         balance.serving(False)
         super().handle_exit(sig, frame)
 
