@@ -257,8 +257,8 @@ SETTINGS: tuple[Setting, ...] = (
             "decodes it at); more gets 413. Bounds the decode work one request holds a worker for: 256 MP is 16 "
             "PNGs of 16 MP, ~4 to 7 s of decoding here.", low=1, high=2**44, commands=SERVERS),
     Setting("BODY_TIMEOUT_S", _float, 30.0, "Longest pause (s) between bytes of a request body; a client that "
-            "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on an upload).",
-            low=0.1, high=3600, commands=SERVERS),
+            "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on a stalled "
+            "upload).", low=0.1, high=3600, commands=SERVERS),
     # -- access --
     Setting("API_TOKEN", _token, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
             "Bearer <token>' (compared in constant time); else 401. /healthz, /readyz, /v2 health and metadata stay "
