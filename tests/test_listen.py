@@ -32,3 +32,41 @@ def test_check_listen_on_unix_sockets(tmp_path):
         assert "in use" in listen.check_listen([str(tmp_path / "live.sock")], sleep=lambda s: None)
     # the same file, nobody listening any more: a stale socket gunicorn replaces
     assert listen.check_listen([str(tmp_path / "live.sock")]) is None
+
+
+def test_refuse_new_connections_drops_new_ones_and_keeps_those_queued():
+    """The filter ``Responder.finish`` attaches before it empties the backlog (Linux): a connection queued before is
+    still accepted and read; a new one is not taken (its SYN dropped: the client's connect waits), and once the
+    socket closes it is refused. That the program reads the TCP flags (and not, say, the IP header, where it would
+    keep everything) shows in the dropped SYN."""
+    import sys
+    import time
+
+    import pytest
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a Linux socket filter")
+    with socket.socket() as lst:
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(16)
+        port = lst.getsockname()[1]
+        queued = socket.create_connection(("127.0.0.1", port), timeout=2)
+        assert listen.refuse_new_connections(lst)
+        started = time.monotonic()
+        with pytest.raises((TimeoutError, socket.timeout)):
+            socket.create_connection(("127.0.0.1", port), timeout=0.3)
+        assert time.monotonic() - started >= 0.25  # waited for an answer that never came: dropped, not refused
+        conn, _ = lst.accept()
+        queued.sendall(b"still here")
+        with conn:
+            assert conn.recv(100) == b"still here"
+        queued.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2)
+
+
+def test_refuse_new_connections_is_false_where_it_cannot_apply(tmp_path):
+    with socket.socket(socket.AF_UNIX) as lst:
+        lst.bind(str(tmp_path / "s"))
+        lst.listen()
+        assert listen.refuse_new_connections(lst) is False

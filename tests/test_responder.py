@@ -220,6 +220,56 @@ def test_while_stopping_answers_every_connection_then_finish_closes_the_port(lis
         os.close(w)
 
 
+def test_finish_under_load_resets_no_connection(listening):
+    """Clients that reconnect at once after each 503 (a load generator, a retrying client) kept the backlog full, so
+    ``finish`` answered for its whole second and its close reset every connection still queued, each with its
+    request sent (tryout over gunicorn: 5-7 resets per SIGTERM with 8 clients uploading). Now a client is answered
+    503 or refused, never reset."""
+    import threading
+    from collections import Counter
+
+    sock, port = listening
+    r, w = os.pipe()
+    responder = Responder([sock], wake_fd=r, on_wake=lambda: os.read(r, 100), needed=lambda: False,
+                          stopping=lambda: True, ended=lambda: False)
+    sock.close()
+    responder.start()
+    outcomes, finished = Counter(), threading.Event()
+    lock = threading.Lock()
+
+    def client():
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                    c.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n" +
+                              b"x" * 2000)
+                    got = c.recv(100)
+                    outcome = "503" if got.startswith(b"HTTP/1.1 503") else f"other: {got[:40]!r}"
+            except ConnectionRefusedError:
+                outcome = "refused"
+            except (ConnectionResetError, BrokenPipeError):
+                outcome = "reset"
+            with lock:
+                outcomes[outcome] += 1
+            if outcome == "refused" and finished.is_set():
+                return
+
+    threads = [threading.Thread(target=client) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        responder.finish()
+        finished.set()
+        for t in threads:
+            t.join(timeout=10)
+    finally:
+        finished.set()
+        os.close(r)
+        os.close(w)
+    assert outcomes["503"] > 0 and outcomes["refused"] >= 8 and set(outcomes) == {"503", "refused"}, outcomes
+
+
 def test_a_browser_opening_the_page_while_starting_gets_a_page_in_its_language(listening):
     """A zh browser opening the page during a first start got the API's raw English JSON for a minute (tryout);
     the README promises the page. GET / asking for HTML gets a small page that reloads itself after Retry-After."""

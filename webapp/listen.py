@@ -136,3 +136,37 @@ def parse_bind(text: str) -> str:
     if not all(part and part.replace("-", "").isalnum() for part in host.split(".")):
         raise ValueError(f"{host!r} is not a host name or address")
     return f"{host}:{port_of(port)}"
+
+
+# Classic BPF (linux/filter.h: code, jt, jf, k) for a TCP listening socket, whose programs see a segment from its TCP
+# header: drop a segment whose flags say SYN without ACK (a new connection), keep every other (a handshake already
+# under way completing with its ACK). Read elsewhere (e.g. from the IP header) it keeps everything: harmless.
+_NEW_HANDSHAKES_DROPPED = ((0x30, 0, 0, 13),  # ldb [13]: the TCP flags byte
+                           (0x54, 0, 0, 0x12),  # and #0x12: SYN and ACK
+                           (0x15, 0, 1, 0x02),  # jeq #0x02 (SYN alone): next, else skip one
+                           (0x06, 0, 0, 0),  # ret #0: drop
+                           (0x06, 0, 0, 0xFFFFFFFF))  # ret #-1: keep
+_SO_ATTACH_FILTER = 26  # asm-generic/socket.h
+
+
+def refuse_new_connections(sock: socket.socket) -> bool:
+    """Make the kernel drop new connections to the listening TCP socket ``sock`` (their SYNs) while it keeps
+    completing those already begun into its backlog, so that the backlog can be emptied and the socket then closed
+    without resetting a connection whose request was sent: closing a listening socket resets every connection
+    waiting in its backlog. A client whose SYN was dropped sends it again (TCP: after 1 s) and, the port closed by
+    then, is refused, its request unsent. Linux only (a socket filter); True if attached, else False (other systems,
+    a unix socket: the caller then empties the backlog as it can)."""
+    import ctypes
+    import struct
+    import sys
+
+    if not sys.platform.startswith("linux") or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    program = b"".join(struct.pack("HBBI", *insn) for insn in _NEW_HANDSHAKES_DROPPED)
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = struct.pack("HL", len(_NEW_HANDSHAKES_DROPPED), ctypes.addressof(buf))  # struct sock_fprog
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+    except OSError:
+        return False
+    return True

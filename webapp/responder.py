@@ -26,8 +26,10 @@ reset unanswered (measured: 1-4 ``curl: (56) Recv failure`` per SIGTERM with 4 c
 workers). So, once the master is stopping, the thread answers every connection still arriving with
 ``503 not_ready`` ("stopping", ``Retry-After``); it first leaves each one ``STOP_DEFER_S`` to a worker
 still accepting, which serves it. Once every worker has exited, gunicorn's ``on_exit`` hook calls
-``finish``: it answers what waits in the backlog and closes the duplicates, so the port refuses from
-then on, not only after the interpreter's teardown (~0.4 s more in a master that imported torch).
+``finish``: it makes the kernel drop new connections (``listen.refuse_new_connections``), answers what waits
+in the backlog and closes the duplicates, so the port refuses from then on, not only after the interpreter's
+teardown (~0.4 s more in a master that imported torch). Clients reconnecting at once after their 503 had kept
+the backlog full until the close reset them, requests sent (5-7 per SIGTERM, 8 clients uploading; now none).
 
 Each answer carries the request's ``X-Request-ID`` (the client's, where sane, else a new one), and is written to
 the access log and counted in ``/metrics`` (endpoint ``(master)``) by ``master_answers`` (its ``on_answer``), as
@@ -43,6 +45,7 @@ with a new bind), and each worker closes its inherited copies right after fork.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -53,6 +56,7 @@ from typing import Callable
 from .concurrency import Primitives, fork_safe
 from .contract import REQUEST_ID_HEADER, request_id_from
 from .errors import NotReady, error_body
+from .listen import refuse_new_connections
 
 RETRY_AFTER_S = 5
 MESSAGE = ("the service is starting: no worker has its model ready yet (a first start compiles it, about a minute "
@@ -65,6 +69,7 @@ _TICK_S = 0.05  # how often the thread looks at whether the master is stopping (
 # s: once stopping, how long a waiting connection is left to the workers (each accepts within a
 # millisecond while it still listens; the longest wait seen before one closes its copy is worker.TICK_S)
 STOP_DEFER_S = 0.02
+FINISH_SETTLE_S = 0.05  # s: after the backlog is emptied, for handshakes under way (one round trip) to end
 # Liveness paths (GET and HEAD, as the workers' Flask routes answer them): 200 from the master while starting.
 LIVE_PATHS = ("/healthz", "/v2/health/live")
 # /healthz's "state" from the master while starting
@@ -209,16 +214,22 @@ class Responder:
                 self._close()
 
     def finish(self, within_s: float = 1.0) -> int:
-        """In the master, its workers gone (gunicorn's ``on_exit``): answer every connection waiting in the
-        backlog 503 (stopping), for at most ``within_s`` s, then close the duplicates: the port refuses from
-        now on. Returns how many it answered. The thread takes no connection after this."""
+        """In the master, its workers gone (gunicorn's ``on_exit``): refuse new connections, answer every one
+        waiting in the backlog 503 (stopping), for at most ``within_s`` s, then close the duplicates: the port
+        refuses from now on. Returns how many it answered. The thread takes no connection after this."""
         answered = 0
         with self._lock:
             self._finished = True
+            for s in self._socks:  # new connections dropped, those begun still queued: closing resets none
+                if not refuse_new_connections(s):
+                    with contextlib.suppress(OSError):
+                        s.listen(0)  # elsewhere: at most one queued (Linux's rule), new handshakes dropped
             deadline = time.monotonic() + within_s
-            for s in self._socks:
-                while time.monotonic() < deadline and self._answer_one(s, STOPPING_MESSAGE):
-                    answered += 1
+            for settle in (FINISH_SETTLE_S, 0):  # again once a handshake under way has had a round trip to end
+                for s in self._socks:
+                    while time.monotonic() < deadline and self._answer_one(s, STOPPING_MESSAGE):
+                        answered += 1
+                time.sleep(min(settle, max(0.0, deadline - time.monotonic())))
             self._close()
         return answered
 
@@ -304,10 +315,7 @@ def _read_head(conn: socket.socket) -> bytes:
     """Read the request head (up to ``_HEAD_LIMIT`` bytes, ``_READ_S`` s); what arrived, maybe nothing."""
     data = b""
     deadline = time.monotonic() + _READ_S
-    while b"\r\n\r\n" not in data and len(data) < _HEAD_LIMIT:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
+    while b"\r\n\r\n" not in data and len(data) < _HEAD_LIMIT and (left := deadline - time.monotonic()) > 0:
         conn.settimeout(left)
         try:
             chunk = conn.recv(4096)
@@ -322,10 +330,7 @@ def _read_head(conn: socket.socket) -> bytes:
 def _discard(conn: socket.socket, limit: int = 1 << 20, wait_s: float = 0.2) -> None:
     """Read and drop what the client still sends (a body), up to ``limit`` bytes or ``wait_s`` s."""
     deadline = time.monotonic() + wait_s
-    while limit > 0:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
+    while limit > 0 and (left := deadline - time.monotonic()) > 0:
         conn.settimeout(left)
         try:
             chunk = conn.recv(65536)
