@@ -11,10 +11,10 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
 - An idle timeout between received bytes (``BODY_TIMEOUT_S``, on each socket read of the body): a client
   that sends part of a body and stops gets ``408 body_timeout`` and its connection closes, so it can neither hold a
   connection forever nor stretch a graceful shutdown past that timeout.
-- A stopping worker answers every request whose body is still arriving ``DRAIN_SECONDS`` + 1 s before
-  its graceful timeout ends with ``503 not_ready`` (``cut_by_stop``; ``webapp.worker``): it was then cut
-  with a reset when the master killed the worker (a stalled upload with ``BODY_TIMEOUT_S`` equal to the
-  graceful timeout, or a slow one), and the master logged requests cut although the stalled one had its 408.
+- Once a stopping worker's graceful timeout has ``DRAIN_SECONDS`` + 1 s left, each request whose body is
+  still arriving is answered ``503 not_ready`` (``cut_by_stop``; ``webapp.worker``) and drained as any
+  refusal. The master's kill at the timeout reset it before (a slow upload, or a stalled one: ``BODY_TIMEOUT_S``
+  is as long as the timeout by default), and logged the stalled one as cut although its 408 had gone out.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
   chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
 - A refused request whose body was not read to its end is answered at once, with the connection

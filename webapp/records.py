@@ -239,8 +239,8 @@ def recorded_precision(cache: Path, key: dict, decide: Callable[[], tuple]) -> t
     # The file's name, not its path: this goes to every client (/healthz, answers); the log above has the path.
     measured = f"{path.name} in CLASSIFIER_CACHE_DIR, measured {record['measured_at']}"
     if path not in (this, main):  # another start's decision, read from a read-only cache
-        where = (f"read from the read-only cache: {measured} for the server start that warmed it; a read-only cache "
-                 "is not measured again, so a writable one measures at its next start")
+        where = (f"read from the read-only cache: {measured} by the server start that warmed it (a read-only cache "
+                 "is never measured again)")
     elif record.get("start") is not None:
         where = (f"decided for this server start only: slow native bf16 is most often a loaded core, so the next "
                  f"start (not a reload) measures again; {measured}")
