@@ -499,12 +499,13 @@ def test_sigterm_does_not_wait_on_stalled_uploads_past_the_body_timeout(tmp_path
 
 @pytest.mark.server
 @pytest.mark.extended  # SIGTERM beside uploads still arriving, rare (~12 s): with `-m extended`
-def test_uploads_still_arriving_when_a_stop_ends_get_503_not_a_reset(tmp_path):
+@pytest.mark.parametrize("graceful", [5, 1])
+def test_uploads_still_arriving_when_a_stop_ends_get_503_not_a_reset(tmp_path, graceful):
     """A stalled upload (BODY_TIMEOUT_S as long as the stop's wait, the defaults: 30 and 30) and one crawling in
     were reset when the master killed the worker at graceful_timeout, and it logged the stalled one as cut
     although its 408 had gone out a moment before. Both now get 503 not_ready before the wait ends, and the
-    worker exits on its own: the master kills nothing."""
-    graceful = 5
+    worker exits on its own: the master kills nothing, even where the wait (1 s) is shorter than a refusal's drain
+    (DRAIN_SECONDS: it was cut then, and the master logged requests cut that had their answers: tryout)."""
     server = Server(tmp_path / "server.log", args=("--no-control-socket", "--graceful-timeout", str(graceful)),
                     MODEL="resnet18_seeded", COMPILE=0, WORKERS=1, THREADS=1, BODY_TIMEOUT_S=30)
     opened = []

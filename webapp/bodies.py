@@ -13,7 +13,7 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   connection forever nor stretch a graceful shutdown past that timeout.
 - Once a stopping worker's graceful timeout has ``DRAIN_SECONDS`` + 1 s left, each request whose body is
   still arriving is answered ``503 not_ready`` (``cut_by_stop``; ``webapp.worker``) and drained as any
-  refusal. The master's kill at the timeout reset it before (a slow upload, or a stalled one: ``BODY_TIMEOUT_S``
+  refusal, the drain ending ``STOP_MARGIN_S`` before the timeout does. The master's kill at the timeout reset it before (a slow upload, or a stalled one: ``BODY_TIMEOUT_S``
   is as long as the timeout by default), and logged the stalled one as cut although its 408 had gone out.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
   chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
@@ -51,6 +51,7 @@ DRAIN_CHUNK = 256 * 1024  # bytes per read of a drain from the socket
 _MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0) if sys.platform.startswith("linux") else 0
 _DISCARD = bytearray(DRAIN_CHUNK)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+STOP_MARGIN_S = 0.5  # s: a stopping worker's drains end this long before its stop's wait does
 
 
 # The sockets whose request body is being read now (a read waiting for bytes or under way): what a stopping
@@ -67,8 +68,14 @@ def cut_by_stop(seconds: float) -> NotReady:
     """The 503 for a request whose body was still arriving ``seconds`` (s) after its worker began to stop, too
     close to the end of the stop's wait (gunicorn's ``graceful_timeout``) to be read and answered: an answer
     the client can act on instead of the reset it got when the wait ended."""
-    return NotReady(f"the server is stopping, and this request's body was still arriving {seconds:.1f} s after the "
+    return NotReady(f"the server is stopping, and this request's body had not all arrived {seconds:.1f} s after the "
                     "stop began; send the request again", headers={"Retry-After": "1"})
+
+
+def stop_time_left() -> float | None:
+    """Seconds (s) left of this worker's stop's wait (gunicorn's ``graceful_timeout``), None when it is not
+    stopping. Replaced by the gunicorn worker as it runs (``webapp.worker.Worker.stop_time_left``)."""
+    return None
 
 
 def stopping() -> bool:
@@ -230,8 +237,10 @@ class _Answered:
         return iter(self.body)
 
     def close(self) -> None:
+        left = stop_time_left()  # stopping: the drain ends before the stop's wait does (else the master kills it)
         try:
-            if not self.guarded.drain():
+            if not self.guarded.drain(max_seconds=DRAIN_SECONDS if left is None else
+                                      max(0.0, min(DRAIN_SECONDS, left - STOP_MARGIN_S))):
                 log.debug("closing a connection with its request body unread (stalled, or over the drain bound)")
         finally:
             if hasattr(self.body, "close"):

@@ -155,6 +155,7 @@ class Worker(GeventWorker):
         ggevent.gevent = QuickTicks(self)
         gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
         bodies.stopping = lambda: not self.alive  # an answer written while stopping says Connection: close
+        bodies.stop_time_left = self.stop_time_left
         super().run()
 
     def handle(self, listener, client, addr):
@@ -196,6 +197,13 @@ class Worker(GeventWorker):
         for greenlet, client in list(self._clients.items()):
             if bodies.reading(client):
                 hub.loop.run_callback(self._cut_body_read, greenlet, client, waited)
+
+    def stop_time_left(self) -> float | None:
+        """Seconds (s) left of this stop's wait (``graceful_timeout`` from SIGTERM); None while not stopping."""
+        if self.alive:
+            return None
+        began = self._stop_began if self._stop_began is not None else time.monotonic()
+        return self.cfg.graceful_timeout - (time.monotonic() - began)
 
     @staticmethod
     def _cut_body_read(greenlet, client, waited: float) -> None:
