@@ -690,6 +690,56 @@ def test_a_stop_that_cuts_a_request_says_so(tmp_path):
 
 
 @pytest.mark.server
+@pytest.mark.extended  # SIGTERM under a reconnecting load, rare (~12 s): with `-m extended`
+def test_sigterm_under_load_resets_no_connection(tmp_path):
+    """8 clients uploading back to back, each reconnecting at once after its answer, SIGTERM to the master: every
+    client is answered (200, or 503 while stopping) or refused, never reset with its request sent. The master's
+    close of the port reset those in its backlog, 5-7 per SIGTERM (tryout, 2026-12-06); it now drops new
+    connections first (webapp/listen.py refuse_new_connections) and answers those queued."""
+    from collections import Counter
+
+    srv = Server(tmp_path / "server.log", MODEL="resnet18_seeded", COMPILE=0, WORKERS=1, THREADS=1,
+                 CACHE_DIR=tmp_path / "cache")
+    photo = small_png()
+    head = (f"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+            f"Content-Length: {len(photo)}\r\n\r\n").encode()
+    outcomes, lock, gone = Counter(), threading.Lock(), threading.Event()
+
+    def client():
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as conn:
+                    conn.sendall(head + photo)
+                    got = conn.recv(64)
+                    outcome = got[9:12].decode() if got.startswith(b"HTTP/1.1 ") else f"closed: {got!r}"
+            except ConnectionRefusedError:
+                outcome = "refused"
+            except (ConnectionResetError, BrokenPipeError) as exc:
+                outcome = f"reset: {exc}"
+            with lock:
+                outcomes[outcome] += 1
+            if outcome == "refused" and gone.is_set():
+                return
+
+    try:
+        srv.wait_ready(1)
+        threads = [threading.Thread(target=client) for _ in range(8)]
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        os.kill(srv.proc.pid, signal.SIGTERM)
+        assert srv.proc.wait(30) == 0
+        gone.set()
+        for t in threads:
+            t.join(timeout=15)
+    finally:
+        gone.set()
+        srv.stop()
+    assert outcomes["200"] > 0 and outcomes["refused"] >= 8, outcomes
+    assert set(outcomes) <= {"200", "503", "refused"}, outcomes
+
+
+@pytest.mark.server
 def test_a_reload_under_load_answers_every_request(tmp_path):
     """SIGHUP with one worker under load: gunicorn stopped the old worker at once, and clients got 503 not_ready
     for the ~2 s the new one took to load its model (tryout14: 239 of 300). The old one now serves until the new
