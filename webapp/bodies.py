@@ -13,8 +13,9 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   connection forever nor stretch a graceful shutdown past that timeout.
 - Once a stopping worker's graceful timeout has ``DRAIN_SECONDS`` + 1 s left, each request whose body is
   still arriving is answered ``503 not_ready`` (``cut_by_stop``; ``webapp.worker``) and drained as any
-  refusal, the drain ending ``STOP_MARGIN_S`` before the timeout does. The master's kill at the timeout reset it before (a slow upload, or a stalled one: ``BODY_TIMEOUT_S``
-  is as long as the timeout by default), and logged the stalled one as cut although its 408 had gone out.
+  refusal, the drain ending ``STOP_MARGIN_S`` before the timeout does. The master's kill at the timeout
+  reset it before (a slow upload, or a stalled one: ``BODY_TIMEOUT_S`` is as long as the timeout by
+  default), and logged the stalled one as cut although its 408 had gone out.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
   chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
 - A refused request whose body was not read to its end is answered at once, with the connection
