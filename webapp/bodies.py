@@ -80,9 +80,8 @@ def stop_time_left() -> float | None:
 
 
 def stopping() -> bool:
-    """Whether this worker is stopping (its answers then close their connection). Replaced by the gunicorn
-    worker as it runs (``webapp.worker.Worker.run``: ``not self.alive``); elsewhere never."""
-    return False
+    """Whether this worker is stopping (its answers then close their connection); elsewhere never."""
+    return stop_time_left() is not None
 
 
 class GuardedInput:

@@ -24,7 +24,8 @@
   browser's idle keep-alive, a speculative preconnect) held a stop for gunicorn's ``keepalive`` (5 s);
   a stopping worker ends each such wait that has lasted ``IDLE_GRACE_S`` with nothing to read, as nginx closes idle
   keep-alive connections on a graceful stop (``Worker.end_idle_waits``). A request in flight when the stop
-  comes is answered with ``Connection: close`` (``bodies.stopping``), as its connection then closes.
+  comes is answered with ``Connection: close`` (``bodies.stopping``, from ``Worker.stop_time_left``), as its
+  connection then closes.
 - **New connections go to an idle worker first** (``CLASSIFIER_IDLE_FIRST``, ``webapp/balance.py``):
   its servers are ``IdleFirstServer``, which, while this worker has a request in progress and
   another worker is idle, leaves a new connection for ``balance.DEFER_S`` before accepting it.
@@ -154,8 +155,7 @@ class Worker(GeventWorker):
             ggevent.StreamServer = IdleFirstServer
         ggevent.gevent = QuickTicks(self)
         gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
-        bodies.stopping = lambda: not self.alive  # an answer written while stopping says Connection: close
-        bodies.stop_time_left = self.stop_time_left
+        bodies.stop_time_left = self.stop_time_left  # while stopping: answers say Connection: close, drains end early
         super().run()
 
     def handle(self, listener, client, addr):
