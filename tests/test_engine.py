@@ -222,6 +222,50 @@ def test_warm_up_with_a_sample_checks_every_batch_size_against_batch_1():
     Engine(WrongWhenBatched(net), input_size=size, compile=False).warm_up(4)  # no sample: not compared
 
 
+class _Logits(torch.nn.Module):
+    """Logits read straight off the input: row i's are ``sign * x[i, 0, 0, :C]`` (a test sets them pixel by pixel)."""
+
+    def __init__(self, sign: float = 1.0, classes: int = 10):
+        super().__init__()
+        self.sign, self.classes = sign, classes
+
+    def forward(self, x):
+        return self.sign * x[:, 0, 0, :self.classes]
+
+
+def test_close_calls_are_answered_by_the_recheck_engine_and_only_they():
+    """int8's second opinion (``Engine.add_recheck``): a row whose top two probabilities are under ``pts`` points
+    apart gets the recheck engine's logits, every other row its own; with 0 points none is rechecked."""
+    from webapp.engine import GraphsDisagree
+
+    x = torch.zeros(4, 3, 16, 16)
+    x[0, 0, 0, :2] = torch.tensor([5.0, 0.0])    # sure: 98% against 0.7%
+    x[1, 0, 0, :2] = torch.tensor([1.0, 0.99])   # a near-tie: 0.2 points apart
+    x[2, 0, 0, :2] = torch.tensor([1.0, 0.95])   # 1.0 point apart
+    x[3, 0, 0, :2] = torch.tensor([2.0, 1.0])    # 27 points apart
+    main, other = Engine(_Logits(), input_size=16, compile=False), Engine(_Logits(-1.0), input_size=16, compile=False)
+    own, second = main.predict(x), other.predict(x)
+    main.add_recheck(other, 3.0)
+    got = main.predict(x)
+    assert torch.equal(got[[0, 3]], own[[0, 3]]) and torch.equal(got[[1, 2]], second[[1, 2]])
+    assert main.rechecked == 2
+    assert torch.equal(main.predict(x[[1]]), second[[1]]) and main.rechecked == 3  # alone, at batch 1, too
+    main.warm_up(3)
+    assert other.warm_batch_sizes == [1, 2, 3]  # warmed up with it: never compiling under a request
+    main.add_recheck(other, 0.0)
+    assert main.recheck is None and torch.equal(main.predict(x), own)
+
+    class WrongWhenBatched(_Logits):
+        def forward(self, x):
+            return super().forward(x) if x.shape[0] == 1 else super().forward(x).flip(-1)
+
+    broken = Engine(WrongWhenBatched(), input_size=16, compile=False)
+    main.add_recheck(broken, 3.0)
+    with pytest.raises(GraphsDisagree) as caught:  # names the recheck engine, whose files a remedy must name
+        main.warm_up(3, sample=x[[1]])
+    assert caught.value.engine is broken
+
+
 def forward_ms(fn, x) -> float:
     """The median of 3 calls of ``fn(x)``, in ms."""
     times = []

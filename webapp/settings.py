@@ -182,8 +182,8 @@ SETTINGS: tuple[Setting, ...] = (
             "only: beside another model, a warning at start says it is not used."),
     Setting("DOWNLOAD", _bool, True, "Try to download ResNet-18 weights when no file is found (gives up after "
             "DOWNLOAD_TIMEOUT_S when there is no network)."),
-    Setting("DOWNLOAD_TIMEOUT_S", _float, 3.0, "Seconds a weights download may take to connect, and then for the server (or a proxy) to begin its answer, before giving up.",
-            low=0.1, high=600),
+    Setting("DOWNLOAD_TIMEOUT_S", _float, 3.0, "Seconds a weights download may take to connect, and then for the server "
+            "(or a proxy) to begin its answer, before giving up.", low=0.1, high=600),
     Setting("FALLBACK", _bool, True, "Serve the offline EfficientNet-Lite0 when ResNet-18 weights cannot be had. "
             "Off: start-up fails and says which file to put where."),
     Setting("SEED", _int, 0, "Seed of the random weights of resnet18_seeded.", low=0, high=2**31 - 1),
@@ -197,6 +197,8 @@ SETTINGS: tuple[Setting, ...] = (
             choices=("auto", "fp32", "bf16", "int8")),
     Setting("INT8_REDUCE_RANGE", _str, "auto", "int8 activations in 7 bits instead of 8. auto: on where oneDNN "
             "has no VNNI (pre-2019 CPUs, AVX2-only), where 8-bit products can saturate.", choices=("auto", "on", "off")),
+    Setting("INT8_RECHECK_PTS", _float, 3.0, "int8: a photo whose top two labels int8 puts closer than this (percentage points) "
+            "is run again in fp32 and answered by fp32, where int8 flips answers (see README). 0: never.", low=0, high=100),
     Setting("CACHE_DIR", _str, "", "Directory for compiled kernels and the int8 program; survives restarts so "
             "workers start fast. Empty: ~/.cache/photo-classifier."),
     Setting("CALIBRATION_DIR", _photo_folder, "", "Photos to calibrate int8 on (JPEG/PNG/WebP), and bf16's start-up "
@@ -256,9 +258,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(read from their headers before any is decoded; a large JPEG counts at the reduced size FAST_DECODE "
             "decodes it at); more gets 413. Bounds the decode work one request holds a worker for: 256 MP is 16 "
             "PNGs of 16 MP, ~4 to 7 s of decoding here.", low=1, high=2**44, commands=SERVERS),
-    Setting("BODY_TIMEOUT_S", _float, 30.0, "Longest pause (s) between bytes of a request body; a client that "
-            "stalls longer gets 408 and its connection closes (also bounds how long SIGTERM waits on a stalled "
-            "upload).", low=0.1, high=3600, commands=SERVERS),
+    Setting("BODY_TIMEOUT_S", _float, 30.0, "Longest pause (s) between bytes of a request body; a client that stalls longer "
+            "gets 408 and its connection closes (also bounds how long SIGTERM waits on a stalled upload).", low=0.1, high=3600, commands=SERVERS),
     # -- access --
     Setting("API_TOKEN", _token, "", "If set, POST /api/v1/* and POST /v2/models/*/infer need 'Authorization: "
             "Bearer <token>' (compared in constant time); else 401. /healthz, /readyz, /v2 health and metadata stay "
@@ -308,10 +309,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("STARTUP_TIMEOUT_S", _int, 600, "Seconds a worker may spend building, compiling and warming up its model. A "
             "compile (in a child process) still running then is stopped and the start fails saying so (exit 3); a worker "
             "otherwise still starting stops reporting and gunicorn replaces it 60 s later.", low=10, high=86_400, commands=SERVERS),
-    Setting("PRELOAD_LIBRARIES", _bool, True, "Import torch, torchvision, timm and the service's code in gunicorn's "
-            "master before it forks the workers (never the model or a thread pool), so every worker shares those "
-            "pages instead of holding its own ~400 MB copy. Off: each worker imports them itself (the old way, for "
-            "benchmarks).", commands=(SERVE,)),
+    Setting("PRELOAD_LIBRARIES", _bool, True, "Import torch, torchvision, timm and the service's code in gunicorn's master "
+            "before it forks the workers (never the model or a thread pool), so every worker shares those pages instead "
+            "of holding its own ~400 MB copy. Off: each worker imports them itself (the old way, for benchmarks).", commands=(SERVE,)),
     Setting("LOG_LEVEL", _str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
 )
 # fmt: on

@@ -258,6 +258,17 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
     return build_for
 
 
+def recheck_engine(settings, model: LoadedModel, cache: Path | None, precision: str,
+                   build_elsewhere: Callable[[str], Callable[[list[Path]], None]] | None) -> Engine | None:
+    """int8's second opinion (``Engine``'s ``recheck``): the model in fp32, built as an fp32 server builds it
+    (the same package in ``cache``), where ``precision`` is int8 and ``INT8_RECHECK_PTS`` > 0; else None."""
+    if precision != "int8" or settings.INT8_RECHECK_PTS <= 0:
+        return None
+    return Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE, precision="fp32",
+                  cache_dir=cache, cache_id=f"{model.name}|{model.weights}|none",
+                  build_elsewhere=build_elsewhere("fp32") if build_elsewhere else None)
+
+
 @quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)
 def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
                 build_elsewhere: Callable[[str], Callable[[list[Path]], None]] | None = None) -> Started:
@@ -286,6 +297,12 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
                     bf16_keep_fp32=keep_fp32_for(model.name),
                     cache_dir=cache, cache_id=f"{model.name}|{model.weights}|{calib_id}",
                     build_elsewhere=build_elsewhere(precision) if build_elsewhere else None)
+    if (recheck := recheck_engine(settings, model, cache, precision, build_elsewhere)) is not None:
+        engine.add_recheck(recheck, settings.INT8_RECHECK_PTS)
+        from .settings import PREFIX
+
+        reason += (f"; close calls (top two under {settings.INT8_RECHECK_PTS:g} points apart) "
+                   f"answered by fp32 ({PREFIX}INT8_RECHECK_PTS)")
     log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
              model.name, model.weights, precision, reason, settings.COMPILE, threads,
              sorted(os.sched_getaffinity(0)), settings.MAX_BATCH_SIZE)
@@ -294,7 +311,7 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
         warm_s = engine.warm_up(settings.MAX_BATCH_SIZE, sample=imaging.preprocess(golden, transform)[None])
     except GraphsDisagree as exc:
         raise StartupError(f"the compiled model is damaged: on the golden photo {GOLDEN.name}, {exc}; "
-                           f"{engine.remedy(inductor_cache_dir(settings))}") from None
+                           f"{(exc.engine or engine).remedy(inductor_cache_dir(settings))}") from None
     if engine.backend == "aoti":  # the packages hold their own weights: the module would be one more copy in
         model.module = None  # every worker (ResNet-18 fp32: 45 MB private each; #7). Eager and JIT still run on it.
     return Started(model=model, engine=engine, transform=transform, threads=threads, precision_reason=reason,
