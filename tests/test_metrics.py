@@ -245,3 +245,27 @@ def test_counts_add_up_across_gunicorn_workers(server):
     assert value(samples, "classifier_queue_depth") == 0
     (info,) = matching(samples, "classifier_model_info").items()
     assert dict(info[0])["model"] == "resnet18_seeded" and info[1] == 1
+
+
+def test_rechecked_images_are_counted(app, client):
+    """int8's close calls that fp32 answered (``Engine.rechecked``) reach ``/metrics`` and ``/healthz``: here a
+    second engine of the same (seeded) model rechecks every row (100 points: every margin is under it), so each
+    classified image counts once, in whichever request it came, and a scrape adds only what is new."""
+    from webapp.engine import Engine
+
+    engine = app.extensions["classifier"].engine
+    module = app.extensions["classifier"].model.module
+    engine.add_recheck(Engine(module, input_size=engine.input_size, compile=False), 100.0)
+    try:
+        before, health = scrape(client), client.get("/healthz").get_json()
+        files = [(io.BytesIO(small_png((0, i * 50, 0))), f"{i}.png") for i in range(3)]
+        assert client.post(PREDICT, data={"file": files}).status_code == 200
+        assert client.post(PREDICT, data=small_png(), content_type="image/png").status_code == 200
+        after = scrape(client)
+        assert value(after, "classifier_rechecked_images_total") - value(
+            before, "classifier_rechecked_images_total") == 4
+        assert value(scrape(client), "classifier_rechecked_images_total") == value(
+            after, "classifier_rechecked_images_total")  # nothing new: nothing added
+        assert client.get("/healthz").get_json()["rechecked"] - health["rechecked"] == 4
+    finally:
+        engine.add_recheck(engine, 0.0)
