@@ -184,8 +184,12 @@ def measure(name: str, configs: list[tuple[str, ...]], photos: list, extra: list
     cache = Path(args.cache_dir) if args.cache_dir else None
     runners = {r.key: r for r in [build(loaded, "fp32", (), inputs, cache), build(loaded, "bf16", (), inputs, cache)]
                + [build(loaded, "int8", keep, inputs, cache) for keep in configs]}
-    fp32, served = runners["ours-fp32"].keep, build(loaded, "int8", tuple(INT8_KEEP_FP32), inputs, cache)
-    if fp32 is not None and served.keep is not None and args.recheck_pts > 0:  # the served int8, as a worker runs it
+    fp32 = runners["ours-fp32"].keep
+    # The served int8, as a worker runs it (built only for this): untrained weights get no recheck there either
+    # (startup.recheck_points: every photo a near-tie).
+    served = (build(loaded, "int8", tuple(INT8_KEEP_FP32), inputs, cache)
+              if fp32 is not None and args.recheck_pts > 0 and not loaded.untrained else None)
+    if served is not None and served.keep is not None:
         served.keep.add_recheck(fp32, args.recheck_pts)
         served.key += f"+recheck{args.recheck_pts:g}"
         runners[served.key] = served

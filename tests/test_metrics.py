@@ -248,9 +248,10 @@ def test_counts_add_up_across_gunicorn_workers(server):
 
 
 def test_rechecked_images_are_counted(app, client):
-    """int8's close calls that fp32 answered (``Engine.rechecked``) reach ``/metrics`` and ``/healthz``: here a
-    second engine of the same (seeded) model rechecks every row (100 points: every margin is under it), so each
-    classified image counts once, in whichever request it came, and a scrape adds only what is new."""
+    """int8's and bf16's close calls that fp32 answered (``Engine.rechecked``) reach ``/metrics`` and
+    ``/healthz``: here a second engine of the same (seeded) model rechecks every row (100 points: every margin
+    is under it), so each classified image counts once, in whichever request it came, and a scrape adds only
+    what is new."""
     from webapp.engine import Engine
 
     engine = app.extensions["classifier"].engine

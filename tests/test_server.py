@@ -201,32 +201,35 @@ def test_default_precision_gives_fp32s_answers_on_every_shared_photo(server, tmp
         ref.stop_cleanly()
 
 
-@pytest.mark.extended  # int8 is opt-in: with the other int8 checks in CI's `-m extended` step
-def test_int8_close_calls_are_answered_by_fp32(tmp_path):
-    """Over HTTP, int8 with ``INT8_RECHECK_PTS`` at its default against an fp32 server (both uncompiled: the same
-    quantization as served, quick to start), on every shared photo and its mirror: an answer whose top two are
-    under that many points apart is fp32's own (its probabilities, to the API's 6 decimals); any other is int8's,
-    whose own top two are at least that far apart. int8 alone changed the top-1 of 2 of these 18 (near-ties in
-    fp32: scream.jpg 0.1 points, person.jpg 0.8; eager, AMX box), so some answers are fp32's."""
+@pytest.mark.extended  # int8 and bf16 (which auto keeps off for this model) are opt-in: in CI's `-m extended` step
+@pytest.mark.parametrize("precision", ["int8", "bf16"])
+def test_close_calls_are_answered_by_fp32(tmp_path, precision):
+    """Over HTTP, int8 or bf16 with its ``*_RECHECK_PTS`` at the default against an fp32 server (all uncompiled:
+    the same arithmetic as served, quick to start), on every shared photo and its mirror: an answer whose top two
+    are under that many points apart is fp32's own (its probabilities, to the API's 6 decimals); any other is the
+    precision's, whose own top two are at least that far apart. int8 alone changed the top-1 of 2 of these 18
+    (near-ties in fp32: scream.jpg 0.1 points, person.jpg 0.8; eager, AMX box), bf16 scream.jpg's; so some
+    answers are fp32's."""
     from webapp.settings import BY_NAME
 
-    pts = BY_NAME["INT8_RECHECK_PTS"].default
+    setting = f"{precision.upper()}_RECHECK_PTS"
+    pts = BY_NAME[setting].default
     common = dict(MODEL="efficientnet_lite0", COMPILE=0, WORKERS=1, THREADS=1, MAX_BATCH_SIZE=1)
     ref = Server(tmp_path / "fp32.log", PRECISION="fp32", **common)
-    int8 = Server(tmp_path / "int8.log", PRECISION="int8", **common)
+    other = Server(tmp_path / f"{precision}.log", PRECISION=precision, **common)
     try:
         ref.wait_ready(workers=1)
-        health = int8.wait_ready(workers=1)
-        assert "INT8_RECHECK_PTS" in json.dumps(health), health
+        health = other.wait_ready(workers=1)
+        assert setting in json.dumps(health), health
         from_fp32 = agree = 0
         for path in sorted(SHARED_IMAGES.glob("*.jpg")):
             buf = io.BytesIO()
             ImageOps.mirror(ImageOps.exif_transpose(Image.open(path)).convert("RGB")).save(buf, "JPEG", quality=95)
             for name, data in ((path.name, path.read_bytes()), (f"mirror-{path.name}", buf.getvalue())):
                 want = predict(ref, data, name)["results"][0]["predictions"]
-                answer = predict(int8, data, name)
+                answer = predict(other, data, name)
                 got = answer["results"][0]["predictions"]
-                assert answer["model"]["precision"] == "int8"
+                assert answer["model"]["precision"] == precision
                 same = [g["index"] for g in got] == [w["index"] for w in want] and all(
                     abs(g["probability"] - w["probability"]) <= 2e-6 for g, w in zip(got, want))
                 if (got[0]["probability"] - got[1]["probability"]) * 100 < pts:
@@ -235,5 +238,5 @@ def test_int8_close_calls_are_answered_by_fp32(tmp_path):
                 agree += got[0]["index"] == want[0]["index"]
         assert from_fp32 >= 1 and agree >= 16, (from_fp32, agree)
     finally:
-        int8.stop_cleanly()
+        other.stop_cleanly()
         ref.stop_cleanly()

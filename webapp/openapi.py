@@ -195,8 +195,7 @@ SCHEMAS: dict[str, Any] = {
             "max_batch_size": {"type": "integer", "minimum": 1},
             "queue_depth": _INT,
             "coming": _INT,  # images being decoded for the queue: a forming batch waits for them
-            "batches": _INT,
-            "images": _INT,
+            "batches": _INT, "images": _INT, "rechecked": _INT,  # rechecked: of the images, those fp32 answered
         },
     },
     "Readiness": {

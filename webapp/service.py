@@ -339,7 +339,7 @@ class Classifier:
             "coming": b.coming_images if b else 0,
             "batches": b.batches if b else 0,
             "images": b.images if b else 0,
-            "rechecked": engine.rechecked if engine else 0,  # of those, answered by fp32 (INT8_RECHECK_PTS)
+            "rechecked": engine.rechecked if engine else 0,  # of those, answered by fp32 (*_RECHECK_PTS)
             "admission": self.admission.describe() if self.admission else None,
             # This process's memory (MB = 2**20 bytes): private (Private_Dirty, what each worker adds), pss, rss.
             "memory_mb": {k[:-len("_bytes")]: round(v / 2**20, 1) for k, v in preload.memory().items()},

@@ -197,8 +197,10 @@ SETTINGS: tuple[Setting, ...] = (
             choices=("auto", "fp32", "bf16", "int8")),
     Setting("INT8_REDUCE_RANGE", _str, "auto", "int8 activations in 7 bits instead of 8. auto: on where oneDNN "
             "has no VNNI (pre-2019 CPUs, AVX2-only), where 8-bit products can saturate.", choices=("auto", "on", "off")),
-    Setting("INT8_RECHECK_PTS", _float, 3.0, "int8: a photo whose top two labels int8 puts closer than this (percentage points) "
-            "is run again in fp32 and answered by fp32, where int8 flips answers (see README). 0: never.", low=0, high=100),
+    Setting("INT8_RECHECK_PTS", _float, 3.0, "int8, trained weights: a photo whose top two labels int8 puts closer than this "
+            "(percentage points) is run again in fp32 and answered by fp32, where int8 flips answers (README). 0: never.",
+            low=0, high=100),
+    Setting("BF16_RECHECK_PTS", _float, 1.0, "bf16: the same, for bf16's close calls (README).", low=0, high=100),
     Setting("CACHE_DIR", _str, "", "Directory for compiled kernels and the int8 program; survives restarts so "
             "workers start fast. Empty: ~/.cache/photo-classifier."),
     Setting("CALIBRATION_DIR", _photo_folder, "", "Photos to calibrate int8 on (JPEG/PNG/WebP), and bf16's start-up "
@@ -247,10 +249,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("REQUEST_TIMEOUT_S", _float, 30.0, "Seconds from a request's body read to its result, decoding included, "
             "before it gets 504. Bounds requests only: start-up's self-test has STARTUP_TIMEOUT_S.", low=0.01, high=3600),
     # -- requests --
-    Setting("TOP_K", _int, 3, "Labels returned per image when the request does not say (topk=1..10).",
-            low=1, high=10),
-    Setting("MAX_UPLOAD_BYTES", _int, 32 * MiB, "Largest request body in bytes; larger gets 413.",
-            low=1024, high=2**40),
+    Setting("TOP_K", _int, 3, "Labels returned per image when the request does not say (topk=1..10).", low=1, high=10),
+    Setting("MAX_UPLOAD_BYTES", _int, 32 * MiB, "Largest request body in bytes; larger gets 413.", low=1024, high=2**40),
     Setting("MAX_FILES", _int, 16, "Most images in one request; more get 413.", low=1, high=1024, commands=SERVERS),
     Setting("MAX_PIXELS", _int, 80_000_000, "Largest image in pixels (width x height, read from the header before "
             "decoding); larger gets 413. 80 MP admits 64 MP phone photos.", low=1, high=2**40),

@@ -258,11 +258,20 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
     return build_for
 
 
+def recheck_points(settings, model: LoadedModel, precision: str) -> float:
+    """How close (percentage points between the top two) a call of ``precision`` must be to be answered by fp32:
+    ``INT8_RECHECK_PTS`` for int8, ``BF16_RECHECK_PTS`` for bf16; 0 (none) for fp32 and for untrained weights,
+    whose every photo is a near-tie (seeded ResNet-18: all of them rechecked, fp32's time and more, for answers
+    that mean nothing)."""
+    pts = {"int8": settings.INT8_RECHECK_PTS, "bf16": settings.BF16_RECHECK_PTS}.get(precision, 0.0)
+    return 0.0 if model.untrained else pts
+
+
 def recheck_engine(settings, model: LoadedModel, cache: Path | None, precision: str,
                    build_elsewhere: Callable[[str], Callable[[list[Path]], None]] | None) -> Engine | None:
-    """int8's second opinion (``Engine``'s ``recheck``): the model in fp32, built as an fp32 server builds it
-    (the same package in ``cache``), where ``precision`` is int8 and ``INT8_RECHECK_PTS`` > 0; else None."""
-    if precision != "int8" or settings.INT8_RECHECK_PTS <= 0:
+    """The second opinion of int8 and bf16 (``Engine``'s ``recheck``): the model in fp32, built as an fp32 server
+    builds it (the same package in ``cache``), where ``recheck_points`` > 0; else None."""
+    if recheck_points(settings, model, precision) <= 0:
         return None
     return Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE, precision="fp32",
                   cache_dir=cache, cache_id=f"{model.name}|{model.weights}|none",
@@ -298,11 +307,12 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
                     cache_dir=cache, cache_id=f"{model.name}|{model.weights}|{calib_id}",
                     build_elsewhere=build_elsewhere(precision) if build_elsewhere else None)
     if (recheck := recheck_engine(settings, model, cache, precision, build_elsewhere)) is not None:
-        engine.add_recheck(recheck, settings.INT8_RECHECK_PTS)
+        pts = recheck_points(settings, model, precision)
+        engine.add_recheck(recheck, pts)
         from .settings import PREFIX
 
-        reason += (f"; close calls (top two under {settings.INT8_RECHECK_PTS:g} points apart) "
-                   f"answered by fp32 ({PREFIX}INT8_RECHECK_PTS)")
+        reason += (f"; close calls (top two under {pts:g} points apart) answered by fp32 "
+                   f"({PREFIX}{precision.upper()}_RECHECK_PTS)")
     log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
              model.name, model.weights, precision, reason, settings.COMPILE, threads,
              sorted(os.sched_getaffinity(0)), settings.MAX_BATCH_SIZE)
