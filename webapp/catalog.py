@@ -80,7 +80,7 @@ MODELS: tuple[ModelEntry, ...] = (
                input_size=224, resize_size=256,
                bf16_auto_off="bf16 is not reliably faster for it: its bf16 policy, with its close calls answered by "
                              "fp32 (BF16_RECHECK_PTS), keeps fp32's top-1 on 100% of the fidelity bench's photos, but "
-                             "ran 1.02-1.11x compiled fp32 over them (AMX Xeon; the policy alone 1.06x on Zen 5), not "
+                             "ran 1.02-1.25x compiled fp32 over them (AMX Xeon; the policy alone 1.06x on Zen 5), not "
                              "1.3x (bench/fidelity_bench.py, 2026-12-06)"),
     ModelEntry("resnet18_seeded", "ResNet-18 (untrained, seeded)",
                "ResNet-18 with seeded random weights, answers marked untrained (benchmarks, tests)",
