@@ -62,7 +62,9 @@ def gather_info() -> dict:
                                                "OMP_NUM_THREADS") if k in os.environ},
         },
         "precision": {"setting": s.PRECISION, "chosen": chosen, "reason": reason, "auto": auto,
-                      "auto_reason": auto_reason, "by_model": by_model},
+                      "auto_reason": auto_reason, "by_model": by_model,
+                      # close calls answered by fp32, points between the top two (startup.recheck_points)
+                      "recheck_pts": {"bf16": s.BF16_RECHECK_PTS, "int8": s.INT8_RECHECK_PTS}},
         "cores": {"usable": cores, "count": len(cores)},
         "plan": {"workers": plan.workers, "threads": plan.threads, "slots": [list(c) for c in plan.slots],
                  "oversubscribed": plan.oversubscribed, "shared": plan.shared, "text": cpu.describe(plan, cores),
@@ -146,6 +148,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         rows.append(("  auto would be", f"{p['auto']} ({p['auto_reason']})"))
     for name, m in p["by_model"].items():
         rows.append((f"  {name}", f"{m['precision']} ({m['reason']})"))
+    rows.append(("  close calls", "answered by fp32: " + ", ".join(
+        (f"{k}'s with its top two under {v:g} points apart" if v > 0 else f"none of {k}'s")
+        + f" ({settings_mod.PREFIX}{k.upper()}_RECHECK_PTS)" for k, v in p["recheck_pts"].items())
+        + "; with trained weights only"))
     rows += [
         ("cores", f"{info['cores']['count']} usable: {info['cores']['usable']}"),
         ("plan", plan["text"]),
