@@ -56,6 +56,7 @@ from bench import log, num, table  # noqa: E402
 from bench import main as bench_main  # noqa: E402
 from bench.inputs import shared_photos  # noqa: E402
 from webapp import assets, bf16, imaging, models, settings  # noqa: E402
+from webapp.engine import close_calls  # noqa: E402
 
 OFFLINE_MODEL = "efficientnet_lite0"
 SEEDED_MODEL = "resnet18_seeded"
@@ -224,8 +225,7 @@ def rechecked(fn: Callable, fp32: Callable, pts: float | None = None) -> Callabl
 
     def predict(x):
         out = fn(x)
-        top2 = out.softmax(1).topk(2, dim=1).values
-        close = ((top2[:, 0] - top2[:, 1]) * 100 < pts).nonzero()[:, 0]
+        close = close_calls(out, pts)
         if len(close):
             out = out.clone()
             out[close] = fp32(x[close])

@@ -118,6 +118,13 @@ def cache_key(*parts) -> str:
 AGREE = 0.02  # the largest logit difference between batch sizes, as a fraction of batch 1's logit range
 
 
+def close_calls(logits: torch.Tensor, pts: float) -> torch.Tensor:
+    """Rows of ``(N, C)`` logits whose two most probable labels are under ``pts`` percentage points apart (softmax):
+    ``(K,) int64`` row indices, the ones ``Engine``'s ``recheck`` answers (also ``bench/fidelity_bench.py``'s)."""
+    top2 = logits.softmax(1).topk(2, dim=1).values
+    return ((top2[:, 0] - top2[:, 1]) * 100 < pts).nonzero()[:, 0]
+
+
 class GraphsDisagree(RuntimeError):
     """``Engine.warm_up``'s sample photo gave other logits at ``batch`` than at batch 1: ``off`` (fraction of the
     logit range), top-1 class indices ``one`` (batch 1) and ``many``; ``engine``: the one whose graphs disagree
@@ -239,8 +246,7 @@ class Engine:
             x = batch.contiguous(memory_format=torch.channels_last)
             out = self._fn(x).float()
             if self.recheck is not None and out.shape[1] > 1:
-                top2 = out.softmax(1).topk(2, dim=1).values
-                close = ((top2[:, 0] - top2[:, 1]) * 100 < self.recheck_pts).nonzero()[:, 0]
+                close = close_calls(out, self.recheck_pts)
                 if len(close):
                     out = out.clone()  # never write into a buffer the compiled code may own
                     out[close] = self.recheck.predict(batch[close])

@@ -268,14 +268,14 @@ def recheck_points(settings, model: LoadedModel, precision: str) -> float:
 
 
 def recheck_engine(settings, model: LoadedModel, cache: Path | None, precision: str,
-                   build_elsewhere: Callable[[str], Callable[[list[Path]], None]] | None) -> Engine | None:
-    """The second opinion of int8 and bf16 (``Engine``'s ``recheck``): the model in fp32, built as an fp32 server
-    builds it (the same package in ``cache``), where ``recheck_points`` > 0; else None."""
-    if recheck_points(settings, model, precision) <= 0:
+                   build_elsewhere: Callable[[str], Callable[[list[Path]], None]] | None) -> tuple[Engine, float] | None:
+    """The second opinion of int8 and bf16 (``Engine``'s ``recheck``) and its ``recheck_points``: the model in fp32,
+    built as an fp32 server builds it (the same package in ``cache``), where those points are > 0; else None."""
+    if (pts := recheck_points(settings, model, precision)) <= 0:
         return None
     return Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE, precision="fp32",
                   cache_dir=cache, cache_id=f"{model.name}|{model.weights}|none",
-                  build_elsewhere=build_elsewhere("fp32") if build_elsewhere else None)
+                  build_elsewhere=build_elsewhere("fp32") if build_elsewhere else None), pts
 
 
 @quiet_third_party()  # torch's and torchao's own warnings: once each at debug level (webapp/quiet.py)
@@ -307,8 +307,8 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
                     cache_dir=cache, cache_id=f"{model.name}|{model.weights}|{calib_id}",
                     build_elsewhere=build_elsewhere(precision) if build_elsewhere else None)
     if (recheck := recheck_engine(settings, model, cache, precision, build_elsewhere)) is not None:
-        pts = recheck_points(settings, model, precision)
-        engine.add_recheck(recheck, pts)
+        engine.add_recheck(*recheck)
+        pts = recheck[1]
         from .settings import PREFIX
 
         reason += (f"; close calls (top two under {pts:g} points apart) answered by fp32 "
