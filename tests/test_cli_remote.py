@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import select
 import subprocess
 import sys
 import threading
@@ -707,7 +708,11 @@ def test_rows_are_written_as_they_are_ready_and_ctrl_c_keeps_them(tmp_path):
         deadline = time.monotonic() + 60
         while len(stub.arrivals) < 2 and time.monotonic() < deadline:  # a.png answered, b.png waiting on its answer
             time.sleep(0.05)
-        first = os.read(proc.stdout.fileno(), 1 << 16).decode()  # written already, with the run still going
+        # a.png's row is written with the run still going; the "[" before it may come in a write of its own
+        first, want, until = "", '"path": "' + str(tmp_path / "a.png") + '"', time.monotonic() + 10
+        while want not in first and time.monotonic() < until:
+            if select.select([proc.stdout], [], [], 0.5)[0]:
+                first += os.read(proc.stdout.fileno(), 1 << 16).decode()
         assert proc.poll() is None and '"path": "' + str(tmp_path / "a.png") + '"' in first, first
         proc.send_signal(signal.SIGINT)
         out, errors = proc.communicate(timeout=30)
