@@ -56,7 +56,6 @@ from bench import log, num, table  # noqa: E402
 from bench import main as bench_main  # noqa: E402
 from bench.inputs import shared_photos  # noqa: E402
 from webapp import assets, bf16, imaging, models, settings  # noqa: E402
-from webapp.engine import close_calls  # noqa: E402
 
 OFFLINE_MODEL = "efficientnet_lite0"
 SEEDED_MODEL = "resnet18_seeded"
@@ -225,7 +224,7 @@ def rechecked(fn: Callable, fp32: Callable, pts: float | None = None) -> Callabl
 
     def predict(x):
         out = fn(x)
-        close = close_calls(out, pts)
+        close = bf16.close_calls(out, pts)
         if len(close):
             out = out.clone()
             out[close] = fp32(x[close])

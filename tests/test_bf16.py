@@ -171,6 +171,31 @@ def test_judge_bf16_on_agreement_probability_ties_and_median_speed(monkeypatch, 
     assert module.times == {"fp32": [], "bf16": []}
 
 
+NEAR_TIE_FLIPPED = REF + torch.tensor([[0.0, 0, 0, 0], [0, 0, 0, 0], [0, 0.02, 0, 0], [0, 0, 0, 0]])
+SURE_ONE_FLIPPED = REF + torch.tensor([[0.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 4.5, 0]])
+
+
+@pytest.mark.parametrize("fp32_s, bf16_s, bf16_logits, ok, words", [
+    ([30, 30, 30], [10, 10, 10], NEAR_TIE_FLIPPED, True,
+     "with 1 close call(s) (under 1 points) answered by fp32: top-1 agreement 100.0%"),
+    ([12, 12, 12], [10, 10, 10], NEAR_TIE_FLIPPED, False, "bf16 kernels 1.20x fp32, 0.92x with the rechecks"),
+    ([30, 30, 30], [10, 10, 10], SURE_ONE_FLIPPED, False, "with 1 close call(s) (under 1 points) answered by fp32: "
+                                                          "top-1 agreement 75.0% (67% of 3"),
+], ids=["near-tie-answered-by-fp32", "rechecks-eat-the-speed", "a-sure-flip-is-no-close-call"])
+def test_judge_bf16_judges_the_policy_as_served_with_its_rechecks(monkeypatch, fp32_s, bf16_s, bf16_logits, ok, words):
+    """With ``recheck_pts`` the judgement sees what the server answers: the policy's close calls (top two under
+    that many points apart) take fp32's logits, and their fp32 passes count against the speed (a quarter of the
+    photos rechecked at 1.2x: 1 / (1/1.2 + 0.25) = 0.92x). Without them the near-tie case fails (above)."""
+    clock = [0.0]
+    monkeypatch.setattr(bf16, "time", SimpleNamespace(perf_counter=lambda: clock[0], thread_time=lambda: clock[0]))
+    module = Scripted(clock, {"fp32": fp32_s, "bf16": bf16_s}, {"fp32": REF, "bf16": bf16_logits})
+    photos = torch.arange(4.0)[:, None, None, None].expand(4, 3, 8, 8)
+    got_ok, reason, fig = bf16.judge_bf16(module, photos, runs=3, speed_batch=3, recheck_pts=1.0)
+    assert got_ok is ok and words in reason, reason
+    assert fig["rechecked"] == 0.25  # row 2, fp32's own near tie; the sure flip (row 3, 23 points apart) is no close call
+    assert fig["served_speedup"] == pytest.approx(1 / (1 / fig["native_speedup"] + fig["rechecked"]))
+
+
 def test_judge_bf16_on_borrowed_cores_gives_them_back():
     """The fidelity part may run on the server's cores (its other workers wait for it); afterwards every
     thread of the process is back on this thread's cores, with the intra-op threads as they were."""

@@ -370,6 +370,31 @@ def test_auto_is_judged_on_the_calibration_photos_and_the_record_keeps_the_figur
     assert seen[-1] == (1, 3, 224, 224) and len(list(tmp_path.glob("precision-*.json"))) == 2
 
 
+def test_auto_judges_bf16_with_the_rechecks_it_would_be_served_with(monkeypatch, tmp_path):
+    """``auto`` judges bf16 as a bf16 server answers (its close calls by fp32, ``CLASSIFIER_BF16_RECHECK_PTS``):
+    trained weights pass those points to the judgement, untrained ones 0 (they get no rechecks), and the points
+    are part of the record's key, so another setting is judged again."""
+    import dataclasses
+
+    from webapp import engine, imaging
+    from webapp.models import load_model
+    from webapp.settings import load
+
+    given = []
+    monkeypatch.setattr(engine, "native_bf16", lambda: True)
+    monkeypatch.setattr(startup, "judge_bf16", lambda module, photos, **kw: (
+        given.append(kw["recheck_pts"]) or (True, "measured", {"faithful": True})))
+    seeded = load_model(load(environ={}, overrides={"MODEL": "resnet18_seeded"}))
+    trained = dataclasses.replace(seeded, untrained=False)
+    transform = imaging.build_transform(seeded.preprocessing)
+    for model, pts in [(seeded, 0.5), (trained, 0.5), (trained, 0.5), (trained, 2.0)]:
+        settings = load(environ={}, overrides={"MODEL": "resnet18_seeded", "BF16_RECHECK_PTS": pts})
+        assert startup.choose_engine_precision(settings, model, transform, cache=tmp_path, threads=1)[0] == "bf16"
+    assert given == [0.0, 0.5, 2.0]  # the third start read the second's record
+    keys = sorted(json.loads(p.read_text())["key"]["recheck_pts"] for p in tmp_path.glob("precision-*.json"))
+    assert keys == [0.0, 0.5, 2.0]
+
+
 @pytest.mark.parametrize("faithful, provisional", [(True, True), (False, False)])
 def test_only_a_faithful_but_slow_bf16_is_a_provisional_fp32(monkeypatch, faithful, provisional):
     """Slow native bf16 kernels with faithful answers: a provisional fp32 (records.py keeps it for this start);

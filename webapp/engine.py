@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .aoti import cpu_tag, load_or_build_aoti, package_path
-from .bf16 import BF16_KEEP_FP32, bf16_policy
+from .bf16 import BF16_KEEP_FP32, bf16_policy, close_calls
 from .errors import StartupError
 from .quantize import INT8_KEEP_FP32, load_or_quantize
 
@@ -116,13 +116,6 @@ def cache_key(*parts) -> str:
 
 
 AGREE = 0.02  # the largest logit difference between batch sizes, as a fraction of batch 1's logit range
-
-
-def close_calls(logits: torch.Tensor, pts: float) -> torch.Tensor:
-    """Rows of ``(N, C)`` logits whose two most probable labels are under ``pts`` percentage points apart (softmax):
-    ``(K,) int64`` row indices, the ones ``Engine``'s ``recheck`` answers (also ``bench/fidelity_bench.py``'s)."""
-    top2 = logits.softmax(1).topk(2, dim=1).values
-    return ((top2[:, 0] - top2[:, 1]) * 100 < pts).nonzero()[:, 0]
 
 
 class GraphsDisagree(RuntimeError):

@@ -200,7 +200,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("INT8_RECHECK_PTS", _float, 3.0, "int8, trained weights: a photo whose top two labels int8 puts closer than this "
             "(percentage points) is run again in fp32 and answered by fp32, where int8 flips answers (README). 0: never.",
             low=0, high=100),
-    Setting("BF16_RECHECK_PTS", _float, 1.0, "bf16: the same, for bf16's close calls (README).", low=0, high=100),
+    Setting("BF16_RECHECK_PTS", _float, 1.0, "bf16: the same, for bf16's close calls; auto judges bf16 with them (README).", low=0, high=100),
     Setting("CACHE_DIR", _str, "", "Directory for compiled kernels and the int8 program; survives restarts so "
             "workers start fast. Empty: ~/.cache/photo-classifier."),
     Setting("CALIBRATION_DIR", _photo_folder, "", "Photos to calibrate int8 on (JPEG/PNG/WebP), and bf16's start-up "

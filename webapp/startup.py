@@ -146,12 +146,13 @@ def photos_id(files: list[Path]) -> str:
     return hashlib.sha256("|".join(f"{f.name}:{f.stat().st_size}" for f in files).encode()).hexdigest()[:16]
 
 
-def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
-                          files: list[Path] | None = None) -> tuple[str, str, dict | None]:
+def decide_auto_precision(model: LoadedModel, transform: v2.Compose, files: list[Path] | None = None,
+                          recheck_pts: float = 0.0) -> tuple[str, str, dict | None]:
     """``auto`` resolved here and now: bf16 only where oneDNN claims native bf16, the model's catalog entry
     does not rule it out (``bf16_auto_off``: a target of the fidelity bench it misses) *and* the bf16
-    policy, run eagerly on the calibration photos ``files`` (``bf16.judge_bf16``, 2-4 s of CPU), keeps
-    fp32's answers and bf16 kernels are fast here. Returns ``(precision, reason, figures)``; figures is None where nothing was measured."""
+    policy, run eagerly on the calibration photos ``files`` (``bf16.judge_bf16``, 2-4 s of CPU) as it would
+    be served (its close calls under ``recheck_pts`` answered by fp32: ``recheck_points``), keeps fp32's
+    answers and bf16 kernels are fast here. Returns ``(precision, reason, figures)``; figures is None where nothing was measured."""
     precision, reason = choose_precision("auto")
     if precision != "bf16":
         return precision, reason, None
@@ -164,7 +165,7 @@ def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
     # The workers of a server starting together wait for this one's judgement (recorded_precision's lock):
     # its fidelity part may use their cores meanwhile (the speed part stays on this worker's own threads).
     ok, measured, figures = judge_bf16(model.module, photos, cores=cpu.SERVER_CORES,
-                                       keep_fp32=keep_fp32_for(model.name))
+                                       keep_fp32=keep_fp32_for(model.name), recheck_pts=recheck_pts)
     if ok:
         return "bf16", f"{reason}; {measured}", figures
     if figures.get("faithful"):
@@ -176,17 +177,19 @@ def decide_auto_precision(model: LoadedModel, transform: v2.Compose,
     return "fp32", f"auto: oneDNN claims native bf16 but {measured}, so fp32", figures
 
 
-def precision_key(model: LoadedModel, threads: int, photos: str = "") -> dict:
+def precision_key(model: LoadedModel, threads: int, photos: str = "", recheck_pts: float = 0.0) -> dict:
     """What ``auto``'s decision depends on: torch's version, the model and its weights, the intra-op
     threads it was measured with, the CPU as this process runs it (its model name, the kernels
     torch picks and oneDNN's ISA cap, both of which the environment can lower, and whether oneDNN
-    claims native bf16), the model's bf16 policy (``bf16.keep_fp32_for``), the judged photos (``photos_id``) and
-    the version of the judgement's rules. Any change of these measures again."""
+    claims native bf16), the model's bf16 policy (``bf16.keep_fp32_for``), the judged photos (``photos_id``),
+    bf16's recheck points (``recheck_points``) and the version of the judgement's rules. Any change of these
+    measures again."""
     return {"torch": torch.__version__, "model": model.name, "weights": model.weights, "threads": threads,
             "cpu": cpu.cpu_info()["model"], "capability": torch.backends.cpu.get_cpu_capability(),
             "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "native_bf16": native_bf16(),
             "bf16_policy": list(keep_fp32_for(model.name)), "photos": photos,
-            "rules": 2,  # the judgement's rules: 2 made slow bf16 provisional (records of 1 are measured again)
+            "recheck_pts": recheck_pts,
+            "rules": 3,  # the judgement's rules: 2 made slow bf16 provisional, 3 judges it with its rechecks
             "bf16_auto_off": bool(catalog.BY_NAME[model.name].bf16_auto_off) if model.name in catalog.BY_NAME else False}
 
 
@@ -197,11 +200,11 @@ def choose_engine_precision(settings, model: LoadedModel, transform: v2.Compose,
     ``threads`` is part of its key). Returns ``(precision, reason)`` for the log and ``/healthz``."""
     if settings.PRECISION != "auto":
         return choose_precision(settings.PRECISION)
-    files = judged_files(settings)
+    files, pts = judged_files(settings), recheck_points(settings, model, "bf16")
     if cache is None:
-        return decide_auto_precision(model, transform, files)[:2]
-    return recorded_precision(cache, precision_key(model, threads, photos_id(files)),
-                              lambda: decide_auto_precision(model, transform, files))
+        return decide_auto_precision(model, transform, files, pts)[:2]
+    return recorded_precision(cache, precision_key(model, threads, photos_id(files), pts),
+                              lambda: decide_auto_precision(model, transform, files, pts))
 
 
 def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
