@@ -157,6 +157,23 @@ def png_chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
 
+def jpeg_with_scans(data: bytes, extra: int) -> bytes:
+    """A progressive JPEG ``data`` with its last scan (SOS segment and entropy-coded data) repeated ``extra`` more
+    times before EOI: a file of ``extra`` more scans, each another pass over the whole image for a decoder."""
+    last = data.rindex(b"\xff\xda")
+    return data[:-2] + data[last:-2] * extra + data[-2:]
+
+
+def jpeg_with_segments(data: bytes, extra: int) -> bytes:
+    """A JPEG ``data`` with ``extra`` empty COM segments (``FF FE 00 02``) after its SOI: a valid file."""
+    return data[:2] + b"\xff\xfe\x00\x02" * extra + data[2:]
+
+
+def png_with_chunks(data: bytes, extra: int) -> bytes:
+    """A PNG ``data`` with ``extra`` empty private ancillary chunks (``prVt``, CRC right) before IEND: a valid file."""
+    return data[:-12] + png_chunk(b"prVt", b"") * extra + data[-12:]
+
+
 def png_declaring(width: int, height: int) -> bytes:
     """A valid 1x1 PNG whose IHDR is patched to declare ``width`` x ``height`` (CRC fixed): no pixel data for it."""
     data = bytearray(png_bytes(Image.new("RGB", (1, 1), (10, 20, 30))))

@@ -28,7 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from conftest import DOG_BREEDS, ROOT, encode, png_bytes, png_chunk, png_declaring, shared_image, small_png
+from conftest import (DOG_BREEDS, ROOT, encode, jpeg_with_scans, jpeg_with_segments, png_bytes, png_chunk, png_declaring,
+                      png_with_chunks, shared_image, small_png)
 from bench import exif_blocks
 from bench.fuzz import fix_png_crcs
 from serving import Server
@@ -578,6 +579,30 @@ def test_decompression_bombs_are_413_fast_and_memory_stays_bounded(srv):
     assert after["VmHWM"] - before["VmHWM"] < 100, (before, after)  # not even a transient peak
     # Under the cap the header passes and the missing pixel data is what fails: the cap is the default 80 MP.
     assert_error(post_file(srv, png_declaring(8000, 8000), "64mp.png"), 400, "undecodable_image")
+
+
+def test_files_of_far_more_scans_segments_or_chunks_than_a_photo_are_413_at_once(srv, small_dog):
+    """Valid files built to cost seconds of CPU in few bytes (tryout21: a 489 KB JPEG of 3,000 scans of an 8900x8900
+    frame, 13-17 s; 1,000,000 empty COM segments, 7-10 s; here within this server's 2 MiB limit): refused from their
+    structure, before Pillow opens them; a file at the scan limit is still answered."""
+    from webapp.formats import MAX_JPEG_SCANS, MAX_PARTS
+
+    progressive = encode(small_dog, "JPEG", quality=90, progressive=True)
+    scans = progressive.count(b"\xff\xda")
+    big = np.zeros((4000, 4000, 3), np.uint8)  # 16 MP: each extra scan a pass over all of it
+    big_scans = encode(Image.fromarray(big), "JPEG", progressive=True)
+    floods = {"scans.jpg": jpeg_with_scans(big_scans, 10 * MAX_JPEG_SCANS),
+              "segments.jpg": jpeg_with_segments(encode(small_dog, "JPEG"), 50 * MAX_PARTS),  # 2 MB
+              "chunks.png": png_with_chunks(png_bytes(small_dog), MAX_PARTS + 1)}
+    for name, data in floods.items():
+        assert len(data) < MAX_UPLOAD, (name, len(data))
+        start = time.perf_counter()
+        msg = assert_error(post_file(srv, data, name), 413, "too_large")
+        assert time.perf_counter() - start < 1.0, name
+        assert msg.startswith(f"{name}: the ") and "save it again" in msg, msg
+    # At the limit: answered (its repeated refinement scan adds its bits again: another picture, so no label check).
+    at_limit = classify(srv, jpeg_with_scans(progressive, MAX_JPEG_SCANS - scans), "100-scans.jpg")
+    assert at_limit["results"][0]["format"] == "JPEG" and len(top(at_limit)) == 3
 
 
 def test_pixel_cap_is_a_setting(srv):

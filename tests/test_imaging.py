@@ -27,7 +27,8 @@ from webapp.modes import to_rgb
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
-from conftest import encode, png_bytes, png_chunk, png_declaring, shared_image
+from conftest import (encode, jpeg_with_scans, jpeg_with_segments, png_bytes, png_chunk, png_declaring, png_with_chunks,
+                      shared_image)
 
 PHOTOS = ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg", "scream.jpg",
           "phone-12mp.jpg", "phone-12mp-exif-rotated.jpg"]
@@ -1533,3 +1534,26 @@ def test_a_tiff_thumbnail_page_before_a_page_pillow_cannot_read_is_the_thumbnail
         tags = {struct.unpack_from("<H", data, second + 2 + 12 * i)[0]: second + 2 + 12 * i for i in range(entries)}
         struct.pack_into("<HHIHH", data, tags[262], 262, 3, 1, 32844, 0)  # Photometric: a kind Pillow lacks
     assert decode(bytes(data), max_pixels=BIG).size == (96, 72)
+
+
+def test_a_file_of_far_more_parts_than_a_photo_is_413_before_pillow_opens_it(monkeypatch):
+    """A progressive JPEG of 101 scans, a JPEG of 10,001 segments, a PNG of 10,001 chunks: 413, named, and
+    ``decoded_pixels`` (the request's pixel check, which runs first) gives 0 without opening them either: Pillow
+    walks segments and chunks in Python (tryout21: 1,000,000 empty COM segments, 7-10 s in all)."""
+    from webapp import formats, imaging
+
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 32, 3), dtype=np.uint8))
+    progressive = encode(img, "JPEG", progressive=True)
+    scans = progressive.count(b"\xff\xda")
+    floods = {"scans.jpg": jpeg_with_scans(progressive, formats.MAX_JPEG_SCANS + 1 - scans),
+              "segments.jpg": jpeg_with_segments(encode(img, "JPEG"), formats.MAX_PARTS),
+              "chunks.png": png_with_chunks(png_bytes(img), formats.MAX_PARTS)}
+    opened = []
+    real_open = Image.open
+    monkeypatch.setattr(imaging.Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    for name, data in floods.items():
+        with pytest.raises(TooLarge, match=rf"^{re.escape(name)}: the (JPEG|PNG) has more than [0-9,]+ "):
+            decode(data, max_pixels=10**8, name=name)
+        assert imaging.decoded_pixels(data, 224) == 0
+    assert opened == []
+    assert decode(jpeg_with_scans(progressive, formats.MAX_JPEG_SCANS - scans), max_pixels=10**8).size == (32, 24)

@@ -96,7 +96,8 @@ class LengthRequired(ServiceError):
 class TooLarge(ServiceError):
     status, code = 413, "too_large"
     when = ("body over the byte limit; too many files (or more than a worker's queue holds); too many pixels in a "
-            "photo or in the request's photos together (read from the headers, before decoding)")
+            "photo or in the request's photos together (read from the headers, before decoding); a JPEG or PNG of "
+            "far more scans, segments or chunks than a photo has (formats.MAX_JPEG_SCANS, MAX_PARTS)")
     settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS", "MAX_REQUEST_PIXELS", "QUEUE_SIZE")
 
     @classmethod
@@ -232,8 +233,7 @@ class InternalError(ServiceError):
 # The table, in the README's order.
 ERRORS: tuple[type[ServiceError], ...] = (
     NoFile, UndecodableImage, BadRequest, Unauthorized, BodyTimeout, LengthRequired, TooLarge, NotAnImage, Overloaded,
-    RateLimited, NotReady, InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError,
-)
+    RateLimited, NotReady, InferenceTimeout, NotFound, MethodNotAllowed, InferenceFailed, InternalError)
 for _cls in ERRORS:  # each row's docstring is its own words, not a second copy of them
     _cls.__doc__ = f"{_cls.status} ``{_cls.code}``: {_cls.when}."
 BY_CODE: dict[str, type[ServiceError]] = {cls.code: cls for cls in ERRORS}

@@ -2,7 +2,8 @@
 does and that Pillow cannot open is a damaged photo, 400) or the format it is that this service does not
 decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...); and a JPEG's marker segments (``jpeg_segments``,
 the one walk that the cut, mend and scan checks share) and its frame (``jpeg_frame``: the decoder it needs, or
-none here, and its quantization tables' damage: 0 for a DC entry). Pure bytes, no Pillow, no torch.
+none here, and its quantization tables' damage: 0 for a DC entry); and a file of far more parts than a photo
+has (``too_many_parts``: scans, segments, chunks). Pure bytes, no Pillow, no torch.
 """
 
 from __future__ import annotations
@@ -145,6 +146,39 @@ def jpeg_segments(data: bytes, scans: bool = False) -> Iterator[Segment]:
                 return
             end = found.start()
         pos = end
+
+
+# The most parts a file may have before it is refused unread (tryout21: valid files built to cost seconds of CPU
+# in small bytes). Scans: a photo's encoder writes 1, or 10 (libjpeg's progressive script) to about 20, and each
+# scan is another pass over the whole image: a 489 KB file of 3,000 scans of an 8900x8900 frame took 13-17 s
+# in libjpeg. nvImageCodec refuses over 256 for the same reason (NVIMGCODEC_MAX_JPEG_SCANS, after cure53's
+# libjpeg-turbo audit); 100 bounds that file to about 1.5 s, a large PNG's cost. Other parts (JPEG marker
+# segments, PNG chunks): a photo has tens, a large PNG a few thousand IDAT chunks (8 KB each, libpng's
+# default); 1,000,000 empty COM segments took 7-10 s, 500,000 PNG chunks 4.7 s, each walked in Python.
+MAX_JPEG_SCANS = 100
+MAX_PARTS = 10_000
+
+
+def too_many_parts(data: bytes) -> str | None:
+    """Words for a JPEG of more than ``MAX_JPEG_SCANS`` scans or ``MAX_PARTS`` marker segments, or a PNG of more
+    than ``MAX_PARTS`` chunks (``decode`` refuses it, 413, before Pillow walks them); None for any other file,
+    and where the walk stops early (damage: ``decode``'s to judge). Walks at most ``MAX_PARTS`` + 1 parts."""
+    if data[:3] == b"\xff\xd8\xff":
+        scans = 0
+        for count, seg in enumerate(jpeg_segments(data, scans=True), 1):
+            scans += seg.marker == _SOS
+            if scans > MAX_JPEG_SCANS:
+                return (f"the JPEG has more than {MAX_JPEG_SCANS} scans, each a pass over the whole image (a "
+                        f"photo has 1, or about 10 to 20 when progressive); save it again")
+            if count > MAX_PARTS:
+                return f"the JPEG has more than {MAX_PARTS:,} marker segments (a photo has tens); save it again"
+    elif data[:8] == b"\x89PNG\r\n\x1a\n":
+        pos, count = 8, 0
+        while pos + 8 <= len(data) and data[pos + 4:pos + 8] != b"IEND":
+            pos, count = pos + 12 + int.from_bytes(data[pos:pos + 4], "big"), count + 1
+            if count > MAX_PARTS:
+                return f"the PNG has more than {MAX_PARTS:,} chunks (a photo has at most a few thousand); save it again"
+    return None
 
 
 class JpegFrame(NamedTuple):

@@ -1,10 +1,9 @@
 """Decode an upload into an RGB photo, then preprocess it into the model's input tensor.
 
-decode: Pillow, restricted to photo formats (never EPS, which would run Ghostscript); the pixel
-count is read from the header and checked before any pixel is decoded; EXIF orientation (webapp/exif.py) is
-applied; every mode becomes RGB deterministically (alpha composited on white, 16-bit scaled
-to 8-bit, CMYK converted). preprocess: a ``torchvision.transforms.v2`` pipeline built from the
-model spec (Resize with antialias, CenterCrop, ToDtype with scale, Normalize).
+decode: Pillow, restricted to photo formats (never EPS, which would run Ghostscript); the pixel count is read
+from the header and checked before any pixel is decoded; EXIF orientation (webapp/exif.py) is applied; every
+mode becomes RGB deterministically (alpha composited on white, 16-bit scaled to 8-bit, CMYK converted).
+preprocess: a ``torchvision.transforms.v2`` pipeline from the model spec (Resize with antialias, CenterCrop...).
 
 Both run in the request, before queueing, so a bad image fails only its own request. Every
 failure is a ``ServiceError`` with the right status; nothing here raises anything else.
@@ -25,7 +24,7 @@ from torchvision.transforms import v2
 from . import cuts, exif, incomplete, mangled, pnm, repair
 from .exif import silence_pillow_warnings
 from .contract import FORMAT_NAMES, FORMATS
-from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format, tiff_samples
+from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format, tiff_samples, too_many_parts
 from .modes import main_page, to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .models import Preprocessing
@@ -76,7 +75,7 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
 
     :raises NoFile: empty upload (400).
     :raises NotAnImage: not a supported image format (415), naming it where recognisable.
-    :raises TooLarge: more than ``max_pixels`` pixels (413).
+    :raises TooLarge: more than ``max_pixels`` pixels, or far more parts than a photo has (413, ``too_many_parts``).
     :raises UndecodableImage: a known format with broken data, e.g. a truncated JPEG (400).
 
     A whole photo Pillow refuses for a fault outside its pixels (a JPEG without its end marker, a PNG whose
@@ -86,6 +85,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     start = time.perf_counter()
     if not data:
         raise NoFile(f"{name}: the file is empty (0 bytes)")
+    if said := too_many_parts(data):  # before Pillow walks them: seconds of CPU in a few KB (tryout21)
+        raise TooLarge(f"{name}: {said}")
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
     except Image.DecompressionBombError as exc:  # over twice Pillow's own cap, checked from the header
@@ -265,7 +266,10 @@ def decoded_pixels(data: bytes, min_side: int | None) -> int:
     width x height, a large JPEG at the reduced DCT scale of its fast path (``_draft``); 0 where the header
     cannot be read (``decode`` then names the fault, in its turn). Decode time grows with these pixels, not
     with the bytes: a 634 KB 16-bit PNG holds 79 MP and takes ~2.1 s (2-core Zen 4: 8-bit RGB PNG ~14 ms
-    per MP, 16-bit ~27, lossless WebP ~10; a JPEG at 1/4 scale ~1 ms per full-size MP)."""
+    per MP, 16-bit ~27, lossless WebP ~10; a JPEG at 1/4 scale ~1 ms per full-size MP). 0, unopened, for a file
+    ``too_many_parts`` refuses (``decode`` does)."""
+    if too_many_parts(data):
+        return 0
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
     except Exception as exc:  # noqa: BLE001 -- unreadable: decode raises the right error for it, or mends it
@@ -388,8 +392,7 @@ def prepare(data: bytes, *, name: str, transform: v2.Compose, max_pixels: int, m
     A full-size image held while the batch waits would multiply memory by the requests in flight,
     so only the tensor, the size, the format and (``thumbnail``) a small JPEG are kept.
 
-    :raises ServiceError: as ``decode``: empty (400), too many pixels (413), not an image (415),
-        damaged (400).
+    :raises ServiceError: as ``decode``: empty (400), too many pixels or parts (413), not an image (415), damaged (400).
     """
     d = decode(data, max_pixels=max_pixels, name=name, min_side=min_side)
     tensor = preprocess(d.image, transform)
