@@ -236,6 +236,23 @@ def test_tickets_stop_counting_once_decoding_takes_them_or_the_budget_passes():
 
 
 @pytest.mark.unit
+def test_a_request_judged_again_by_its_decode_size_replaces_its_ticket():
+    """``admit(replacing=t)``: ``t`` stops counting at once, and the request is judged by its new size (a few KB of
+    79 MP is ~79 MB of decoding): admitted, its new ticket counts that size; refused, nothing of it counts."""
+    adm, _, _ = make_admission()  # 50 ms per MB (2 threads), 10 ms a forward pass
+    for _ in range(20):  # 20 x 35 ms ahead: 700 ms
+        adm.admit(MB)
+    tiny = adm.admit(3_000)
+    assert adm._ahead() == (21, pytest.approx(20 * MB + 3_000))
+    again = adm.admit(4 * MB, replacing=tiny)  # 700 + min(200 + 10, 500) = 910: fits
+    assert not tiny.live and again.live and again.nbytes == 4 * MB and adm._ahead() == (21, pytest.approx(24 * MB))
+    bomb = adm.admit(3_000)  # by its bytes: 700 + 4 MB's 100 + 10 ahead, + 10: fits
+    with pytest.raises(Overloaded):  # 79 MB: 810 + min(3960, 500) > 1000
+        adm.admit(79 * MB, replacing=bomb)
+    assert not bomb.live and adm._ahead() == (21, pytest.approx(24 * MB)) and adm.refused == 1
+
+
+@pytest.mark.unit
 def test_a_decode_that_outlives_its_request_counts_until_its_thread_ends():
     """A request's 504 on a decode past REQUEST_TIMEOUT_S ended its ``job`` while the thread decoded on; its photo
     stopped counting, so later requests were admitted behind a busy decode thread as if it were free."""
@@ -328,6 +345,36 @@ def test_a_request_refused_after_admission_stops_counting(app, client):
     big = clf.settings.MAX_UPLOAD_BYTES + 1
     resp = client.post("/api/v1/predict", data=b"\0" * big, content_type="image/png")
     assert resp.status_code == 413 and clf.admission.describe()["uploads_ahead"] == 0
+
+
+@pytest.mark.unit
+def test_a_photo_of_more_pixels_than_bytes_is_judged_and_measured_by_its_pixels(app, client, monkeypatch):
+    """A flat 4000x4000 lossless WebP is ~1 KB of 16 MP: its decode costs what 16 MB of photo would (tryout21: such
+    files, measured by their bytes, moved the cost per MB 26-fold and ordinary photos were refused after). So the
+    request is judged again by its decoded pixels before decoding, and its decode is measured at that size; a
+    12 MP JPEG, whose bytes are more than the pixels it decodes to, is judged once, by its bytes."""
+    import io
+
+    from PIL import Image
+
+    from conftest import shared_image
+
+    clf = app.extensions["classifier"]
+    buf = io.BytesIO()
+    Image.new("RGB", (4000, 4000), (120, 130, 140)).save(buf, "WEBP", lossless=True)
+    flat = buf.getvalue()
+    assert len(flat) < 10_000
+    admits, decoded = [], []
+    real_admit, real_decoded = clf.admission.admit, clf.admission.decoded
+    monkeypatch.setattr(clf.admission, "admit", lambda *a, **k: admits.append((a, k)) or real_admit(*a, **k))
+    monkeypatch.setattr(clf.admission, "decoded", lambda job, size, ms: decoded.append(size) or real_decoded(job, size, ms))
+    assert client.post("/api/v1/predict", data=flat, content_type="image/webp").status_code == 200
+    assert [a[0] for a, _ in admits] == [len(flat), 16_000_000] and admits[1][1]["replacing"] is not None
+    assert decoded == [16_000_000]
+    admits.clear(), decoded.clear()
+    phone = shared_image("phone-12mp.jpg").read_bytes()  # 3.25 MB, decoded at 1/4 scale: 0.76 MP
+    assert client.post("/api/v1/predict", data=phone, content_type="image/jpeg").status_code == 200
+    assert [a[0] for a, _ in admits] == [len(phone)] and decoded == [len(phone)]
 
 
 @pytest.mark.unit

@@ -20,9 +20,11 @@ The prediction, in ms, for a request of ``nbytes`` body bytes and ``images`` pho
   passed). A stalled upload, or headers with no body, counts for nothing: it may never come (and a
   client that could make the worker refuse others by declaring bodies it never sends would be a
   cheap attack), while a burst of uploads arriving together counts in full;
-- ``a`` (ms per photo) and ``b`` (ms per byte): ``DecodeCost``, a line fitted to this worker's
-  measured decode + preprocess CPU times (decode cost grows with the bytes: a 12 MP JPEG takes
-  longer than the page's 95 KB copy of it);
+- ``a`` (ms per photo) and ``b`` (ms per byte): ``DecodeCost``, a line fitted to this worker's measured
+  decode + preprocess CPU times by each photo's decode size: its bytes, or its decoded pixels where more
+  (``classify``; by its bytes, a 3 KB lossless WebP of 79 MP, 1.3 s of decode, moved ``b`` from 17.5 to 462
+  ms per MB, and ordinary photos were refused for ~50 requests: tryout21). A request whose decode size is over
+  its body's is judged again before it is decoded (``admit(replacing=...)``);
 - ``decode_threads``: how many photos this worker decodes side by side: its decode threads
   (``concurrency.Offloader``), at most as many as the cores it is pinned to;
 - ``queued``: images in the batcher's queue and in the forward pass running now (all of it counted:
@@ -45,12 +47,10 @@ the measured costs, which refused more. A fresh worker hammered at once by clien
 ``Retry-After`` (8 clients, 12 MP photos, 2 workers; 4 each fit the budget four times over) refused ~500
 requests a second and fell to a quarter of its images/s (7 vs 30), and stayed there until the load
 eased. CPU time is the work itself, which no neighbour stretches. But the worker also spends CPU around
-that work, on the same cores and ahead of it (reading bodies, parsing, answering, refusing: ~12% more at
-2x overload with 12 MP photos), and CPU time alone predicted answers ~20% early: admitted p99 went from
-0.75x to 1.27x the budget, and clients told to come back too soon doubled the refusals. ``Overhead``
-scales the costs by the worker's whole CPU time per CPU second of measured work, measured each second
-and capped at ``Overhead.MAX``, so that the refusals' own work can stretch the prediction at most that
-much.
+that work (reading bodies, parsing, answering, refusing: ~12% more at 2x overload with 12 MP photos), and
+CPU time alone predicted answers ~20% early: admitted p99 1.27x the budget instead of 0.75x. ``Overhead``
+scales the costs by the worker's whole CPU time per CPU second of measured work, measured each second and
+capped at ``Overhead.MAX``, so that the refusals' own work can stretch the prediction at most that much.
 
 A request is admitted when ``ahead + min(own, budget / 2) <= budget``: what it waits for must fit,
 and a photo whose own cost is over half the budget counts as half, so a big photo is never refused
@@ -59,9 +59,8 @@ Refused, it is told ``Retry-After`` in whole seconds, at least 1: when the work 
 shrunk enough for it to fit, *counting the clients refused before it*. Each refusal is remembered as work
 (``min(own, budget / 2)``) coming back at the time it was given; the next refused client gets the first
 second ``r`` at which ``judged - budget + (work told to come back by then) <= 1000 * r``. Without that,
-every client refused within a second is told the same second, they return together and most are
-refused again: at 2x overload the refusals cost the busy worker ~10% of its images/s (~5 ms of CPU
-each, a 12 MP body drained included). A client that does not come back costs nothing but a later
+every client refused within a second is told the same second, they return together and most are refused
+again: at 2x overload the refusals cost the busy worker ~10% of its images/s (~5 ms of CPU each). A client that does not come back costs nothing but a later
 client's longer wait: the admission itself never counts these promises, only ``Retry-After`` does.
 
 Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from ``concurrency.Primitives``;
@@ -144,9 +143,8 @@ class Ticket:
     photos it counts for (1: how many a body holds is known only once it is read); ``expires``: clock
     s after which it no longer counts (a request that has not reached decoding within the budget is
     late already, or was refused for its body); ``predicted_ms``: ahead + own at admission;
-    ``gone``: asks whether its client has hung up; ``sending``: whether body bytes are waiting to be
-    read (it counts only then); either None where that cannot be known (it then always counts).
-    """
+    ``gone``: asks whether its client has hung up; ``sending``: whether body bytes are waiting to be read (it
+    counts only then); either None where that cannot be known (it then always counts)."""
 
     nbytes: float
     images: int
@@ -312,17 +310,19 @@ class Admission:
 
     # -- requests --------------------------------------------------------------------------------
     def admit(self, nbytes: float | None, images: int = 1, *, gone: Callable[[], bool] | None = None,
-              sending: Callable[[], bool] | None = None) -> Ticket:
+              sending: Callable[[], bool] | None = None, replacing: Ticket | None = None) -> Ticket:
         """Admit a request of ``nbytes`` body bytes (None: unknown) and ``images`` photos, or refuse it.
 
-        The returned ``Ticket`` counts its photo as ahead of later requests while ``sending()`` (None:
-        always) until ``decoding`` takes it, ``release`` drops it, or the budget has passed; ``gone``
-        goes with it to ``classify`` (see ``Ticket``).
+        The returned ``Ticket`` counts its photo as ahead of later requests while ``sending()`` (None: always) until
+        ``decoding`` takes it, ``release`` drops it, or the budget has passed; ``gone`` goes with it to ``classify``
+        (``Ticket``). ``replacing``: its earlier ticket, judged again by its decode size (``classify``), uncounted.
 
         :raises Overloaded: the predicted time is over the budget (429, ``Retry-After`` in s, >= 1).
         """
         with self._lock:
             now = self._clock()
+            if replacing is not None:
+                replacing.live = False
             self._expire(now)
             p = self._predict(nbytes, images)
             ok, retry_after = self.judge(p)

@@ -283,9 +283,9 @@ def decoded_pixels(data: bytes, min_side: int | None) -> int:
         return 0
 
 
-def check_request_pixels(uploads: list[tuple[str, bytes]], *, limit: int, min_side: int | None) -> None:
+def check_request_pixels(uploads: list[tuple[str, bytes]], *, limit: int, min_side: int | None) -> list[int]:
     """Refuse a request whose photos together would decode to more than ``limit`` pixels
-    (``CLASSIFIER_MAX_REQUEST_PIXELS``), before any of them is decoded. ``uploads``: (name, bytes) pairs.
+    (``CLASSIFIER_MAX_REQUEST_PIXELS``), before any of them is decoded; else each photo's ``decoded_pixels``.
 
     ``MAX_PIXELS`` bounds each photo, but 16 dense 80 MP PNGs of 600 KB each fit every byte and per-photo
     limit and take ~30 s to decode, holding the worker for the whole request timeout; this bounds the work
@@ -302,6 +302,7 @@ def check_request_pixels(uploads: list[tuple[str, bytes]], *, limit: int, min_si
                        f"several requests" if len(uploads) > 1 else
                        f"{name}: decodes to {most:,} pixels; the limit per request is {limit:,} "
                        f"(CLASSIFIER_MAX_REQUEST_PIXELS)")
+    return [n for n, _ in counts]
 
 
 def _cut(data: bytes) -> tuple[str, int, int] | None:
@@ -336,8 +337,7 @@ def build_transform(pre: Preprocessing) -> v2.Compose:
     """
     return v2.Compose([
         v2.Resize(pre.resize, interpolation=pre.interpolation, antialias=True),
-        v2.CenterCrop(pre.crop),
-        v2.ToImage(),
+        v2.CenterCrop(pre.crop), v2.ToImage(),
         v2.ToDtype(torch.float32, scale=True),
         v2.Normalize(mean=list(pre.mean), std=list(pre.std)),
     ])

@@ -263,14 +263,21 @@ class Classifier:
         s, started = self.settings, self.started
         try:
             self._check_serving(len(uploads))  # a full queue answers 429 before any decoding
-            imaging.check_request_pixels([(up.name, up.data) for up in uploads], limit=s.MAX_REQUEST_PIXELS,
-                                         min_side=started.min_side(s.FAST_DECODE))  # read from the headers
+            pixels = imaging.check_request_pixels([(up.name, up.data) for up in uploads], limit=s.MAX_REQUEST_PIXELS,
+                                                  min_side=started.min_side(s.FAST_DECODE))  # read from the headers
+            # What decoding costs grows with the bytes, or with the pixels where those are more (a few KB of flat
+            # lossless WebP can hold 79 MP, 1.3 s of decode): the admission measures and counts that size, and a
+            # request whose size it now sees is over its body's is judged again (tryout21: 6 such files admitted by
+            # their bytes made everyone wait 20 s, and their costs by bytes refused ordinary photos afterwards).
+            sizes = [max(len(up.data), n) for up, n in zip(uploads, pixels)]
+            if ticket is not None and sum(sizes) > sum(len(up.data) for up in uploads):
+                ticket = self.admission.admit(sum(sizes), len(uploads), gone=ticket.gone, replacing=ticket)
         except Exception:
             if ticket is not None:
                 self.admission.release(ticket)
             raise
         gone = ticket.gone if ticket is not None else None
-        job = self.admission.decoding(ticket, [len(up.data) for up in uploads])
+        job = self.admission.decoding(ticket, sizes)
         # On their way to the queue: a batch forming meanwhile waits for them, and only while any are.
         coming = self.batcher.coming(len(uploads))
         # REQUEST_TIMEOUT_S bounds the whole answer, decoding included: a decode that outlasts it (an 80 MP
@@ -278,16 +285,16 @@ class Classifier:
         deadline = start + s.REQUEST_TIMEOUT_S
         try:
             prepared = []
-            for up in uploads:
+            for up, size in zip(uploads, sizes):
                 try:
                     p, ms = self.offloader.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
                                                max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
                                                thumbnail=keep_images, gone=gone,
                                                within=deadline - time.perf_counter())
                 except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
-                    exc.when_done(self.admission.abandon(job, len(up.data)))
+                    exc.when_done(self.admission.abandon(job, size))
                     raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S, _formats(uploads)) from None
-                self.admission.decoded(job, len(up.data), ms)
+                self.admission.decoded(job, size, ms)
                 prepared.append(p)
             check_originals(uploads, prepared)  # a client's impossible original_*: 400 before the forward pass
             decode_ms = (time.perf_counter() - start) * 1e3
