@@ -17,7 +17,8 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   reset it before (a slow upload, or a stalled one: ``BODY_TIMEOUT_S`` is as long as the timeout by
   default), and logged the stalled one as cut although its 408 had gone out.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
-  chunk, cut off before its last chunk) is the client's error: ``400 bad_request``, connection closed.
+  chunk, cut off before its last chunk), or one of tiny chunks (``_counted``), is the client's error:
+  ``400 bad_request``, connection closed.
 - A refused request whose body was not read to its end is answered at once, with the connection
   closed after the answer. Only then is what is left of the body read and discarded, bounded in
   bytes and seconds (``DRAIN_BYTES``, ``DRAIN_SECONDS``), so a client still sending reads the
@@ -52,6 +53,11 @@ DRAIN_CHUNK = 256 * 1024  # bytes per read of a drain from the socket
 _MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0) if sys.platform.startswith("linux") else 0
 _DISCARD = bytearray(DRAIN_CHUNK)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# A chunked body whose first CHUNKS_JUDGED pieces average under MIN_MEAN_PIECE bytes is refused (400): gunicorn
+# de-chunks in Python, ~2 us a chunk, and never lets the hub run while bytes are waiting, so a 3 MB photo sent
+# in 1-byte chunks (19.5 MB on the wire) took 12.5 s of the worker's CPU, and /healthz and refusals waited 7-9 s
+# behind two of them (tryout21). Clients chunk by their buffer (http.client 8 KB, curl 16-64 KB) or a TCP read.
+CHUNKS_JUDGED, MIN_MEAN_PIECE = 4096, 256
 STOP_MARGIN_S = 0.5  # s: a stopping worker's drains end this long before its stop's wait does
 
 
@@ -125,7 +131,9 @@ class GuardedInput:
         except TimeoutError:  # refused before its end: the connection closes after the 408, drained (below)
             raise BodyTimeout.after(self.idle_s) from None
         except (ParseException, NoMoreData) as exc:  # gunicorn's de-chunking: the client's error, never a 500
-            self.ended = self.cut_short = True  # where a next request would start is unknown: close
+            # Where a next request would start is unknown: close. A client still sending is drained from the
+            # socket after its 400 (closing with bytes unread resets the connection, and it may lose the answer).
+            self.cut_short, self.ended = True, isinstance(exc, NoMoreData)
             raise BadRequest(_chunked_problem(exc)) from None
         finally:
             _reading.discard(self.sock)
@@ -216,8 +224,31 @@ def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_
     return False, read
 
 
+class TinyChunks(ParseException):
+    """A chunked body of tiny chunks (``CHUNKS_JUDGED``, ``MIN_MEAN_PIECE``): ``pieces`` pieces, ``nbytes`` bytes."""
+
+    def __init__(self, pieces: int, nbytes: int):
+        super().__init__(f"{pieces} chunks of {nbytes / pieces:.0f} bytes on average")
+        self.pieces, self.nbytes = pieces, nbytes
+
+
+def _counted(parser):
+    """gunicorn's de-chunking generator (``ChunkedReader.parser``: each chunk's bytes, in pieces no larger than
+    a socket read), raising ``TinyChunks`` once ``CHUNKS_JUDGED`` pieces average under ``MIN_MEAN_PIECE``."""
+    pieces = nbytes = 0
+    for piece in parser:
+        pieces, nbytes = pieces + 1, nbytes + len(piece)
+        if pieces == CHUNKS_JUDGED and nbytes < MIN_MEAN_PIECE * pieces:
+            raise TinyChunks(pieces, nbytes)
+        yield piece
+
+
 def _chunked_problem(exc: Exception) -> str:
     """The 400 message for gunicorn's error ``exc`` while it de-chunked a request body."""
+    if isinstance(exc, TinyChunks):
+        return (f"the chunked request body came in chunks of {exc.nbytes / exc.pieces:.0f} bytes on average over "
+                f"its first {exc.pieces:,} (at least {MIN_MEAN_PIECE} are taken): each chunk costs the server far "
+                f"more than its bytes; send larger chunks (8 KB or more), or a Content-Length instead")
     if isinstance(exc, NoMoreData):
         return ("the chunked request body ended, the client having closed its side, before its last chunk "
                 "(0 CRLF CRLF): send the whole body")
@@ -263,6 +294,9 @@ def guard_bodies(wsgi_app, *, idle_s: float):
         # length is unknown, so that after the refusal what the client sent is drained, not reset.
         unknown = not length and not chunked and environ.get("SERVER_PROTOCOL") == "HTTP/1.0" and \
             environ.get("REQUEST_METHOD") in ("POST", "PUT", "PATCH")
+        reader = getattr(environ["wsgi.input"], "reader", None)  # gunicorn's Body: its ChunkedReader, if chunked
+        if chunked and getattr(reader, "parser", None) is not None:
+            reader.parser = _counted(reader.parser)
         guarded = GuardedInput(environ["wsgi.input"], sock=sock, expect_continue=expect,
                                content_length=None if chunked or unknown else int(length or 0), idle_s=idle_s)
         environ["wsgi.input"] = guarded
