@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from conftest import jpeg_with_scans, jpeg_with_segments, png_bytes, png_with_chunks
-from webapp.formats import MAX_JPEG_SCANS, MAX_PARTS, jpeg_frame, jpeg_segments, too_many_parts
+from webapp.formats import MAX_GIF_SUB_BLOCKS, MAX_JPEG_SCANS, MAX_PARTS, jpeg_frame, jpeg_segments, too_many_parts
 
 pytestmark = pytest.mark.unit
 
@@ -146,5 +146,37 @@ def test_a_file_of_far_more_parts_than_a_photo_has_is_named_and_a_photo_is_not()
     png = png_bytes(Image.new("RGB", (8, 8)))  # IHDR, IDAT, IEND: the walk counts IHDR and IDAT
     assert too_many_parts(png_with_chunks(png, MAX_PARTS - 2)) is None
     assert "more than 10,000 chunks" in too_many_parts(png_with_chunks(png, MAX_PARTS - 1))
-    for other in (b"GIF89a" + b"\x00" * 100, b"", b"\xff\xd8", b"\x89PNG\r\n\x1a\n\xff\xff\xff\xff"):
+    for other in (b"BM" + b"\x00" * 100, b"", b"\xff\xd8", b"\x89PNG\r\n\x1a\n\xff\xff\xff\xff", b"GIF89a\x01"):
         assert too_many_parts(other) is None  # other formats, and damage, are decode's to judge
+
+
+def _gif(frames: int = 3, comment: bytes = b"") -> bytes:
+    """An animated GIF of ``frames`` 64x48 noise frames (local palettes), with a comment extension if given."""
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)).convert("P") for _ in range(frames)]
+    out = io.BytesIO()
+    images[0].save(out, "GIF", save_all=True, append_images=images[1:], duration=100, loop=0, comment=comment)
+    return out.getvalue()
+
+
+def _with_comment_blocks(gif: bytes, blocks: int, size: int = 1) -> bytes:
+    """``gif`` with one comment extension of ``blocks`` data sub-blocks of ``size`` bytes before its trailer."""
+    return gif[:-1] + b"\x21\xfe" + (bytes([size]) + b"c" * size) * blocks + b"\x00" + gif[-1:]
+
+
+def test_a_gif_of_far_more_extension_blocks_than_a_photo_has_is_named():
+    """GIF: frames and extension sub-blocks past ``MAX_PARTS`` (tryout21: 2,000,000 comment sub-blocks, 1.3 s), or
+    sub-blocks in all past ``MAX_GIF_SUB_BLOCKS``: words. Animated GIFs with comments, global or local palettes:
+    None; the walk reaches their trailer."""
+    gif = _gif(comment=b"x" * 600)
+    assert gif[-1:] == b"\x3b" and too_many_parts(gif) is None and too_many_parts(_gif(40)) is None
+    with Image.open(io.BytesIO(_with_comment_blocks(gif, 100))) as im:  # what the test builds is a GIF Pillow reads
+        assert im.n_frames == 3
+    # The GIF's own parts: 3 frames, and its extensions (3 graphic controls, a loop, a 600-byte comment) with their
+    # data sub-blocks: under 20.
+    assert too_many_parts(_with_comment_blocks(gif, MAX_PARTS - 20)) is None
+    said = too_many_parts(_with_comment_blocks(gif, MAX_PARTS))
+    assert said.startswith("the GIF has more than 10,000 frames and extension blocks") and "save it again" in said
+    # Image data sub-blocks are not parts, but the walk is bounded by them too.
+    big = _gif(1)
+    assert too_many_parts(big[:-1] + b"\x2c" + bytes(9) + b"\x08" + b"\x01\x00" * MAX_GIF_SUB_BLOCKS + b"\x00\x3b")

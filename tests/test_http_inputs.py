@@ -593,7 +593,9 @@ def test_files_of_far_more_scans_segments_or_chunks_than_a_photo_are_413_at_once
     big_scans = encode(Image.fromarray(big), "JPEG", progressive=True)
     floods = {"scans.jpg": jpeg_with_scans(big_scans, 10 * MAX_JPEG_SCANS),
               "segments.jpg": jpeg_with_segments(encode(small_dog, "JPEG"), 50 * MAX_PARTS),  # 2 MB
-              "chunks.png": png_with_chunks(png_bytes(small_dog), MAX_PARTS + 1)}
+              "chunks.png": png_with_chunks(png_bytes(small_dog), MAX_PARTS + 1),
+              "comments.gif": (gif := encode(small_dog.convert("P"), "GIF"))[:-1] + b"\x21\xfe" + b"\x01c" * 500_000
+              + b"\x00" + gif[-1:]}  # one comment of 500,000 1-byte data sub-blocks
     for name, data in floods.items():
         assert len(data) < MAX_UPLOAD, (name, len(data))
         start = time.perf_counter()

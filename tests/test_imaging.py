@@ -1537,7 +1537,8 @@ def test_a_tiff_thumbnail_page_before_a_page_pillow_cannot_read_is_the_thumbnail
 
 
 def test_a_file_of_far_more_parts_than_a_photo_is_413_before_pillow_opens_it(monkeypatch):
-    """A progressive JPEG of 101 scans, a JPEG of 10,001 segments, a PNG of 10,001 chunks: 413, named, and
+    """A progressive JPEG of 101 scans, a JPEG of 10,001 segments, a PNG of 10,001 chunks, a GIF comment of 10,000
+    sub-blocks: 413, named, and
     ``decoded_pixels`` (the request's pixel check, which runs first) gives 0 without opening them either: Pillow
     walks segments and chunks in Python (tryout21: 1,000,000 empty COM segments, 7-10 s in all)."""
     from webapp import formats, imaging
@@ -1547,12 +1548,14 @@ def test_a_file_of_far_more_parts_than_a_photo_is_413_before_pillow_opens_it(mon
     scans = progressive.count(b"\xff\xda")
     floods = {"scans.jpg": jpeg_with_scans(progressive, formats.MAX_JPEG_SCANS + 1 - scans),
               "segments.jpg": jpeg_with_segments(encode(img, "JPEG"), formats.MAX_PARTS),
-              "chunks.png": png_with_chunks(png_bytes(img), formats.MAX_PARTS)}
+              "chunks.png": png_with_chunks(png_bytes(img), formats.MAX_PARTS),
+              "comments.gif": (gif := encode(img.convert("P"), "GIF"))[:-1] + b"\x21\xfe" + b"\x01c" * formats.MAX_PARTS
+              + b"\x00" + gif[-1:]}
     opened = []
     real_open = Image.open
     monkeypatch.setattr(imaging.Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
     for name, data in floods.items():
-        with pytest.raises(TooLarge, match=rf"^{re.escape(name)}: the (JPEG|PNG) has more than [0-9,]+ "):
+        with pytest.raises(TooLarge, match=rf"^{re.escape(name)}: the (JPEG|PNG|GIF) has more than [0-9,]+ "):
             decode(data, max_pixels=10**8, name=name)
         assert imaging.decoded_pixels(data, 224) == 0
     assert opened == []
