@@ -105,6 +105,7 @@ def test_json_request_with_parameters_and_outputs():
     (lambda d: d["inputs"][0].update(data="aGk="), "input 'image': 'data' must be a list (one base64 string per "
                                                    "photo), got a string"),  # data was sent: not "has no data"
     (lambda d: d.update(id=5), "'id' must be a string, got 5"),
+    (lambda d: d.update(id="a\ud800b"), "'id' must be text: it holds a lone UTF-16 surrogate (\"a\\ud800b\")"),
     (lambda d: d.update(parameters={"topk": 0}), "topk must be an integer from 1 to 10, got 0"),
     (lambda d: d.update(parameters={"topk": 2.0}), "topk must be an integer from 1 to 10, got 2.0"),
     (lambda d: d.update(parameters={"binary_data_output": "yes"}), 'binary_data_output must be true or false'),
@@ -138,7 +139,8 @@ def test_nan_and_infinity_are_not_json(constant, where):
 
 def test_deep_nesting_is_400_not_a_crash():
     deep = b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    assert refused(BadRequest, deep).startswith("the inference request is not valid JSON")
+    # Valid JSON, nested deeper than Python's parser goes: said so, not "not valid JSON" (tryout21).
+    assert refused(BadRequest, deep).startswith("the inference request nests its JSON arrays or objects deeper than")
     doc = json.loads(json_request([PNG]))
     doc["inputs"][0]["data"] = [[[[doc["inputs"][0]["data"][0]]]]]  # nested: flattened, row-major
     assert codec.parse_request(json.dumps(doc).encode(), None, **LIMITS).photos == [PNG]

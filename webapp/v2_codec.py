@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from dataclasses import dataclass, field
 
 from .errors import BadRequest, NotAnImage
@@ -146,6 +147,9 @@ def split_header(body: bytes, header_length: str | None) -> tuple[dict, bytes]:
                              f"header gives; or POST the photo to /api/v1/predict")
         binary = (f"; a body with binary tensor data needs the {HEADER} header"
                   if header_length is None and _binary(head) else "")
+        if isinstance(exc, RecursionError):  # valid JSON maybe, but nested deeper than Python's parser goes
+            raise BadRequest("the inference request nests its JSON arrays or objects deeper than this server reads "
+                             f"(about {sys.getrecursionlimit():,} levels); an image tensor needs 4") from None
         raise BadRequest(f"the inference request is not valid JSON ({str(exc)[:120]}){binary}") from None
     return as_object(doc, "the inference request"), rest
 
@@ -215,6 +219,9 @@ def parse_request(body: bytes, header_length: str | None, *, default_topk: int, 
     req_id = doc.get("id")
     if req_id is not None and not isinstance(req_id, str):
         raise BadRequest(f"'id' must be a string, got {json.dumps(req_id)[:40]}")
+    if req_id is not None and not req_id.encode("utf-8", "surrogatepass").decode("utf-8", "replace") == req_id:
+        # A lone surrogate (\ud800) is JSON but not text: echoed back, strict clients refuse the answer (tryout21).
+        raise BadRequest(f"'id' must be text: it holds a lone UTF-16 surrogate ({json.dumps(req_id)[:40]})")
     params = as_object(doc.get("parameters"), "the request's parameters")
     topk = default_topk
     if "topk" in params:
