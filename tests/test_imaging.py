@@ -1549,7 +1549,7 @@ def test_a_file_of_far_more_parts_than_a_photo_is_413_before_pillow_opens_it(mon
     floods = {"scans.jpg": jpeg_with_scans(progressive, formats.MAX_JPEG_SCANS + 1 - scans),
               "segments.jpg": jpeg_with_segments(encode(img, "JPEG"), formats.MAX_PARTS),
               "chunks.png": png_with_chunks(png_bytes(img), formats.MAX_PARTS),
-              "comments.gif": (gif := encode(img.convert("P"), "GIF"))[:-1] + b"\x21\xfe" + b"\x01c" * formats.MAX_PARTS
+              "comments.gif": (gif := encode(img.convert("P"), "GIF"))[:-1] + b"\x21\xfe" + b"\x01c" * (formats.MAX_PARTS + 2)
               + b"\x00" + gif[-1:]}
     opened = []
     real_open = Image.open

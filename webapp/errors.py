@@ -96,8 +96,8 @@ class LengthRequired(ServiceError):
 class TooLarge(ServiceError):
     status, code = 413, "too_large"
     when = ("body over the byte limit; too many files (or more than a worker's queue holds); too many pixels in a "
-            "photo or in the request's photos together (read from the headers, before decoding); a JPEG or PNG of "
-            "far more scans, segments or chunks than a photo has, or a GIF of as many blocks (formats.too_many_parts)")
+            "photo or in the request's photos together (read from the headers, before decoding); a JPEG, PNG or GIF "
+            "of far more scans, segments, chunks or extension blocks than a photo has (formats.too_many_parts)")
     settings = ("MAX_UPLOAD_BYTES", "MAX_FILES", "MAX_PIXELS", "MAX_REQUEST_PIXELS", "QUEUE_SIZE")
 
     @classmethod

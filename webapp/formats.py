@@ -162,7 +162,7 @@ MAX_GIF_SUB_BLOCKS = 200_000
 
 def too_many_parts(data: bytes) -> str | None:
     """Words for a JPEG of more than ``MAX_JPEG_SCANS`` scans or ``MAX_PARTS`` marker segments, a PNG of more
-    than ``MAX_PARTS`` chunks, or a GIF of more than ``MAX_PARTS`` parts (``_gif_parts``) (``decode`` refuses it,
+    than ``MAX_PARTS`` chunks, or a GIF of as many extension blocks (``_gif_parts``) (``decode`` refuses it,
     413, before Pillow walks them); None for any other file,
     and where the walk stops early (damage: ``decode``'s to judge). Walks at most ``MAX_PARTS`` + 1 parts."""
     if data[:3] == b"\xff\xd8\xff":
@@ -186,9 +186,11 @@ def too_many_parts(data: bytes) -> str | None:
 
 
 def _gif_parts(data: bytes) -> str | None:
-    """``too_many_parts`` of a GIF (GIF89a spec, sections 17-27): more than ``MAX_PARTS`` frames and extension
-    data sub-blocks (tryout21: 2,000,000 comment sub-blocks, 4 MB, took 1.3 s), or more than ``MAX_GIF_SUB_BLOCKS``
-    sub-blocks in all (the walk's own bound: a 32 MB GIF of 255-byte sub-blocks has 131,000)."""
+    """``too_many_parts`` of a GIF (GIF89a spec, sections 17-27): more than ``MAX_PARTS`` extension data sub-blocks
+    besides each extension's first (tryout21: one comment of 2,000,000 one-byte sub-blocks, 4 MB, took 1.3 s; a
+    frame's graphic control extension has one, an animation of any length few more), or more than
+    ``MAX_GIF_SUB_BLOCKS`` blocks and sub-blocks in all (the walk's own bound: a 32 MB GIF of 255-byte sub-blocks
+    has 131,000)."""
     n = len(data)
     pos = 13 + (3 << ((data[10] & 7) + 1) if n > 10 and data[10] & 0x80 else 0)  # header, screen, global colours
     parts = blocks = 0
@@ -198,13 +200,14 @@ def _gif_parts(data: bytes) -> str | None:
             pos, extension = pos + 11 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0), False
         else:  # an extension: introducer, label, then its data sub-blocks
             pos, extension = pos + 2, True
-        parts += 1
+        first = True
         while pos < n and data[pos]:
-            pos, blocks, parts = pos + 1 + data[pos], blocks + 1, parts + extension
+            pos, blocks, parts = pos + 1 + data[pos], blocks + 1, parts + (extension and not first)
+            first = False
             if parts > MAX_PARTS or blocks > MAX_GIF_SUB_BLOCKS:
-                return (f"the GIF has more than {MAX_PARTS:,} frames and extension blocks, or {MAX_GIF_SUB_BLOCKS:,} "
-                        f"data blocks (a photo has tens; an animation one or two a frame); save it again")
-        pos += 1
+                return (f"the GIF has more than {MAX_PARTS:,} extension blocks, or {MAX_GIF_SUB_BLOCKS:,} blocks in "
+                        f"all (a photo has a few; an animation one a frame); save it again")
+        pos, blocks = pos + 1, blocks + 1
     return None
 
 
