@@ -60,8 +60,8 @@ shrunk enough for it to fit, *counting the clients refused before it*. Each refu
 (``min(own, budget / 2)``) coming back at the time it was given; the next refused client gets the first
 second ``r`` at which ``judged - budget + (work told to come back by then) <= 1000 * r``. Without that,
 every client refused within a second is told the same second, they return together and most are refused
-again: at 2x overload the refusals cost the busy worker ~10% of its images/s (~5 ms of CPU each). A client that does not come back costs nothing but a later
-client's longer wait: the admission itself never counts these promises, only ``Retry-After`` does.
+again: at 2x overload the refusals cost the busy worker ~10% of its images/s (~5 ms of CPU each). A client
+that does not come back costs nothing but a later client's longer wait: only ``Retry-After`` counts them.
 
 Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from ``concurrency.Primitives``;
 held for microseconds), so request greenlets, the CLI's threads and a dev server's threads may all call in.

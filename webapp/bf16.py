@@ -219,13 +219,13 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
     first, ``folded_bn``, where the policy leaves BN to bf16, as the compiled graph folds it) against
     ``module`` in fp32 over all N (``fidelity``, judged by ``faithful``), as it is served: the policy's close
     calls (``close_calls`` under ``recheck_pts``, ``CLASSIFIER_BF16_RECHECK_PTS``; 0: none) answered by fp32, as
-    ``Engine``'s recheck answers them, on ``cores`` (the server's, borrowed while its other workers wait: ``cpu.borrowed_cores``,
-    one intra-op thread per core; None: this thread's own); then speed on ``timed_n`` photos of the last
-    batch, back on this thread's cores and intra-op threads, plain bf16 autocast against fp32, ``runs`` times
-    each, taking turns, after one untimed call each (oneDNN creates its primitives then): the median
-    must be ``MIN_NATIVE_SPEEDUP`` times faster, counting the rechecks' fp32 time (``served_speedup``: a
-    share r of photos rechecked costs r fp32 passes more per photo). Autocast and not the policy, because eager speed does
-    not predict compiled speed for the policy (its fp32 layers cost casts that inductor fuses away:
+    ``Engine``'s recheck answers them, on ``cores`` (the server's, borrowed while its other workers wait:
+    ``cpu.borrowed_cores``, one intra-op thread per core; None: this thread's own); then speed on ``timed_n``
+    photos of the last batch, back on this thread's cores and intra-op threads, plain bf16 autocast against fp32,
+    ``runs`` times each, taking turns, after one untimed call each (oneDNN creates its primitives then): the
+    median must be ``MIN_NATIVE_SPEEDUP`` times faster, counting the rechecks' fp32 time (``served_speedup``: a
+    share r of photos rechecked costs r fp32 passes more per photo). Autocast and not the policy, because eager
+    speed does not predict compiled speed for the policy (its fp32 layers cost casts that inductor fuses away:
     EfficientNet-Lite0 measured 0.88x eager, 1.42x compiled); what this catches is a host where bf16
     is emulated or slow. The policy's compiled speed is the bench's to measure (``MIN_SPEEDUP``).
     Times are this thread's CPU time with one intra-op thread (a pinned worker's usual setting; a busy
@@ -233,8 +233,8 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
 
     Returns ``(ok, reason, figures)``: ``figures`` is ``fidelity``'s dict plus ``native_speedup`` (fp32
     s / bf16 s), ``rechecked`` (share 0..1 of the photos answered by fp32), ``served_speedup``, ``photos`` and
-    ``faithful`` (the fidelity part alone passed); ``reason`` says the figures in words. 28 photos at 224x224, ResNet-18,
-    this 2-core box: 2.7 s on one core and one thread for all of it; 1.8 s with the fidelity part on
+    ``faithful`` (the fidelity part alone passed); ``reason`` says the figures in words. 28 photos at 224x224,
+    ResNet-18, this 2-core box: 2.7 s on one core and one thread for all of it; 1.8 s with the fidelity part on
     both cores and the speed part on 2 photos instead of 4 (2026-12-01).
     """
     from .cpu import borrowed_cores
@@ -266,7 +266,8 @@ def judge_bf16(module: nn.Module, photos: torch.Tensor, *, runs: int = 3, speed_
     reason = (f"measured on {fig['photos']} calibration photos{rechecks}: top-1 agreement "
               f"{100 * fig['top1_agree']:.1f}% ({100 * fig['sure_agree']:.0f}% of {fig['sure_n']} with fp32 >= "
               f"{SURE:.0%}), top-1 probability change max {fig['max_change_pts']:.2f} points, {fig['ties']} ties; "
-              f"bf16 kernels {speedup:.2f}x fp32" + (f", {fig['served_speedup']:.2f}x with the rechecks" if len(close) else ""))
+              f"bf16 kernels {speedup:.2f}x fp32"
+              + (f", {fig['served_speedup']:.2f}x with the rechecks" if len(close) else ""))
     fig["faithful"] = faithful(fig)
     return fig["faithful"] and fig["served_speedup"] >= MIN_NATIVE_SPEEDUP, reason, fig
 

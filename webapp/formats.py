@@ -3,7 +3,7 @@ does and that Pillow cannot open is a damaged photo, 400) or the format it is th
 decode (``sniff_format``: the 415 names it: HEIC, PDF, SVG...); and a JPEG's marker segments (``jpeg_segments``,
 the one walk that the cut, mend and scan checks share) and its frame (``jpeg_frame``: the decoder it needs, or
 none here, and its quantization tables' damage: 0 for a DC entry); and a file of far more parts than a photo
-has (``too_many_parts``: scans, segments, chunks). Pure bytes, no Pillow, no torch.
+has (``too_many_parts``: scans, segments, chunks, GIF extension blocks). Pure bytes, no Pillow, no torch.
 """
 
 from __future__ import annotations
@@ -162,9 +162,9 @@ MAX_GIF_SUB_BLOCKS = 200_000
 
 def too_many_parts(data: bytes) -> str | None:
     """Words for a JPEG of more than ``MAX_JPEG_SCANS`` scans or ``MAX_PARTS`` marker segments, a PNG of more
-    than ``MAX_PARTS`` chunks, or a GIF of as many extension blocks (``_gif_parts``) (``decode`` refuses it,
-    413, before Pillow walks them); None for any other file,
-    and where the walk stops early (damage: ``decode``'s to judge). Walks at most ``MAX_PARTS`` + 1 parts."""
+    than ``MAX_PARTS`` chunks, or a GIF of as many extension blocks (``_gif_parts``): ``decode`` refuses it (413)
+    before Pillow walks them. None for any other file, and where the walk stops early (damage: ``decode``'s to
+    judge). Walks at most ``MAX_PARTS`` + 1 parts (a GIF: ``MAX_GIF_SUB_BLOCKS`` + 1)."""
     if data[:3] == b"\xff\xd8\xff":
         scans = 0
         for count, seg in enumerate(jpeg_segments(data, scans=True), 1):
