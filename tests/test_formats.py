@@ -4,13 +4,14 @@ it finds (``jpeg_frame``): checked on JPEGs that Pillow writes here, so each seg
 from __future__ import annotations
 
 import io
+import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import jpeg_with_scans, jpeg_with_segments, png_bytes, png_with_chunks
-from webapp.formats import MAX_GIF_SUB_BLOCKS, MAX_JPEG_SCANS, MAX_PARTS, jpeg_frame, jpeg_segments, too_many_parts
+from conftest import jpeg_with_scans, jpeg_with_segments, png_bytes, png_chunk, png_with_chunks
+from webapp.formats import MAX_DATA_BLOCKS, MAX_JPEG_SCANS, MAX_PARTS, jpeg_frame, jpeg_segments, too_many_parts
 
 pytestmark = pytest.mark.unit
 
@@ -143,9 +144,15 @@ def test_a_file_of_far_more_parts_than_a_photo_has_is_named_and_a_photo_is_not()
     segments = len(_walk(_jpeg(), scans=True))  # to EOI
     assert too_many_parts(jpeg_with_segments(_jpeg(), MAX_PARTS - segments)) is None
     assert "more than 10,000 marker segments" in too_many_parts(jpeg_with_segments(_jpeg(), MAX_PARTS - segments + 1))
-    png = png_bytes(Image.new("RGB", (8, 8)))  # IHDR, IDAT, IEND: the walk counts IHDR and IDAT
-    assert too_many_parts(png_with_chunks(png, MAX_PARTS - 2)) is None
-    assert "more than 10,000 chunks" in too_many_parts(png_with_chunks(png, MAX_PARTS - 1))
+    png = png_bytes(Image.new("RGB", (8, 8)))  # IHDR, IDAT, IEND: IHDR is a part, IDAT image data
+    assert too_many_parts(png_with_chunks(png, MAX_PARTS - 1)) is None
+    assert "more than 10,000 chunks besides its image data" in too_many_parts(png_with_chunks(png, MAX_PARTS))
+    # Image data in small chunks, as streaming encoders write it (a 12 MP photo in 1 KB IDAT chunks: 18,000), is a
+    # photo; only the walk's bound applies to them.
+    ihdr, iend = png[:33], png[-12:]
+    idat = lambda n: png_chunk(b"IDAT", zlib.compress(bytes(8 * 25))[:1]) * n  # noqa: E731 (data never decoded)
+    assert too_many_parts(ihdr + idat(20_000) + iend) is None
+    assert "or 200,000 image data chunks" in too_many_parts(ihdr + idat(MAX_DATA_BLOCKS + 1) + iend)
     for other in (b"BM" + b"\x00" * 100, b"", b"\xff\xd8", b"\x89PNG\r\n\x1a\n\xff\xff\xff\xff", b"GIF89a\x01"):
         assert too_many_parts(other) is None  # other formats, and damage, are decode's to judge
 
@@ -166,7 +173,7 @@ def _with_comment_blocks(gif: bytes, blocks: int, size: int = 1) -> bytes:
 
 def test_a_gif_of_far_more_extension_blocks_than_a_photo_has_is_named():
     """GIF: extension sub-blocks past ``MAX_PARTS`` (tryout21: 2,000,000 comment sub-blocks, 1.3 s), or blocks in
-    all past ``MAX_GIF_SUB_BLOCKS``: words. Animated GIFs with comments, global or local palettes, and one of
+    all past ``MAX_DATA_BLOCKS``: words. Animated GIFs with comments, global or local palettes, and one of
     12,000 frames: None; the walk reaches their trailer."""
     gif = _gif(comment=b"x" * 600)
     assert gif[-1:] == b"\x3b" and too_many_parts(gif) is None and too_many_parts(_gif(40)) is None
@@ -182,4 +189,4 @@ def test_a_gif_of_far_more_extension_blocks_than_a_photo_has_is_named():
     assert said.startswith("the GIF has more than 10,000 extension blocks") and "save it again" in said
     # Image data sub-blocks are not parts, but the walk is bounded by them too.
     big = _gif(1)
-    assert too_many_parts(big[:-1] + b"\x2c" + bytes(9) + b"\x08" + b"\x01\x00" * MAX_GIF_SUB_BLOCKS + b"\x00\x3b")
+    assert too_many_parts(big[:-1] + b"\x2c" + bytes(9) + b"\x08" + b"\x01\x00" * MAX_DATA_BLOCKS + b"\x00\x3b")
