@@ -56,8 +56,10 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # A chunked body whose first CHUNKS_JUDGED pieces average under MIN_MEAN_PIECE bytes is refused (400): gunicorn
 # de-chunks in Python, ~2 us a chunk, and never lets the hub run while bytes are waiting, so a 3 MB photo sent
 # in 1-byte chunks (19.5 MB on the wire) took 12.5 s of the worker's CPU, and /healthz and refusals waited 7-9 s
-# behind two of them (tryout21). Clients chunk by their buffer (http.client 8 KB, curl 16-64 KB) or a TCP read.
-CHUNKS_JUDGED, MIN_MEAN_PIECE = 4096, 256
+# behind two of them (tryout21). Clients chunk by their buffer (http.client 8 KB, curl 16-64 KB) or a TCP read; a
+# script that sends a binary file line by line averages ~256 bytes (a byte is "\n" once in 256), hence 128: a
+# 32 MiB body then costs at most ~260,000 chunks, ~1 s.
+CHUNKS_JUDGED, MIN_MEAN_PIECE = 4096, 128
 STOP_MARGIN_S = 0.5  # s: a stopping worker's drains end this long before its stop's wait does
 
 

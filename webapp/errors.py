@@ -62,7 +62,7 @@ class BadRequest(ServiceError):
     when = ("`topk` not an integer from 1 to 10, a malformed multipart body, bad `original_*` fields, or "
             "`topk` or an `original_*` field sent as a file part (`-F 'topk=@file'`; the message names the "
             "field); a body that ends before its `Content-Length`, or a chunked body that is malformed, in tiny "
-            "chunks (under 256 bytes on average) or ends before its last chunk (the connection closes); a request "
+            "chunks (under 128 bytes on average) or ends before its last chunk (the connection closes); a request "
             "line or header gunicorn cannot parse, e.g. `Content-Length: abc` (answered by gunicorn, same JSON shape)")
 
 
