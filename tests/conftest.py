@@ -157,6 +157,14 @@ def png_chunk(kind: bytes, payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
 
 
+def inflating_chunk(kind: bytes) -> bytes:
+    """A chunk of ``kind`` whose compressed payload inflates to 2 MiB (Pillow's MAX_TEXT_CHUNK is 1 MiB)."""
+    bomb = zlib.compress(b"a" * (2 * 2**20))
+    payload = {b"zTXt": b"Comment\x00\x00", b"iTXt": b"Comment\x00\x01\x00\x00\x00",
+               b"iCCP": b"profile\x00\x00"}[kind] + bomb
+    return png_chunk(kind, payload)
+
+
 def jpeg_with_scans(data: bytes, extra: int) -> bytes:
     """A progressive JPEG ``data`` with its last scan (SOS segment and entropy-coded data) repeated ``extra`` more
     times before EOI: a file of ``extra`` more scans, each another pass over the whole image for a decoder."""

@@ -21,14 +21,14 @@ from torchvision.transforms import InterpolationMode, v2
 
 from webapp.errors import NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
 from webapp.formats import claimed_format
-from webapp.imaging import (FORMATS, build_transform, center_limit, check_request_pixels, decode,
-                            decoded_pixels, preprocess)
+from webapp.imaging import FORMATS, build_transform, center_limit, decode, preprocess
+from webapp.sizes import decoded_pixels
 from webapp.modes import to_rgb
 from webapp.models import LITE0_PREPROCESSING, RESNET18_WEIGHTS, _resnet18_preprocessing
 from webapp.settings import BY_NAME
 
-from conftest import (encode, jpeg_with_scans, jpeg_with_segments, png_bytes, png_chunk, png_declaring, png_with_chunks,
-                      shared_image)
+from conftest import (encode, inflating_chunk, jpeg_with_scans, jpeg_with_segments, png_bytes, png_chunk, png_declaring,
+                      png_with_chunks, shared_image)
 
 PHOTOS = ["dog.jpg", "eagle.jpg", "giraffe.jpg", "horses.jpg", "kite.jpg", "person.jpg", "scream.jpg",
           "phone-12mp.jpg", "phone-12mp-exif-rotated.jpg"]
@@ -1023,61 +1023,6 @@ def test_a_32_bit_bmp_whose_alpha_is_all_zero_is_opaque_as_browsers_show_it():
 
 # ----------------------------------------------------------------------------- pixels per request
 
-def _jpeg_declaring(width: int, height: int) -> bytes:
-    """A small valid JPEG whose SOF0 frame header says ``width`` x ``height`` (its pixel data is 8x8)."""
-    data = bytearray(encode(Image.new("RGB", (8, 8), (1, 2, 3)), "JPEG"))
-    sof = data.index(b"\xff\xc0")
-    data[sof + 5:sof + 9] = struct.pack(">HH", height, width)
-    return bytes(data)
-
-
-@pytest.mark.parametrize("fmt,size", [("PNG", (300, 200)), ("JPEG", (4000, 3000)), ("JPEG", (1200, 900)),
-                                      ("JPEG", (600, 400)), ("WEBP", (640, 480)), ("GIF", (50, 40)),
-                                      ("TIFF", (1000, 10)), ("BMP", (33, 77))])
-def test_decoded_pixels_are_the_pixels_decode_makes(fmt, size):
-    """The request budget counts from the header what ``decode`` then decodes: a large JPEG at its reduced DCT
-    scale, every other format at full size."""
-    data = encode(Image.new("RGB", size, (90, 120, 30)), fmt)
-    for min_side in (None, 224, 256):
-        w, h = decode(data, max_pixels=10**9, min_side=min_side).image.size
-        assert decoded_pixels(data, min_side) == w * h, (fmt, size, min_side)
-    assert decoded_pixels(data, None) == size[0] * size[1]
-
-
-def test_decoded_pixels_read_the_header_alone():
-    assert decoded_pixels(png_declaring(8900, 8900), 256) == 8900 * 8900  # no pixel data behind it: not decoded
-    assert decoded_pixels(_jpeg_declaring(8000, 6000), 256) == 1000 * 750  # 1/8 keeps the short side >= 512
-    assert decoded_pixels(_jpeg_declaring(8000, 6000), None) == 48_000_000
-    assert decoded_pixels(b"not an image at all", 256) == 0  # decode names the fault in its turn
-    assert decoded_pixels(b"\x89PNG\r\n\x1a\n" + b"\x00" * 10, 256) == 0
-
-
-def test_a_request_is_bounded_by_its_photos_pixels_together():
-    """16 dense 80 MP PNGs of ~600 KB each passed every per-photo and byte limit and held a worker for the
-    whole request timeout decoding them; their pixels together are refused before any is decoded."""
-    dense = png_declaring(8000, 8000)  # 64 MP each by its header
-    check_request_pixels([(f"p{i}.png", dense) for i in range(4)], limit=256_000_000, min_side=256)  # = the limit
-    with pytest.raises(TooLarge) as ei:
-        check_request_pixels([(f"p{i}.png", dense) for i in range(5)], limit=256_000_000, min_side=256)
-    msg = ei.value.message
-    assert ei.value.status == 413 and ei.value.code == "too_large"
-    assert "5 photos" in msg and "320,000,000" in msg and "256,000,000" in msg
-    assert "CLASSIFIER_MAX_REQUEST_PIXELS" in msg and "several requests" in msg
-    # 16 phone JPEGs of 48 MP count at the size they are decoded at: ~12 MP together
-    check_request_pixels([(f"j{i}.jpg", _jpeg_declaring(8000, 6000)) for i in range(16)], limit=256_000_000,
-                         min_side=256)
-    with pytest.raises(TooLarge, match=r"big\.png: decodes to 64,000,000 pixels; the limit per request is "
-                                       r"1,000,000 \(CLASSIFIER_MAX_REQUEST_PIXELS\)"):
-        check_request_pixels([("big.png", dense)], limit=1_000_000, min_side=256)
-    check_request_pixels([("junk.bin", b"junk")] * 16, limit=1, min_side=256)  # unreadable: decode's to judge
-    # a PNG that decode mends (metadata past Pillow's guard) counts as the pixels it will decode
-    at = dense.index(b"IDAT") - 4
-    mended = dense[:at] + _inflating_past_pillows_guard(b"zTXt") + dense[at:]
-    assert decoded_pixels(mended, 256) == 64_000_000
-    with pytest.raises(TooLarge):
-        check_request_pixels([(f"m{i}.png", mended) for i in range(5)], limit=256_000_000, min_side=256)
-
-
 # ------------------------------------------------------------- whole photos Pillow refuses, and cut ones
 
 @pytest.mark.parametrize("progressive", [False, True])
@@ -1116,14 +1061,6 @@ def test_a_file_cut_short_is_said_in_words(fmt):
                                     f"(a file cut short); send the whole file")
 
 
-def _inflating_past_pillows_guard(kind: bytes) -> bytes:
-    """A chunk of ``kind`` whose compressed payload inflates to 2 MiB (Pillow's MAX_TEXT_CHUNK is 1 MiB)."""
-    bomb = zlib.compress(b"a" * (2 * 2**20))
-    payload = {b"zTXt": b"Comment\x00\x00", b"iTXt": b"Comment\x00\x01\x00\x00\x00",
-               b"iCCP": b"profile\x00\x00"}[kind] + bomb
-    return png_chunk(kind, payload)
-
-
 @pytest.mark.parametrize("kind", [b"zTXt", b"iTXt", b"iCCP"])
 @pytest.mark.parametrize("where", [b"IDAT", b"IEND"])
 def test_a_png_whose_metadata_pillow_will_not_inflate_is_still_the_photo(kind, where):
@@ -1133,7 +1070,7 @@ def test_a_png_whose_metadata_pillow_will_not_inflate_is_still_the_photo(kind, w
     photo = _photo_like(160, 120)
     whole = png_bytes(photo)
     at = whole.index(where) - 4
-    data = whole[:at] + _inflating_past_pillows_guard(kind) + whole[at:]
+    data = whole[:at] + inflating_chunk(kind) + whole[at:]
     got = decode(data, max_pixels=BIG, min_side=224)
     assert got.format == "PNG" and (pixels(got.image) == pixels(photo.convert("RGB"))).all()
     # Damaged elsewhere too, it is still refused (the mended file is decoded once, and judged as it is)
@@ -1255,8 +1192,6 @@ def test_an_arithmetic_coded_jpeg_is_the_same_photo(progressive):
     for min_side in (None, 224):
         want, got = decode(whole, max_pixels=BIG, min_side=min_side), decode(arith, max_pixels=BIG, min_side=min_side)
         assert got.format == "JPEG" and got.size == want.size and (pixels(got.image) == pixels(want.image)).all()
-    from webapp.imaging import decoded_pixels
-
     big = _jpegtran(encode(_photo_like(1600, 1200), "JPEG"), "-arithmetic")  # decoded at full size: counted so
     assert decoded_pixels(big, 224) == 1600 * 1200 == decode(big, max_pixels=BIG, min_side=224).image.size[0] * 1200
     for n in (len(arith) // 2, len(arith) - 2):  # cut short (its EOI missing too): refused, never grey-filled
@@ -1359,8 +1294,6 @@ def test_a_jpeg_metadata_segment_too_short_for_its_fields_is_skipped_as_libjpeg_
     shows the photo; Pillow's header parser read past its end and the photo was "damaged (starts like JPEG, but its
     header cannot be read)". The segment is dropped; the photo is decoded as it is, and counted so in the pixel
     budget. A long-enough segment is kept (an Adobe transform flag says what the colours are)."""
-    from webapp.imaging import decoded_pixels
-
     whole = shared_image("dog.jpg").read_bytes()
     data = whole[:2] + segment + whole[2:]
     got = decode(data, max_pixels=BIG)
@@ -1557,6 +1490,6 @@ def test_a_file_of_far_more_parts_than_a_photo_is_413_before_pillow_opens_it(mon
     for name, data in floods.items():
         with pytest.raises(TooLarge, match=rf"^{re.escape(name)}: the (JPEG|PNG|GIF) has more than [0-9,]+ "):
             decode(data, max_pixels=10**8, name=name)
-        assert imaging.decoded_pixels(data, 224) == 0
+        assert decoded_pixels(data, 224) == 0
     assert opened == []
     assert decode(jpeg_with_scans(progressive, formats.MAX_JPEG_SCANS - scans), max_pixels=10**8).size == (32, 24)

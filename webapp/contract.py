@@ -63,14 +63,29 @@ class Original:
     MAX_BYTES = 2**40  # 1 TiB: any file a phone or camera writes
 
 
+@dataclass(frozen=True)
+class Size:
+    """One photo's cost as ``sizes.read_size`` reads it before decoding: ``pixels`` (the pixels ``decode`` will
+    produce at ``min_side`` px, the model's resize size, or None: full size; 0 where the header cannot be read or
+    the file is refused unread) and ``refused`` (``formats.too_many_parts``' words: the file is refused, 413,
+    without Pillow opening it; None: it is not)."""
+
+    pixels: int
+    min_side: int | None
+    refused: str | None = None
+
+
 @dataclass
 class Upload:
     """One uploaded file: its client-side ``name`` (only ever echoed, escaped) and raw ``data`` (bytes);
-    ``original``: where the client scaled the photo before sending it, what it says of the original."""
+    ``original``: where the client scaled the photo before sending it, what it says of the original;
+    ``size``: what ``sizes.check_request_pixels`` read of ``data`` (its pixels, its parts walk's verdict), kept so
+    that a second check of the same upload and its decode do not walk it again (None: not read yet)."""
 
     name: str
     data: bytes
     original: Original | None = None
+    size: Size | None = None
 
 
 @runtime_checkable

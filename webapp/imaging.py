@@ -23,7 +23,7 @@ from torchvision.transforms import v2
 
 from . import cuts, exif, incomplete, mangled, pnm, repair
 from .exif import silence_pillow_warnings
-from .contract import FORMAT_NAMES, FORMATS
+from .contract import FORMAT_NAMES, FORMATS, Size
 from .formats import article, claimed_format, jpeg_arithmetic, jpeg_frame, sniff_format, tiff_samples, too_many_parts
 from .modes import main_page, to_rgb, visible_frame
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
@@ -56,10 +56,11 @@ class Decoded:
 
 
 def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int | None = None,
-           _repaired: bool = False) -> Decoded:
+           size: Size | None = None, _repaired: bool = False) -> Decoded:
     """Decode image bytes into an upright RGB PIL image.
 
     ``max_pixels`` bounds width x height, checked from the header before pixels are decoded.
+    ``size``: the photo's ``Size``, read by the request's pixel check: its parts walk is not done again.
     ``min_side`` (px, the model's resize size) turns on the fast path for large JPEGs: decoded at the
     smallest DCT scale (1/2, 1/4, 1/8; Pillow ``draft``) that keeps its short side >= 2x ``min_side``,
     so the antialiased resize that follows still averages over several source pixels. Other formats
@@ -85,7 +86,8 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
     start = time.perf_counter()
     if not data:
         raise NoFile(f"{name}: the file is empty (0 bytes)")
-    if said := too_many_parts(data):  # before Pillow walks them: seconds of CPU in a few KB (tryout21)
+    # Before Pillow walks them: seconds of CPU in a few KB (tryout21); ``size``: walked already, by the request's check
+    if said := (size.refused if size is not None else too_many_parts(data)):
         raise TooLarge(f"{name}: {said}")
     try:
         img = Image.open(io.BytesIO(data), formats=FORMATS)
@@ -153,10 +155,10 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if arithmetic:  # Pillow's libjpeg has no arithmetic decoder; torchvision's does (same coefficients, same IDCT)
             img = _decode_arithmetic(name, data, img.mode)
         elif min_side and fmt == "JPEG":
-            _draft(img, min_side)
+            draft(img, min_side)
         img.load()
         if fmt == "JPEG" and not arithmetic and (kept := incomplete.jpeg_rows_decoded(
-                img, data, height, lambda im: _draft(im, min_side) if min_side else None)) is not None:
+                img, data, height, lambda im: draft(im, min_side) if min_side else None)) is not None:
             raise UndecodableImage(f"{name}: the JPEG data is incomplete: its scan data stops after about "
                                    f"{kept:.0%} of the image and {ends}, so the rest would be "
                                    f"grey fill (a file cut short); send the whole file")
@@ -261,50 +263,6 @@ def _again(fixed: bytes, start: float, **kwargs) -> Decoded:
     return d
 
 
-def decoded_pixels(data: bytes, min_side: int | None) -> int:
-    """How many pixels ``decode`` will produce from ``data``, read from its header alone (no pixel decoded):
-    width x height, a large JPEG at the reduced DCT scale of its fast path (``_draft``); 0 where the header
-    cannot be read (``decode`` then names the fault, in its turn). Decode time grows with these pixels, not
-    with the bytes: a 634 KB 16-bit PNG holds 79 MP and takes ~2.1 s (2-core Zen 4: 8-bit RGB PNG ~14 ms
-    per MP, 16-bit ~27, lossless WebP ~10; a JPEG at 1/4 scale ~1 ms per full-size MP). 0, unopened, for a file
-    ``too_many_parts`` refuses (``decode`` does)."""
-    if too_many_parts(data):
-        return 0
-    try:
-        img = Image.open(io.BytesIO(data), formats=FORMATS)
-    except Exception as exc:  # noqa: BLE001 -- unreadable: decode raises the right error for it, or mends it
-        fixed = repair.png_mended(data, exc) or repair.jpeg_mended(data) or repair.tiff_mended(data)  # as decode
-        return decoded_pixels(fixed, min_side) if fixed else 0
-    try:
-        if min_side and img.format in ("JPEG", "MPO") and not jpeg_arithmetic(data):  # (that one: at full size)
-            _draft(img, min_side)  # sets the size it will decode at; decodes nothing
-        return img.size[0] * img.size[1]
-    except Exception:  # noqa: BLE001
-        return 0
-
-
-def check_request_pixels(uploads: list[tuple[str, bytes]], *, limit: int, min_side: int | None) -> list[int]:
-    """Refuse a request whose photos together would decode to more than ``limit`` pixels
-    (``CLASSIFIER_MAX_REQUEST_PIXELS``), before any of them is decoded; else each photo's ``decoded_pixels``.
-
-    ``MAX_PIXELS`` bounds each photo, but 16 dense 80 MP PNGs of 600 KB each fit every byte and per-photo
-    limit and take ~30 s to decode, holding the worker for the whole request timeout; this bounds the work
-    one request can ask for by what it costs (``decoded_pixels``; reading the headers takes ~0.1 ms a photo).
-
-    :raises TooLarge: over ``limit`` (413), naming the total, the largest photo and the setting.
-    """
-    counts = [(decoded_pixels(data, min_side), name) for name, data in uploads]
-    total = sum(n for n, _ in counts)
-    if total > limit:
-        most, name = max(counts)
-        raise TooLarge(f"these {len(uploads)} photos decode to {total:,} pixels together ({name}: {most:,}); "
-                       f"the limit per request is {limit:,} (CLASSIFIER_MAX_REQUEST_PIXELS): send them in "
-                       f"several requests" if len(uploads) > 1 else
-                       f"{name}: decodes to {most:,} pixels; the limit per request is {limit:,} "
-                       f"(CLASSIFIER_MAX_REQUEST_PIXELS)")
-    return [n for n, _ in counts]
-
-
 def _cut(data: bytes) -> tuple[str, int, int] | None:
     """``(part, bytes needed, bytes there are)`` where ``data`` is shorter than its container or the header Pillow
     opens says (``webapp/cuts.py``); ``part`` is "container" or "header". None otherwise."""
@@ -321,8 +279,9 @@ def _cut_short(name: str, fmt: str, part: str, need: int, got: int) -> Undecodab
                             f"{got:,} arrived (a file cut short); send the whole file")
 
 
-def _draft(img: Image.Image, min_side: int) -> None:
-    """Ask libjpeg for the smallest DCT-scaled decode whose short side is still >= 2x ``min_side`` (see ``decode``)."""
+def draft(img: Image.Image, min_side: int) -> None:
+    """Ask libjpeg for the smallest DCT-scaled decode of JPEG ``img`` whose short side is still >= 2x ``min_side`` px
+    (see ``decode``): sets the size it will decode at, in place; decodes nothing."""
     w, h = img.size
     scale = 2 * min_side / min(w, h)
     if scale < 1:
@@ -386,15 +345,15 @@ class Prepared:
 
 
 def prepare(data: bytes, *, name: str, transform: v2.Compose, max_pixels: int, min_side: int | None,
-            thumbnail: bool = False) -> Prepared:
+            thumbnail: bool = False, size: Size | None = None) -> Prepared:
     """Decode and preprocess one upload (``decode`` then ``preprocess``), keeping only what the answer needs.
 
     A full-size image held while the batch waits would multiply memory by the requests in flight,
-    so only the tensor, the size, the format and (``thumbnail``) a small JPEG are kept.
+    so only the tensor, the size, the format and (``thumbnail``) a small JPEG are kept. ``size``: as ``decode``'s.
 
     :raises ServiceError: as ``decode``: empty (400), too many pixels or parts (413), not an image (415), damaged (400).
     """
-    d = decode(data, max_pixels=max_pixels, name=name, min_side=min_side)
+    d = decode(data, max_pixels=max_pixels, name=name, min_side=min_side, size=size)
     tensor = preprocess(d.image, transform)
     return Prepared(tensor=tensor, size=d.size, format=d.format, decode_ms=d.decode_ms,
                     thumbnail=thumbnail_jpeg(d.image) if thumbnail else None)

@@ -28,6 +28,7 @@ from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, Startu
 from .formats import claimed_format
 from .answers import answer, check_originals
 from .imaging import Prepared
+from .sizes import check_request_pixels
 from .models import encode
 
 log = logging.getLogger(__name__)
@@ -263,13 +264,13 @@ class Classifier:
         s, started = self.settings, self.started
         try:
             self._check_serving(len(uploads))  # a full queue answers 429 before any decoding
-            pixels = imaging.check_request_pixels([(up.name, up.data) for up in uploads], limit=s.MAX_REQUEST_PIXELS,
-                                                  min_side=started.min_side(s.FAST_DECODE))  # read from the headers
+            read = check_request_pixels(uploads, limit=s.MAX_REQUEST_PIXELS,
+                                        min_side=started.min_side(s.FAST_DECODE))  # headers, walked once: sizes.py
             # What decoding costs grows with the bytes, or with the pixels where those are more (a few KB of flat
             # lossless WebP can hold 79 MP, 1.3 s of decode): the admission measures and counts that size, and a
             # request whose size it now sees is over its body's is judged again (tryout21: 6 such files admitted by
             # their bytes made everyone wait 20 s, and their costs by bytes refused ordinary photos afterwards).
-            sizes = [max(len(up.data), n) for up, n in zip(uploads, pixels)]
+            sizes = [max(len(up.data), r.pixels) for up, r in zip(uploads, read)]
             if ticket is not None and sum(sizes) > sum(len(up.data) for up in uploads):
                 ticket = self.admission.admit(sum(sizes), len(uploads), gone=ticket.gone, replacing=ticket)
         except Exception:
@@ -285,11 +286,11 @@ class Classifier:
         deadline = start + s.REQUEST_TIMEOUT_S
         try:
             prepared = []
-            for up, size in zip(uploads, sizes):
+            for up, size, r in zip(uploads, sizes, read):
                 try:
                     p, ms = self.offloader.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
                                                max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
-                                               thumbnail=keep_images, gone=gone,
+                                               thumbnail=keep_images, size=r, gone=gone,
                                                within=deadline - time.perf_counter())
                 except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
                     exc.when_done(self.admission.abandon(job, size))

@@ -15,7 +15,8 @@ import base64
 import re
 
 from flask import Blueprint, abort, current_app, g, jsonify, render_template, request, url_for
-from . import i18n, imaging
+from . import i18n
+from .sizes import check_request_pixels
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
 from .uploads import read_uploads, request_topk, require_identity
 
@@ -135,8 +136,8 @@ def classify():
     # Classified one by one below: the request's photos are bounded together here, where this process decodes
     # them (a cluster's RemoteClassifier has no ``started``: its replicas decode, and bound, each request's own).
     if len(uploads) > 1 and (started := getattr(clf, "started", None)) is not None:
-        imaging.check_request_pixels([(u.name, u.data) for u in uploads], limit=clf.settings.MAX_REQUEST_PIXELS,
-                                     min_side=started.min_side(clf.settings.FAST_DECODE))
+        check_request_pixels(uploads, limit=clf.settings.MAX_REQUEST_PIXELS,  # each keeps its size: read once
+                             min_side=started.min_side(clf.settings.FAST_DECODE))
     answer = clf.classify(uploads, topk=topk, keep_images=True) if len(uploads) == 1 else each(clf, uploads, topk)
     for item in answer["results"]:
         if "thumbnail" in item:

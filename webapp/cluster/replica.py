@@ -15,6 +15,7 @@ from ..concurrency import decode_executor, inference_executor
 from ..contract import Upload
 from ..errors import InferenceTimeout, ServiceError
 from ..answers import answer, check_originals
+from ..sizes import Size, check_request_pixels
 from .config import load_values, replica_id
 
 log = logging.getLogger(__name__)
@@ -69,14 +70,14 @@ class ModelReplica:
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
 
-        def prepare(up: Upload):
+        def prepare(up: Upload, size: Size):
             return imaging.prepare(up.data, name=up.name, transform=started.transform, max_pixels=s.MAX_PIXELS,
-                                   min_side=started.min_side(s.FAST_DECODE), thumbnail=keep_images)
+                                   min_side=started.min_side(s.FAST_DECODE), thumbnail=keep_images, size=size)
 
-        imaging.check_request_pixels([(up.name, up.data) for up in uploads], limit=s.MAX_REQUEST_PIXELS,
-                                     min_side=started.min_side(s.FAST_DECODE))
-        done = await asyncio.gather(*(loop.run_in_executor(self.decode_pool, prepare, up) for up in uploads),
-                                    return_exceptions=True)
+        read = check_request_pixels(uploads, limit=s.MAX_REQUEST_PIXELS,
+                                    min_side=started.min_side(s.FAST_DECODE))
+        done = await asyncio.gather(*(loop.run_in_executor(self.decode_pool, prepare, up, size)
+                                      for up, size in zip(uploads, read)), return_exceptions=True)
         for item in done:  # the first bad upload in request order, as the gunicorn app reports it
             if isinstance(item, BaseException):
                 raise item
