@@ -19,7 +19,7 @@ With a cache directory every precision is compiled ahead of time instead (AOTInd
 ``webapp/aoti.py``): built once (about one ``torch.compile``), loaded by later workers in well under a
 second, same kernels and speed as the JIT. Without one, or where the package cannot be built, JIT.
 
-JIT compilation happens only in ``warm_up``, which runs every batch size 1..``max_batch_size`` once
+JIT compilation happens only in ``warm_up``, which then runs every batch size 1..``max_batch_size`` once
 in the calling thread: under gunicorn's gevent worker that must be the worker's main thread
 (inductor's C++ compile uses ``subprocess``, which gevent only allows there; see
 ``shared/notes/gevent-threads.md``). After warm-up, recompiling is made an error, so no request
@@ -116,6 +116,7 @@ def cache_key(*parts) -> str:
 
 
 AGREE = 0.02  # the largest logit difference between batch sizes, as a fraction of batch 1's logit range
+PROGRESS_S = 10.0  # seconds between warm-up progress lines (the JIT compile of many batch sizes takes minutes)
 
 
 class GraphsDisagree(RuntimeError):
@@ -248,7 +249,8 @@ class Engine:
 
     def warm_up(self, max_batch_size: int, heartbeat: Callable[[], None] | None = None,
                 sample: torch.Tensor | None = None) -> float:
-        """Run every batch size 1..``max_batch_size`` once (compiling them); return seconds taken.
+        """Run batch sizes 1, 2 and ``max_batch_size`` once, every size 1..``max_batch_size`` under the JIT
+        compile (compiling them); return seconds taken.
 
         With a ``sample`` (``(1, 3, S, S) float32``, a real photo: start-up passes the golden one), each batch is
         that photo repeated, and every row must give batch 1's logits (within ``AGREE`` of their range): batch 1
@@ -257,10 +259,13 @@ class Engine:
         Measured here, the graphs differ by ~3e-7 of the range (fp32 and bf16); a damaged one by most of it.
 
         Batch 1 gets a static graph, batch 2 a graph with a dynamic batch dimension that serves
-        3..N too. Afterwards, with compile on, any recompile raises instead of compiling. The
-        AOTInductor packages compile nothing: batches 1, 2 and ``max_batch_size`` check both of them;
-        every other size would cost a whole forward pass each at start (about 1 s of a 5 s warm start,
-        ResNet-18 on one thread) to save its first request about 10 ms (oneDNN's primitives for that shape).
+        3..N too. Afterwards, with compile on, any recompile raises instead of compiling: so the JIT compile
+        (``torch.compile``, where no AOTInductor package could be built) runs every size. The AOTInductor
+        packages compile nothing, nor does eager: batches 1, 2 and ``max_batch_size`` check them; every other
+        size would cost a whole forward pass each at start (about 1 s of a 5 s warm start, ResNet-18 on one
+        thread; sizes 1..256 eager: ~33,000 images, over 10 min on 2 cores, tryout22) to save its first request
+        about 10 ms (oneDNN's primitives for that shape; eager ResNet-18 at 3, 5 and 7: 5 to 40 ms). A warm-up
+        still running logs its progress every ``PROGRESS_S`` s.
         A ``recheck`` engine is warmed up first, the same way (its ``GraphsDisagree`` names it as ``engine``).
         """
         start = time.perf_counter()
@@ -274,9 +279,9 @@ class Engine:
         if jit:
             torch.compiler.set_stance("default")
         sizes = range(1, max_batch_size + 1)
-        if self.backend == "aoti":
+        if not jit:
             sizes = sorted({1, 2, max_batch_size} & set(sizes))
-        first = None
+        first, told = None, start
         for n in sizes:
             t0 = time.perf_counter()
             x = (torch.zeros(n, 3, self.input_size, self.input_size) if sample is None
@@ -291,6 +296,9 @@ class Engine:
                     raise GraphsDisagree(n, off, int(first.argmax()), int(out[-1].argmax()))
             self.warm_batch_sizes.append(n)
             log.debug("warm-up batch %d: %.2f s", n, time.perf_counter() - t0)
+            if (now := time.perf_counter()) - told >= PROGRESS_S and n != sizes[-1]:
+                told = now
+                log.info("warm-up: batch sizes up to %d of %d done in %.0f s", n, max_batch_size, now - start)
             if heartbeat:
                 heartbeat()
         if jit:

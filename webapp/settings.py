@@ -212,8 +212,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("THREADS", _int, 0, "Intra-op threads per worker. 0: one per core this worker is pinned to (on a Ray "
             "cluster: 1 per replica, which reserves that many CPUs).", low=0, high=1024),
     # -- batching --
-    Setting("MAX_BATCH_SIZE", _int, 8, "Most images in one forward pass; warmed up at start: every size 1..this, "
-            "or with a compiled package 1, 2 and this (another size's first batch pays ~10 ms).", low=1, high=256),
+    Setting("MAX_BATCH_SIZE", _int, 8, "Most images in one forward pass; warmed up at start: sizes 1, 2 and this (another "
+            "size's first batch pays ~10 ms); every size 1..this under a JIT compile (no AOTInductor package).", low=1, high=256),
     Setting("BATCH_TIMEOUT_MS", _float, 5.0, "Longest wait (ms) after the first queued image for more to join "
             "its batch.", low=0, high=10_000),
     Setting("BATCH_WAIT", _str, "company", "When a batch waits BATCH_TIMEOUT_MS for more images. company: only while "

@@ -316,7 +316,7 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
 
         reason += (f"; close calls (top two under {pts:g} points apart) answered by fp32 "
                    f"({PREFIX}{precision.upper()}_RECHECK_PTS)")
-    log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batch 1..%d",
+    log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batches up to %d",
              model.name, model.weights, precision, reason, settings.COMPILE, threads,
              sorted(os.sched_getaffinity(0)), settings.MAX_BATCH_SIZE)
     golden = imaging.decode(GOLDEN.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=GOLDEN.name).image

@@ -1,7 +1,7 @@
 """``python -m webapp warm``: build the compile caches once, at install time, so the first start is fast.
 
 It runs the very start-up a gunicorn worker runs (``startup.load_engine``: weights -> precision ->
-compile/AOTInductor -> warm-up of every batch size, then the self-test), pinned as the first worker
+compile/AOTInductor -> warm-up of the batch sizes, then the self-test), pinned as the first worker
 of gunicorn's layout would be (``cpu.plan``: same cores, so the same intra-op thread count, which
 keys the per-host precision record). What that writes under ``CLASSIFIER_CACHE_DIR`` (the precision
 record, the AOTInductor packages and inductor's kernels, whatever engine.py builds) is what a worker then
