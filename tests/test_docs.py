@@ -38,3 +38,16 @@ def test_readme_classify_exit_table_is_generated_from_the_cli():
     block = README[README.index("\n", start) + 1: README.index("<!-- end of classify exit table -->")].strip()
     assert block == exit_status_table(CLASSIFY_EXIT_STATUS), \
         "regenerate the README table from webapp.cli.common.exit_status_table(CLASSIFY_EXIT_STATUS)"
+
+
+def test_readme_gives_each_models_preprocessing_as_the_code_has_it():
+    """A user reproducing an answer outside the service needs each model's normalization (tryout22: only
+    ../shared/README.md and a docstring gave Lite0's 0.498/0.502, and ImageNet's moves dog.jpg's top-1)."""
+    from webapp.models import LITE0_PREPROCESSING, _resnet18_preprocessing
+
+    text = " ".join(README.split())
+    for pre in (_resnet18_preprocessing(), LITE0_PREPROCESSING):
+        assert (pre.resize, pre.crop, pre.interpolation.value) == (256, 224, "bilinear")  # as the README says
+        for name in ("mean", "std"):
+            assert f"{name} ({', '.join(f'{v:g}' for v in getattr(pre, name))})" in text, (name, pre)
+    assert "resize the short side to 256 px (bilinear, antialiased), centre-crop 224" in text
