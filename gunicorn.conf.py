@@ -123,6 +123,9 @@ def _clear_metrics_dir() -> str | None:
 # -- hooks -----------------------------------------------------------------------------------------
 def on_starting(server):
     """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
+    if server.cfg.bind != bind:  # gunicorn's -b (or GUNICORN_CMD_ARGS, serve -- -b) wins over the setting: say so
+        server.log.warning("-b %s overrides %sBIND=%s (serve --bind)", " -b ".join(server.cfg.bind), settings.PREFIX,
+                           _s.BIND)
     problem = listen.check_listen(server.cfg.address)
     if problem:
         server.log.error("%s", problem)

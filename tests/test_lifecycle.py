@@ -803,6 +803,23 @@ def test_busy_port_is_one_line_and_exit_5(tmp_path, launcher):
 
 
 @pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+def test_a_bind_flag_over_the_setting_is_said(tmp_path, launcher):
+    """gunicorn's -b wins over CLASSIFIER_BIND (serve --bind): it listened elsewhere without a word (tryout22), as
+    -w gets one. Said before it tries to listen (here on a port in use: exit 5 at once)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        flag = ["-b", f"127.0.0.1:{port}"]
+        code, lines, temp = run_to_end(tmp_path, "bind", GUNICORN + flag if launcher == "gunicorn" else
+                                       SERVE + ["--", *flag], timeout=60, bind="127.0.0.1:1")
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_LISTEN, names=f"cannot listen on 127.0.0.1:{port}",
+                        most=3)
+    assert [ln for ln in lines if f"-b 127.0.0.1:{port} overrides CLASSIFIER_BIND=127.0.0.1:1 (serve --bind)" in ln]
+
+
+@pytest.mark.server
 def test_a_bare_port_binds_localhost(tmp_path):
     """``CLASSIFIER_BIND=PORT`` is ``127.0.0.1:PORT`` (gunicorn alone reads it as a host on port 8000)."""
     port = free_port()
