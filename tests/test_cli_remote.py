@@ -534,6 +534,32 @@ def test_with_no_limit_published_every_file_is_sent_for_the_server_to_judge(tmp_
     assert f"note: {PREFIX}MAX_UPLOAD_BYTES is set here but is a setting of the server" in out.stderr, out.stderr
 
 
+@pytest.mark.cli
+def test_a_photo_is_held_to_the_limit_as_it_is_sent_scaled(tmp_path):
+    """A server set to 2 MB took the 3.25 MB phone photo from the page (scaled in the browser to ~115 KB) while
+    classify --server refused it unread as too_large (tryout22): the limit holds what is sent. A scaled copy still
+    over it says so; with --no-scale the file itself is judged, unread and unsent, as before."""
+    photo = shared_image("phone-12mp.jpg")
+    size = photo.stat().st_size
+    stub = Stub([], limit=2_000_000)
+    try:
+        out = run_cli(str(photo), "--server", stub.url, "--format", "json", timeout=120)
+        raw = run_cli(str(photo), "--server", stub.url, "--format", "json", "--no-scale", timeout=60)
+        tiny = run_cli(str(photo), "--server", stub.url, "--format", "json", "--max-upload-bytes", "50000",
+                       timeout=120)
+    finally:
+        stub.shutdown()
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)[0]["error"] is None and len(stub.sizes) == 1 and stub.sizes[0] < 200_000
+    assert raw.returncode == 1 and json.loads(raw.stdout)[0]["error"] == {
+        "code": "too_large", "message": f"the file is {size:,} bytes; the server's limit is 2,000,000 (the server's "
+                                        f"CLASSIFIER_MAX_UPLOAD_BYTES)"}
+    message = json.loads(tiny.stdout)[0]["error"]["message"]
+    assert tiny.returncode == 1 and re.fullmatch(r"scaled, the photo is still [0-9,]+ bytes; the limit is 50,000 "
+                                                 r"\(--max-upload-bytes\)", message), message
+    assert len(stub.sizes) == 1  # neither refused one was sent
+
+
 # -- the first probe (GET /api/v1/models): a server still starting, one that never answers -------------------
 def test_the_clients_own_limits_can_be_raised_for_a_server_set_higher(tmp_path):
     """--max-upload-bytes was refused with --server ("the server's own settings decide") while the client applied

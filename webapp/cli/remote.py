@@ -15,7 +15,7 @@ server's ``POST /api/v1/predict``. What makes it fit for a big folder and a busy
   dropped connection or a reverse proxy's own 502/504 after a short growing pause; a bounded number
   of tries and seconds of waiting per file.
 - **The server's upload limit** (``uploading``): the one its ``/openapi.json`` publishes, or ``--max-upload-bytes``;
-  a file over it is ``too_large`` unread. With none known every file is sent (the server's 413 answers). No
+  what would be sent over it (the scaled copy of a photo) is ``too_large``, unsent; with ``--no-scale``, unread. With none known every file is sent (the server's 413 answers). No
   file over ``uploading.HELD_BYTES`` is held in memory: it is sent from disk as it is read.
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
   and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
@@ -47,7 +47,7 @@ from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it
 from .retries import backoff, described, error as _error, out_of_tries, parsed, reason as _reason, refusal as _refusal
 from .retries import retry_wait
 from .scaling import scaled
-from .uploading import OPTION, SERVERS, Limit, published_limit, published_topk, read_upload
+from .uploading import OPTION, SERVERS, Limit, published_limit, published_topk, read_upload, too_large
 
 DEFAULT_JOBS = 8  # connections at once: enough to keep a server's batches full, few enough for its queue
 # READ: an answer's longest silence. The server bounds answers by CLASSIFIER_REQUEST_TIMEOUT_S (30 s) and refuses
@@ -57,7 +57,7 @@ CONNECT_TIMEOUT_S, READ_TIMEOUT_S = 10.0, 120.0
 PROBE_READ_TIMEOUT_S = 30.0
 START_WAIT_S = 600.0  # the most seconds the first probe waits for a server that says it is starting (503 not_ready)
 # The settings the client uses with --server (the others are the server's, refused): the labels asked for, its log,
-# its own file limits: --max-upload-bytes (a file over it unread; else the server's published limit) and MAX_PIXELS
+# its own file limits: --max-upload-bytes (what is sent, over it: unsent; else the server's published limit), MAX_PIXELS
 # (over it unscaled). Of the variables, CLASSIFIER_MAX_UPLOAD_BYTES is the server's (named as such), not a limit here.
 _CLIENT_SETTINGS = ("TOP_K", "LOG_LEVEL", "MAX_UPLOAD_BYTES", "MAX_PIXELS")
 _CLIENT_VARIABLES = ("TOP_K", "LOG_LEVEL", "MAX_PIXELS", "API_TOKEN")
@@ -210,22 +210,25 @@ class Client:
 def classify_one(client: Client, path: Path, *, topk: int, short_side: int | None, max_bytes: int | Limit | None,
                  resample: str = "bilinear", max_pixels: int | None = None) -> dict:
     """One file's result: ``{"width", "height", "format", "predictions", "batch_size", "retries"}`` or
-    ``{"error": {"code", "message"}, "retries"}``. A file over ``max_bytes`` (a ``uploading.Limit``: the server's
-    or ``--max-upload-bytes``; an int is the latter; None: no limit known) is ``too_large``, unread, its message
-    naming the limit's source; one over ``uploading.HELD_BYTES`` is sent from disk as it is read, unscaled. One
+    ``{"error": {"code", "message"}, "retries"}``. What would be sent over ``max_bytes`` (a ``uploading.Limit``:
+    the server's or ``--max-upload-bytes``; an int is the latter; None: no limit known) is ``too_large``, unsent,
+    its message naming the limit's source: with ``short_side`` the scaled copy (a file too big to hold is never
+    scaled: judged by its size, unread), else the file, unread; one over ``uploading.HELD_BYTES`` is sent from disk as it is read, unscaled. One
     over ``max_pixels``, or a JPEG cut short, is sent unscaled for the server to judge (``scaling.scaled``). Never
     raises for a file, a server's refusal or a dropped connection (see the module docstring for the retries)."""
     import urllib3
 
     limit = max_bytes if isinstance(max_bytes, Limit) else Limit(max_bytes, OPTION)
-    try:
-        data = read_upload(path, limit)
+    try:  # a photo scaled first is judged by what is sent (tryout22: a 3.2 MB photo, sent as ~115 KB, was refused)
+        data = read_upload(path, Limit(None) if short_side else limit)
     except ValueError as exc:  # over the limit
         return {"error": _error("too_large", str(exc)), "retries": 0}
     except OSError as exc:
         return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}"), "retries": 0}
     held = isinstance(data, bytes)
     body, info = scaled(data, short_side, resample, max_pixels) if short_side and held else (data, None)
+    if limit.bytes is not None and (size := len(body) if held else body.size) > limit.bytes:
+        return {"error": _error("too_large", too_large(size, limit, scaled=body is not data)), "retries": 0}
     waited, tries = 0.0, 0
     while True:
         if client.stopped:

@@ -72,10 +72,12 @@ class FileBody(NamedTuple):
                 yield block
 
 
-def too_large(size: int, limit: Limit) -> str:
-    """The ``too_large`` message for a file of ``size`` bytes over ``limit``, naming where the limit comes from."""
+def too_large(size: int, limit: Limit, *, scaled: bool = False) -> str:
+    """The ``too_large`` message for a file of ``size`` bytes over ``limit`` (``scaled``: its scaled copy is),
+    naming where the limit comes from."""
     whose = "the server's limit" if limit.source == SERVERS else "the limit"
-    return f"the file is {size:,} bytes; {whose} is {limit.bytes:,} ({limit.source})"
+    what = "scaled, the photo is still" if scaled else "the file is"
+    return f"{what} {size:,} bytes; {whose} is {limit.bytes:,} ({limit.source})"
 
 
 def read_upload(path: Path, limit: Limit) -> bytes | FileBody:
