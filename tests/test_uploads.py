@@ -47,12 +47,12 @@ def test_without_the_fields_the_result_describes_the_upload(client):
 
 
 def test_one_value_per_file_in_order(client):
-    fields = {"original_width": ["4000", "1000"], "original_height": ["3000", "2000"],
+    fields = {"original_width": ["4000", "1000"], "original_height": ["3000", "750"],
               "original_format": ["heic", "webp"], "original_bytes": ["2000000", "90000"]}
     resp = post(client, [("a.jpg", SCALED), ("b.jpg", SCALED)], **fields)
     assert resp.status_code == 200, resp.get_json()
     got = [(r["filename"], r["width"], r["height"], r["format"], r["bytes"]) for r in resp.get_json()["results"]]
-    assert got == [("a.jpg", 4000, 3000, "HEIC", 2000000), ("b.jpg", 1000, 2000, "WEBP", 90000)]
+    assert got == [("a.jpg", 4000, 3000, "HEIC", 2000000), ("b.jpg", 1000, 750, "WEBP", 90000)]
 
 
 def test_a_part_sent_as_it_is_beside_scaled_copies_has_its_four_values_empty(client):
@@ -225,10 +225,14 @@ def test_a_part_without_a_name_is_400_no_file_not_a_500(client, parts, said):
 
 
 @pytest.mark.parametrize("width, height, ok", [(80, 60, True), (81, 61, True), (79, 60, True), (78, 60, False),
-                                               (80, 58, False), (10, 10, False), (65535, 65535, True)])
-def test_an_original_smaller_than_the_copy_received_is_refused(client, width, height, ok):
+                                               (80, 58, False), (10, 10, False), (65535, 49151, True),
+                                               (4032, 3024, True), (3024, 4032, False), (65535, 65535, False),
+                                               (4000, 2800, False), (4000, 3200, False), (4000, 2970, True)])
+def test_an_original_smaller_than_the_copy_received_or_of_another_shape_is_refused(client, width, height, ok):
     """``original_width=10`` beside an 80x60 copy was reported as the photo's size: a scaled copy is never
-    larger than its original (one pixel of rounding allowed), so such fields are a client's bug, said as one."""
+    larger than its original (one pixel of rounding allowed), so such fields are a client's bug, said as one. So is
+    an original of another shape (a portrait 3024x4032 beside a landscape copy: tryout22); each copy side may be
+    2 px off by rounding (80x60 of 4000x2970 would be 80x59.4)."""
     fields = {**ORIGINAL, "original_width": str(width), "original_height": str(height)}
     resp = post(client, [("c.jpg", SCALED)], **fields)
     if ok:
@@ -237,3 +241,17 @@ def test_an_original_smaller_than_the_copy_received_is_refused(client, width, he
         body = resp.get_json()["error"]
         assert resp.status_code == 400 and body["code"] == "bad_request", body
         assert f"{width}x{height}" in body["message"] and "80x60" in body["message"] and "c.jpg" in body["message"]
+
+
+@pytest.mark.parametrize("original, copy, ok", [((10000, 1000), (512, 256), True), ((10000, 1000), (2560, 256), True),
+                                                ((10000, 1000), (300, 256), False), ((1000, 10000), (256, 512), True),
+                                                ((1000, 10000), (512, 256), False)])
+def test_a_strips_copy_may_be_of_its_central_2_to_1_or_of_the_whole(client, original, copy, ok):
+    """A client crops a strip over 2:1 to its central 2:1 before scaling (static/scale.js, classify --server), or
+    sends it whole: either shape describes the original; another does not."""
+    photo = encode(Image.new("RGB", copy, (40, 90, 140)), "PNG")
+    fields = {**ORIGINAL, "original_width": str(original[0]), "original_height": str(original[1])}
+    resp = post(client, [("strip.png", photo)], **fields)
+    assert (resp.status_code == 200) == ok, resp.get_json()
+    if not ok:
+        assert "not the shape of the" in resp.get_json()["error"]["message"]

@@ -53,13 +53,30 @@ def check_originals(uploads: list[Upload], prepared: list[Prepared]) -> None:
     """Refuse ``original_*`` fields that cannot describe the copy received: a client scales a photo down before
     upload (``static/scale.js``, ``classify --server``: the short side to ``send_short_side``, of a strip over 2:1
     its central 2:1 only), so the copy is never wider or taller than its original (both upright, px; one pixel
-    of rounding allowed). Such values were reported as the photo's without a word.
+    of rounding allowed), and has its shape: the original's width to height (a strip over 2:1: its own or its
+    central 2:1's), each side within two pixels of rounding. Such values were reported as the photo's without a word (a portrait
+    3024x4032 original beside a landscape 768x576 copy too: tryout22).
 
-    :raises BadRequest: the first upload whose original is smaller than what arrived (400, naming it).
+    :raises BadRequest: the first upload whose original is smaller than what arrived, or of another shape (400,
+        naming it).
     """
     for up, p in zip(uploads, prepared, strict=True):
         o = up.original
-        if o is not None and (p.size[0] > o.width + 1 or p.size[1] > o.height + 1):
-            raise BadRequest(f"{up.name}: original_width x original_height is {o.width}x{o.height}, smaller than "
-                             f"the {p.size[0]}x{p.size[1]} photo received; a scaled copy is never larger than its "
-                             f"original (both upright, in px)")
+        if o is None:
+            continue
+        (w, h), say = p.size, f"{up.name}: original_width x original_height is {o.width}x{o.height}"
+        if w > o.width + 1 or h > o.height + 1:
+            raise BadRequest(f"{say}, smaller than the {w}x{h} photo received; a scaled copy is never larger than "
+                             f"its original (both upright, in px)")
+        # w/h against ow/oh, each copy side +-2 px; a strip's copy may be of the whole or its central 2:1
+        if all(abs(w * oh - h * ow) > 2 * (ow + oh) for ow, oh in {(o.width, o.height), _central(o.width, o.height)}):
+            raise BadRequest(f"{say}, not the shape of the {w}x{h} photo received (a scaled copy keeps its "
+                             f"original's width to height, of a strip over 2:1 its central 2:1's); both upright, in px")
+
+
+def _central(width: int, height: int) -> tuple[int, int]:
+    """The part of a ``width`` x ``height`` photo a scaled copy holds: a strip over 2:1 cropped to its central 2:1
+    (``imaging.center_limit``), else the whole."""
+    short = min(width, height)
+    keep = min(max(width, height), int(2 * short))
+    return (keep, height) if width >= height else (width, keep)

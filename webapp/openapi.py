@@ -257,7 +257,8 @@ def _original_fields(max_files: int) -> dict:
             "is), one value per `file` part in the same order: the file is a copy the client scaled down (e.g. to "
             "`send_short_side` of `GET /api/v1/models`, as the page does in the browser), and this describes its "
             "original. The result then reports the original's `width`, `height`, `format` and `bytes`, and "
-            "`scaled_by_client`. A bad value is 400 `bad_request` naming the field.")
+            "`scaled_by_client`. A bad value is 400 `bad_request` naming the field, as is an original smaller than "
+            "the copy or of another shape.")
     empty, side = {"type": "string", "maxLength": 0}, {"type": "integer", "minimum": 1, "maximum": Original.MAX_SIDE}
     any_case = "|".join("".join(f"[{c}{c.lower()}]" for c in name) for name in ORIGINAL_FORMATS)
 
