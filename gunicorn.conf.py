@@ -195,7 +195,9 @@ def when_ready(server):
     reloads.keep_serving_through_reloads(server)
     _say_what_a_stop_cuts(server)
     state = lifecycle.master()
-    state.on_ready = lambda: sdnotify.notify_systemd(f"READY=1\nSTATUS=serving on {server.cfg.address}")
+    where = ", ".join(f"unix:{a}" if isinstance(a, str) else f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"
+                      for a in server.cfg.address)  # for systemctl status: as a bind is written, not a repr
+    state.on_ready = lambda: sdnotify.notify_systemd(f"READY=1\nSTATUS=serving on {where}")
     state.drain()  # a worker ready already (a reload): said at once
     if state.responder is None and server.LISTENERS:  # with reuse_port each worker listens on its own
         first = [id(lst) for lst in server.LISTENERS]

@@ -74,6 +74,10 @@ if [ -n "$NEED_GLIBC" ]; then
         die "this kit needs $NEEDS; this host has glibc $5 (build a kit with --platform manylinux_<its glibc>_$4)"
 fi
 say "Python: $PYTHON ($HAVE): fits $NEEDS"
+# The warm step compiles the model (torch.compile's C++ compiler): said now, not after 3 GB of wheels (tryout23).
+if [ "$WARM" = 1 ] && [ "${CLASSIFIER_COMPILE:-1}" != 0 ] && ! command -v "${CXX:-g++}" >/dev/null 2>&1; then
+    die "no C++ compiler (${CXX:-g++}) here: compiling the model needs one (Debian, Ubuntu: apt-get install g++; RHEL: dnf install gcc-c++); or install with --no-warm and serve with CLASSIFIER_COMPILE=0 (uncompiled, slower). Nothing was installed."
+fi
 
 # 3. The venv and the wheels: no index, nothing but the kit's wheels, each hash-checked again by pip.
 if [ ! -x "$PREFIX/bin/python" ]; then

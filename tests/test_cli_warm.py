@@ -15,11 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _warm(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_")}
+def _warm(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("CLASSIFIER_")}
     return subprocess.run([sys.executable, "-m", "webapp", "warm", "--cache-dir", str(tmp_path / "cache"), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**env, "TORCH_HOME": str(tmp_path / "torch")})
+                          env={**base, "TORCH_HOME": str(tmp_path / "torch"), **(env or {})})
 
 
 @pytest.mark.cli
@@ -57,3 +57,14 @@ def test_warm_says_in_one_line_that_a_path_cannot_be_looked_at(tmp_path):
     proc = _warm(tmp_path, "--weights", f"{long}.pth", "--no-compile")
     assert proc.returncode == 1 and proc.stderr.endswith(f"error: CLASSIFIER_WEIGHTS={long}.pth cannot be looked "
                                                          f"at: File name too long\n"), proc.stderr
+
+
+@pytest.mark.cli
+@pytest.mark.extended  # a host without a C++ compiler, rare (~25 s: the export runs first): with `-m extended`
+def test_warm_without_a_compiler_says_so_in_one_line(tmp_path):
+    """No g++: warm (and so deploy/install.sh) ended in a ~100-line InvalidCxxCompiler traceback (tryout23)."""
+    proc = _warm(tmp_path, "--model", "resnet18_seeded", "--precision", "fp32", "--max-batch-size", "1",
+                 env={"CXX": "/bin/false"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no C++ compiler found (/bin/false") and "CLASSIFIER_COMPILE=0" in last, last

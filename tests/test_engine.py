@@ -388,3 +388,18 @@ def test_eager_warm_up_runs_sizes_1_2_and_the_largest_and_says_how_far_it_is(mon
     said = [r.getMessage() for r in caplog.records if r.name == "webapp.engine"]
     assert [m.split(" done")[0] for m in said] == ["warm-up: batch sizes up to 1 of 256",
                                                    "warm-up: batch sizes up to 2 of 256"]
+
+
+def test_missing_compiler_is_one_line_saying_what_to_do(monkeypatch):
+    """No C++ compiler: the line a start that must compile fails with (tryout23: a ~100-line traceback from warm);
+    None where inductor finds one (this suite compiles elsewhere, so it has one)."""
+    import torch._inductor.config as inductor_config
+
+    from webapp.engine import missing_compiler
+
+    assert missing_compiler() is None
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/bin/false",))
+    monkeypatch.setenv("CXX", "/bin/false")
+    said = missing_compiler()
+    assert said.startswith("no C++ compiler found (/bin/false, as CXX names it)") and "\n" not in said
+    assert "apt-get install g++" in said and said.endswith("CLASSIFIER_COMPILE=0 serves the model uncompiled")

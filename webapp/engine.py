@@ -119,6 +119,24 @@ AGREE = 0.02  # the largest logit difference between batch sizes, as a fraction 
 PROGRESS_S = 10.0  # seconds between warm-up progress lines (the JIT compile of many batch sizes takes minutes)
 
 
+def missing_compiler() -> str | None:
+    """Where inductor finds no C++ compiler (its own search: ``CXX``, else ``g++``, run with ``--version``, ~10 ms),
+    the one line a start that must compile fails with; None where it finds one. A host without ``g++`` got a
+    ~100-line ``InvalidCxxCompiler`` traceback from ``warm`` and a worker's exit 3 after three tries (tryout23)."""
+    from torch._inductor import cpp_builder
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        cpp_builder.get_cpp_compiler()
+        return None
+    except (InvalidCxxCompiler, OSError):
+        from .settings import PREFIX
+
+        return (f"no C++ compiler found ({os.environ.get('CXX') or 'g++'}, as CXX names it): compiling the model needs "
+                f"one (Debian, Ubuntu: apt-get install g++; RHEL: dnf install gcc-c++); {PREFIX}COMPILE=0 serves the "
+                f"model uncompiled")
+
+
 class GraphsDisagree(RuntimeError):
     """``Engine.warm_up``'s sample photo gave other logits at ``batch`` than at batch 1: ``off`` (fraction of the
     logit range), top-1 class indices ``one`` (batch 1) and ``many``; ``engine``: the one whose graphs disagree
@@ -202,6 +220,8 @@ class Engine:
                 except StartupError:  # the build ran past STARTUP_TIMEOUT_S: a JIT compile here would too
                     raise
                 except Exception as exc:  # export or AOT compile failed for this model: JIT still works
+                    if missing := missing_compiler():  # unless no compiler: JIT fails alike, in a traceback
+                        raise StartupError(missing) from None
                     log.warning("%s AOTInductor package failed (%s); using torch.compile", precision, exc)
         if self._fn is None:
             self._fn = make()

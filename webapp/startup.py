@@ -29,7 +29,8 @@ from torchvision.transforms import v2
 from . import caches, catalog, children, cpu, imaging
 from .assets import GOLDEN, GOLDEN_SHOWN, calibration_files
 from .bf16 import judge_bf16, keep_fp32_for
-from .engine import Engine, GraphsDisagree, choose_precision, choose_reduce_range, configure_threads, native_bf16
+from .engine import (Engine, GraphsDisagree, choose_precision, choose_reduce_range, configure_threads, missing_compiler,
+                     native_bf16)
 from .errors import StartupError
 from .models import LoadedModel, encode, load_model
 from .paths import reason
@@ -235,6 +236,8 @@ def build_in_child(settings) -> Callable[[str], Callable[[list[Path]], None]]:
             with FileLock(str(caches.cache_dir(settings) / "aoti-build.lock")):
                 if all(p.is_file() for p in paths):
                     return  # another worker's child built them while this one waited
+                if missing := missing_compiler():  # said at once, not after a child's and this process's tries
+                    raise StartupError(missing)
                 t0 = time.perf_counter()
                 log.info("compiling the %s model ahead of time in a child process (python -m webapp warm): about a "
                          "minute on 2 cores, once; later starts load it from %sCACHE_DIR", precision, PREFIX)
