@@ -269,6 +269,9 @@ def post_fork(server, worker):
     from webapp.logs import configure_access_logger, install_request_id_filter
 
     install_request_id_filter(app_log)  # its lines written while serving a request end with its id
+    from webapp.worker import ClientFaultsAtInfo
+
+    server.log.error_log.addFilter(ClientFaultsAtInfo(server.log.error_log))  # a client's bad request: not a warning
     if _s.ACCESS_LOG == "json":
         configure_access_logger(sys.stdout)  # where gunicorn's access log would go
     cores = _plan.slots[worker.slot % len(_plan.slots)]

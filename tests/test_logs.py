@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 
 import pytest
 import requests
@@ -165,12 +166,27 @@ def test_gunicorn_json_access_log(tmp_path):
                             timeout=30)
         assert bad.status_code == 400 and UUID_HEX.fullmatch(bad.headers["X-Request-ID"])
         assert requests.get(srv.url + "/metrics", timeout=10).status_code == 404
+        # gunicorn refuses it before the app sees it: it had no access line at all (tryout23)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: gunicorn-bad\r\n"
+                         b"User-Agent: raw-test\r\nContent-Length: abc\r\n\r\n")
+            raw = b""
+            while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
+                    re.search(rb"Content-Length: (\d+)", raw).group(1)):
+                raw += sock.recv(65536)
+        assert raw.startswith(b"HTTP/1.1 400 ") and b"X-Request-ID: gunicorn-bad" in raw
     finally:
         code = srv.stop()
     out = srv.output()
     assert code == 0 and "Traceback" not in out, out[-3000:]
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     by_id = {r["request_id"]: r for r in lines}
+    unparsed = by_id["gunicorn-bad"]
+    assert (unparsed["status"], unparsed["method"], unparsed["path"], unparsed["remote_addr"]) == \
+        (400, "POST", "/api/v1/predict", "127.0.0.1")
+    assert unparsed["bytes"] == len(raw.split(b"\r\n\r\n", 1)[1]) and unparsed["user_agent"] == "raw-test"
+    # the client's fault, said at INFO: warnings stay the server's own
+    assert "[INFO] Invalid request from ip=127.0.0.1" in out and "[WARNING] Invalid request" not in out, out[-3000:]
     good = by_id["gunicorn-7"]
     assert FIELDS <= set(good) and good["method"] == "POST" and good["path"] == "/api/v1/predict"
     assert good["status"] == 200 and good["pid"] == pid and good["bytes"] == len(ok.content)

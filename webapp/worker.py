@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import signal
@@ -53,7 +54,7 @@ from gunicorn.workers.ggevent import GeventWorker
 from . import balance, bodies, children
 from .bodies import drain_socket
 from .errors import OTHER_HTTP_CODE, error_body
-from .logs import REQUEST_ID_HEADER, request_id_from
+from .logs import ACCESS_LOGGER, REQUEST_ID_HEADER, access_fields, request_id_from
 
 
 class IdleFirstServer(StreamServer):
@@ -219,7 +220,10 @@ class Worker(GeventWorker):
     def handle_error(self, req, client, addr, exc):
         """gunicorn's, with what ``write_json_error`` needs of the refused request known to it: its path (for
         its error shape) and its ``X-Request-ID`` (echoed where sane, as the app does; else a new one)."""
-        _REFUSED[id(client)] = (_request_path(req, exc), request_id_from(_request_header(req, exc, REQUEST_ID_HEADER)))
+        who = getattr(req, "method", None) or getattr(getattr(exc, "req", None), "method", None), \
+            addr[0] if isinstance(addr, tuple) else None, _request_header(req, exc, "User-Agent")
+        _REFUSED[id(client)] = (_request_path(req, exc), request_id_from(_request_header(req, exc, REQUEST_ID_HEADER)),
+                                *who)
         try:
             super().handle_error(req, client, addr, exc)
         finally:
@@ -275,9 +279,10 @@ def exit_on_stop_signals(log) -> None:
 _PARSE_CODES = {400: "bad_request"}
 
 
-# id(client socket) -> (path, request id) of the request gunicorn refused on it, from Worker.handle_error to
-# write_json_error, which it calls (same greenlet, same call: the entry is removed right after).
-_REFUSED: dict[int, tuple[str | None, str]] = {}
+# id(client socket) -> (path, request id, method, client address, User-Agent) of the request gunicorn refused on it,
+# from Worker.handle_error to write_json_error, which it calls (same greenlet, same call: the entry is removed right
+# after).
+_REFUSED: dict[int, tuple] = {}
 _LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
 
 
@@ -310,6 +315,22 @@ def _request_path(req, exc: BaseException) -> str | None:
     return None
 
 
+class ClientFaultsAtInfo(logging.Filter):
+    """On gunicorn's error log: its "Invalid request from ip=..." (a request it could not parse: the client's fault,
+    answered 4xx by ``write_json_error``) at INFO, not WARNING, so that warnings stay the server's own (tryout23: a
+    malformed Content-Length logged as a warning); dropped where INFO is off."""
+
+    def __init__(self, logger: logging.Logger):
+        super().__init__()
+        self.logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and str(record.msg).startswith("Invalid request from ip="):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            return self.logger.isEnabledFor(logging.INFO)
+        return True
+
+
 def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
     the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
@@ -317,21 +338,26 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     Called by gunicorn's ``Worker.handle_error`` for a request it could not parse (400, 414, 417, 431, 501...)
     before the app saw it. A Content-Length that is not a number of bytes, is repeated, or comes with
     ``Transfer-Encoding: chunked`` says what Content-Length must be, in words. Every answer carries an
-    ``X-Request-ID``, as the app's do. Then what the client still sends is read and dropped, bounded
+    ``X-Request-ID``, as the app's do, and with ``ACCESS_LOG=json`` its access line (duration unknown: null), as
+    every request has one. Then what the client still sends is read and dropped, bounded
     (``bodies.drain_socket``), so that closing does not reset the connection under an answer not yet read."""
     message = mesg
     if "CONTENT-LENGTH" in mesg.upper():
         # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
         message = (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
                    f"and not together with Transfer-Encoding: chunked")
-    path, request_id = _REFUSED.get(id(sock), (None, None))
+    path, request_id, method, remote, agent = _REFUSED.get(id(sock), (None,) * 5)
+    request_id = request_id or request_id_from(None)
     body = json.dumps(error_body(path, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message, status_int)).encode()
     try:  # gunicorn 27 names its 501 (a transfer coding it does not know) "Bad Request"
         reason = HTTPStatus(status_int).phrase
     except ValueError:
         pass
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id or request_id_from(None)}\r\n\r\n"
-            ).encode("latin-1")
+            f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n\r\n").encode("latin-1")
     gunicorn_util.write_nonblock(sock, head + body)
+    if (access := logging.getLogger(ACCESS_LOGGER)).handlers:  # ACCESS_LOG=json: its line, as every request has
+        access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
+                                             duration_ms=None, size=len(body), remote_addr=remote, query="",
+                                             user_agent=agent), separators=(",", ":")))
     drain_socket(sock)
