@@ -54,8 +54,8 @@ def check_originals(uploads: list[Upload], prepared: list[Prepared]) -> None:
     upload (``static/scale.js``, ``classify --server``: the short side to ``send_short_side``, of a strip over 2:1
     its central 2:1 only), so the copy is never wider or taller than its original (both upright, px; one pixel
     of rounding allowed), and has its shape: the original's width to height (a strip over 2:1: its own or its
-    central 2:1's), each side within two pixels of rounding. Such values were reported as the photo's without a word (a portrait
-    3024x4032 original beside a landscape 768x576 copy too: tryout22).
+    central 2:1's), each side within two pixels of rounding. Such values were reported as the photo's without a
+    word (a portrait 3024x4032 original beside a landscape 768x576 copy too: tryout22).
 
     :raises BadRequest: the first upload whose original is smaller than what arrived, or of another shape (400,
         naming it).

@@ -30,8 +30,8 @@ def gather_info() -> dict:
     Keys: ``cpu``, ``torch``, ``precision``, ``cores``, ``plan``, ``weights`` (which file the
     service would load and whether its sha256 is right), ``cache_dir``, ``compile`` (the setting, the missing
     C++ compiler's words or None, the AOTInductor packages in the cache folder). What a start with this
-    process's environment would do: run it with the service's settings to describe the service. Imports torch (seconds)
-    and hashes the weights files it finds; raises ``SettingsError`` for a bad setting.
+    process's environment would do: run it with the service's settings to describe the service. Imports torch
+    (seconds) and hashes the weights files it finds; raises ``SettingsError`` for a bad setting.
     """
     s = settings_mod.load()
     from .. import cpu

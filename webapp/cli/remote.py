@@ -15,8 +15,8 @@ server's ``POST /api/v1/predict``. What makes it fit for a big folder and a busy
   dropped connection or a reverse proxy's own 502/504 after a short growing pause; a bounded number
   of tries and seconds of waiting per file.
 - **The server's upload limit** (``uploading``): the one its ``/openapi.json`` publishes, or ``--max-upload-bytes``;
-  what would be sent over it (the scaled copy of a photo) is ``too_large``, unsent; with ``--no-scale``, unread. With none known every file is sent (the server's 413 answers). No
-  file over ``uploading.HELD_BYTES`` is held in memory: it is sent from disk as it is read.
+  what would be sent over it (a photo's scaled copy) is ``too_large``, unsent; with ``--no-scale``, unread. With none
+  known every file is sent (the server's 413 answers). No file over ``uploading.HELD_BYTES`` is held in memory.
 - **Nothing dropped silently**: every file ends in a result or an error line (the server's code
   and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
   no answer within ``READ_TIMEOUT_S`` is ``no_answer``, not tried again, and the files not yet sent are
@@ -211,11 +211,11 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                  resample: str = "bilinear", max_pixels: int | None = None) -> dict:
     """One file's result: ``{"width", "height", "format", "predictions", "batch_size", "retries"}`` or
     ``{"error": {"code", "message"}, "retries"}``. What would be sent over ``max_bytes`` (a ``uploading.Limit``:
-    the server's or ``--max-upload-bytes``; an int is the latter; None: no limit known) is ``too_large``, unsent,
-    its message naming the limit's source: with ``short_side`` the scaled copy (a file too big to hold is never
-    scaled: judged by its size, unread), else the file, unread; one over ``uploading.HELD_BYTES`` is sent from disk as it is read, unscaled. One
-    over ``max_pixels``, or a JPEG cut short, is sent unscaled for the server to judge (``scaling.scaled``). Never
-    raises for a file, a server's refusal or a dropped connection (see the module docstring for the retries)."""
+    the server's or ``--max-upload-bytes``; an int is the latter; None: none known) is ``too_large``, unsent, naming
+    the limit's source: with ``short_side`` the scaled copy, else the file, unread; one over ``HELD_BYTES`` is sent
+    from disk as it is read, unscaled (and judged by its size, unread). One over ``max_pixels``, or a JPEG cut short,
+    is sent unscaled for the server to judge (``scaling.scaled``). Never raises for a file, a server's refusal or a
+    dropped connection (see the module docstring for the retries)."""
     import urllib3
 
     limit = max_bytes if isinstance(max_bytes, Limit) else Limit(max_bytes, OPTION)
