@@ -103,6 +103,10 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
         assert first[0][2]["results"][0]["predictions"] and first[2][2]["error"]["code"] == "rate_limited"
         too_big = post(port, b"\x89PNG" + bytes(32 * 2**20 - 3), source="127.0.0.3")  # 32 MiB + 1 byte
         assert too_big[0] == 413 and too_big[2]["error"]["code"] == "too_large", too_big
+        # over nginx's own limit: its 413 in the API's JSON (its HTML page reached the page's users: tryout23)
+        huge = post(port, b"\x89PNG" + bytes(44 * 2**20), source="127.0.0.5")
+        assert huge[0] == 413 and huge[1]["Content-Type"] == "application/json", huge
+        assert huge[2]["error"]["code"] == "too_large" and "proxy limit" in huge[2]["error"]["message"], huge
         # /v2 takes base64 up to 4/3 of the limit + 64 KiB: a 40 MiB body reaches the service, not nginx's 413 page
         # (client_max_body_size was 33m; tryout18). 30 MiB of zeros: no photo, the protocol's JSON 415.
         v2 = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "parameters": {
@@ -128,7 +132,7 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
     ids = [h["X-Request-ID"] for _, h, _ in (*first, spoofed, other, too_big)]
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids  # nginx's ids
     assert [logged[i] for i in ids] == ["127.0.0.1"] * 4 + ["127.0.0.2", "127.0.0.3"], logged
-    assert (tmp_path / "access.log").read_text().count("POST /api/v1/predict") == 6
+    assert (tmp_path / "access.log").read_text().count("POST /api/v1/predict") == 7  # the last never reached us
 
 
 @pytest.mark.server
