@@ -1032,8 +1032,8 @@ def test_info_says_whether_a_start_compiles_can_and_has_packages(no_classifier_e
     monkeypatch.setenv("CXX", "/bin/false")
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/bin/false",))
-    assert cli.main(["info", "--json"]) == 0
+    with inductor_config.patch({"cpp.cxx": ("/bin/false",)}):  # restored after (monkeypatch deleted the key)
+        assert cli.main(["info", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)["compile"]
     assert shown["packages"] == ["aoti-fp32-0123456789abcdef.pt2"]
     assert shown["compiler_missing"].startswith("no C++ compiler found (/bin/false")

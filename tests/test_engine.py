@@ -398,8 +398,10 @@ def test_missing_compiler_is_one_line_saying_what_to_do(monkeypatch):
     from webapp.engine import missing_compiler
 
     assert missing_compiler() is None
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/bin/false",))
+    before = inductor_config.cpp.cxx
     monkeypatch.setenv("CXX", "/bin/false")
-    said = missing_compiler()
+    with inductor_config.patch({"cpp.cxx": ("/bin/false",)}):  # restored after (monkeypatch deleted the key)
+        said = missing_compiler()
+    assert inductor_config.cpp.cxx == before
     assert said.startswith("no C++ compiler found (/bin/false, as CXX names it)") and "\n" not in said
     assert "apt-get install g++" in said and said.endswith("CLASSIFIER_COMPILE=0 serves the model uncompiled")
