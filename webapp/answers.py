@@ -10,7 +10,7 @@ import time
 from .batcher import Result
 from .contract import Upload
 from .errors import BadRequest
-from .imaging import Prepared
+from .imaging import Prepared, limited_size
 from .models import encode
 
 
@@ -69,14 +69,7 @@ def check_originals(uploads: list[Upload], prepared: list[Prepared]) -> None:
             raise BadRequest(f"{say}, smaller than the {w}x{h} photo received; a scaled copy is never larger than "
                              f"its original (both upright, in px)")
         # w/h against ow/oh, each copy side +-2 px; a strip's copy may be of the whole or its central 2:1
-        if all(abs(w * oh - h * ow) > 2 * (ow + oh) for ow, oh in {(o.width, o.height), _central(o.width, o.height)}):
+        shapes = {(o.width, o.height), limited_size(o.width, o.height)}
+        if all(abs(w * oh - h * ow) > 2 * (ow + oh) for ow, oh in shapes):
             raise BadRequest(f"{say}, not the shape of the {w}x{h} photo received (a scaled copy keeps its "
                              f"original's width to height, of a strip over 2:1 its central 2:1's); both upright, in px")
-
-
-def _central(width: int, height: int) -> tuple[int, int]:
-    """The part of a ``width`` x ``height`` photo a scaled copy holds: a strip over 2:1 cropped to its central 2:1
-    (``imaging.center_limit``), else the whole."""
-    short = min(width, height)
-    keep = min(max(width, height), int(2 * short))
-    return (keep, height) if width >= height else (width, keep)

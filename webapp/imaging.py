@@ -309,12 +309,22 @@ def center_limit(img: Image.Image) -> Image.Image:
     so this changes nothing the model sees beyond sub-pixel rounding, and bounds memory.
     """
     w, h = img.size
-    short, long = min(w, h), max(w, h)
-    if long <= _MAX_ASPECT * short:
+    kept = limited_size(w, h)
+    if kept == (w, h):
         return img
+    left, top = (w - kept[0]) // 2, (h - kept[1]) // 2
+    return img.crop((left, top, left + kept[0], top + kept[1]))
+
+
+def limited_size(width: int, height: int) -> tuple[int, int]:
+    """The (width, height) px ``center_limit`` keeps of a ``width`` x ``height`` photo: a strip over 2:1 cut to
+    2x its short side (``int``, as the crop does), else the whole. Also the shape a client's scaled copy may have
+    (``answers.check_originals``)."""
+    short, long = min(width, height), max(width, height)
+    if long <= _MAX_ASPECT * short:
+        return width, height
     keep = int(_MAX_ASPECT * short)
-    off = (long - keep) // 2
-    return img.crop((off, 0, off + keep, h) if w > h else (0, off, w, off + keep))
+    return (keep, height) if width > height else (width, keep)
 
 
 def preprocess(img: Image.Image, transform: v2.Compose) -> torch.Tensor:
