@@ -480,9 +480,11 @@ def test_parts_with_bare_lf_line_ends_are_read(srv):
 @pytest.mark.parametrize("sent, echoed", [
     (b"C:\\Users\\x\\pic.png", "pic.png"),  # bare backslashes, as some Windows clients send them
     (b"C:\\\\Users\\\\x\\\\pic.png", "pic.png"),  # the same, escaped as RFC 7578 quoted-strings
-    (b"folder/pic.png", "folder/pic.png"),  # no backslash: echoed as sent
+    (b"folder/pic.png", "pic.png"),  # a POSIX path: its last component too (RFC 7578 section 4.2)
+    (b"../../etc/pic.png", "pic.png"),
+    (b"folder/", "upload"),  # nothing left: the name every nameless photo gets
 ])
-def test_windows_paths_are_echoed_as_their_last_component(srv, sent, echoed):
+def test_paths_are_echoed_as_their_last_component(srv, sent, echoed):
     body = _multipart(b"XyZ", sent, small_png())
     resp = requests.post(predict_url(srv), data=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
                          timeout=30)
@@ -503,7 +505,7 @@ def test_raw_body_that_is_not_an_image_type_is_415(srv, ctype):
 
 # ------------------------------------------------------------------------------------------- names
 
-NAMES = ["fotografía.jpg", "照片.jpg", "🐶.jpg", "../../etc/passwd.jpg", "<b>x</b>.jpg"]
+NAMES = ["fotografía.jpg", "照片.jpg", "🐶.jpg", "../../etc/passwd.jpg", "<img src=x onerror=alert(1)>.jpg"]
 
 
 def _files_named(names: set[str]) -> list[str]:
@@ -518,16 +520,17 @@ def _files_named(names: set[str]) -> list[str]:
 def test_filenames_are_echoed_exactly_and_never_used_as_paths(srv, small_dog):
     data = encode(small_dog, "JPEG", quality=90)
     basenames = {os.path.basename(n) for n in NAMES} | set(NAMES)
+    echoed = [os.path.basename(n) for n in NAMES]  # a path's last component: the one name that is cut
     before = set(_files_named(basenames))
-    for name in NAMES:
+    for name, want in zip(NAMES, echoed):
         body = assert_ok(post_file(srv, data, name, "image/jpeg"))
-        assert body["results"][0]["filename"] == name
+        assert body["results"][0]["filename"] == want
     # Several in one request keep their own names, in order.
     resp = requests.post(predict_url(srv), files=[("file", (n, data, "image/jpeg")) for n in NAMES[:4]], timeout=60)
-    assert [r["filename"] for r in assert_ok(resp, n=4)["results"]] == NAMES[:4]
-    # The raw-body form takes its name from X-Filename.
+    assert [r["filename"] for r in assert_ok(resp, n=4)["results"]] == echoed[:4]
+    # The raw-body form takes its name from X-Filename, cut the same way.
     body = assert_ok(post_raw(srv, data, headers={"X-Filename": "../../etc/passwd.jpg"}))
-    assert body["results"][0]["filename"] == "../../etc/passwd.jpg"
+    assert body["results"][0]["filename"] == "passwd.jpg"
     assert not Path("/etc/passwd.jpg").exists() and not (ROOT / "../../etc/passwd.jpg").resolve().exists()
     assert set(_files_named(basenames)) == before, "an upload's name was used as a path"
 
@@ -537,12 +540,14 @@ def test_page_escapes_filenames(srv, small_dog):
     resp = requests.post(srv.url + "/", files=[("file", (n, data, "image/jpeg")) for n in NAMES], timeout=60)
     assert resp.status_code == 200 and resp.headers["Content-Type"].startswith("text/html")
     page = resp.text
-    assert "&lt;b&gt;x&lt;/b&gt;.jpg" in page and "<b>x</b>" not in page
-    for name in ("fotografía.jpg", "照片.jpg", "🐶.jpg", "../../etc/passwd.jpg"):
+    assert "&lt;img src=x onerror=alert(1)&gt;.jpg" in page and "<img src=x" not in page
+    for name in ("fotografía.jpg", "照片.jpg", "🐶.jpg", "passwd.jpg"):
         assert name in page
+    assert "../../etc" not in page
     # An error page escapes the name too (it is in the message).
-    resp = requests.post(srv.url + "/", files={"file": ("<i>bad</i>.jpg", b"%PDF-1.4 x", "image/jpeg")}, timeout=30)
-    assert resp.status_code == 415 and "&lt;i&gt;bad&lt;/i&gt;.jpg" in resp.text and "<i>bad</i>" not in resp.text
+    resp = requests.post(srv.url + "/", files={"file": ("<i onclick=x>bad.jpg", b"%PDF-1.4 x", "image/jpeg")},
+                         timeout=30)
+    assert resp.status_code == 415 and "&lt;i onclick=x&gt;bad.jpg" in resp.text and "<i onclick" not in resp.text
 
 
 # ------------------------------------------------------------------------------- pixel bombs, limits

@@ -131,8 +131,8 @@ SCHEMAS: dict[str, Any] = {
         "required": ["filename", "width", "height", "format", "bytes", "batch_size", "predictions"],
         "additionalProperties": False,
         "properties": {
-            "filename": {"type": "string", "description": "As the client sent it (raw bodies: `X-Filename`, else "
-                                                          "`upload`)."},
+            "filename": {"type": "string", "description": "As the client sent it, its last path component (raw "
+                                                          "bodies: `X-Filename`, else `upload`)."},
             "width": {"type": "integer", "minimum": 1, "description": "px, upright (EXIF orientation applied); the "
                                                                       "original's where the client scaled the photo."},
             "height": {"type": "integer", "minimum": 1, "description": "px, as `width`."},

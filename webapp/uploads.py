@@ -203,16 +203,13 @@ _FILENAME = re.compile(r'filename="((?:[^"\\]|\\.)*)"')
 
 
 def _part_name(part) -> str | None:
-    """A multipart file's name as the client meant it: a Windows path's last component.
+    """A multipart file's name as the client sent it, Windows paths' backslashes kept.
 
     Some Windows clients send ``filename="C:\\Users\\x\\pic.jpg"`` with bare backslashes, which the
-    quoted-string rules Werkzeug applies read as escapes (``C:Usersxpic.jpg``); the raw header still
-    has them, so a name with a backslash is cut to what follows the last ``\\`` or ``/``.
+    quoted-string rules Werkzeug applies read as escapes (``C:Usersxpic.jpg``); the raw header still has them.
     """
     raw = _FILENAME.search(part.headers.get("Content-Disposition", ""))
-    if raw and "\\" in raw.group(1):
-        return re.split(r"[\\/]", raw.group(1))[-1]
-    return part.filename
+    return raw.group(1) if raw and "\\" in raw.group(1) else part.filename
 
 
 def _part_bytes(part) -> bytes:
@@ -224,8 +221,10 @@ def _part_bytes(part) -> bytes:
 
 
 def _clean_name(name: str | None) -> str:
-    # Keep what the client sent (non-ASCII and emoji included) for display; cap the length.
-    name = (name or "").replace("\x00", "")
+    """The name echoed for a photo: its last path component (``C:\\x\\pic.jpg`` and ``../../etc/pic.jpg`` are
+    ``pic.jpg``: RFC 7578 section 4.2, a path says where the file was on the client), NULs dropped, at most 255
+    characters; ``upload`` where nothing is left. Non-ASCII and emoji are kept for display."""
+    name = re.split(r"[\\/]", (name or "").replace("\x00", ""))[-1]
     return name[:255] or "upload"
 
 
