@@ -12,7 +12,7 @@ import torchvision
 
 from webapp import bf16
 from webapp.aoti import MAX_BATCH, SharedLibrary
-from webapp.engine import Engine
+from webapp.engine import LOADING_PACKAGES, Engine
 
 
 @pytest.fixture
@@ -149,8 +149,10 @@ def test_a_warm_cache_starts_without_compiling(precision, tmp_path, monkeypatch)
     x = torch.randn(3, 3, size, size)
     kwargs = dict(input_size=size, compile=True, precision=precision, calibration=calibration, cache_dir=tmp_path,
                   cache_id="tiny")
-    first = Engine(net, **kwargs)
+    phases = []
+    first = Engine(net, **kwargs, status=phases.append)
     assert first.backend == "aoti" and len(list(tmp_path.glob(f"aoti-{precision}-*.pt2"))) == 2  # batch 1, 2..N
+    assert phases == ["compiling"]
     first.warm_up(3)
     got = first.predict(x)
     with torch.inference_mode():
@@ -164,8 +166,8 @@ def test_a_warm_cache_starts_without_compiling(precision, tmp_path, monkeypatch)
     monkeypatch.setattr(quantize, "quantize_int8", refuse)
     monkeypatch.setattr(torch.export, "load", refuse)  # int8: not even its program is loaded
     monkeypatch.setattr(torch._inductor, "aoti_load_package", refuse)  # no unzip into a folder of its own
-    again = Engine(net, **{**kwargs, "calibration": []})
-    assert again.backend == "aoti"
+    again = Engine(net, **{**kwargs, "calibration": []}, status=phases.append)
+    assert again.backend == "aoti" and phases == ["compiling", LOADING_PACKAGES]  # what /readyz and `warm` say
     assert torch.equal(again.predict(x), got)
     # Both packages run from their libraries extracted beside them: every worker maps those same files.
     libraries = {fn.path for fn in (again._fn.one, again._fn.many) if isinstance(fn, SharedLibrary)}

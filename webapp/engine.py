@@ -46,6 +46,7 @@ from .quantize import INT8_KEEP_FP32, load_or_quantize
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "bf16", "int8")
+LOADING_PACKAGES = "loading compiled model"  # the start-up phase where the packages are there (else "compiling")
 
 
 def configure_threads(threads: int) -> int:
@@ -162,7 +163,8 @@ class Engine:
     for unit tests; int8 without compile runs the reference (simulated) quantized graph, slow, for
     tests only. With ``compile`` and a ``cache_dir``, ``backend`` is ``aoti`` (the package, see
     ``webapp/aoti.py``; ``build_elsewhere`` builds absent packages in another process first), else
-    ``inductor`` (JIT); without ``compile``, ``eager``.
+    ``inductor`` (JIT); without ``compile``, ``eager``. ``status`` is told ``compiling``, or
+    ``LOADING_PACKAGES`` where the packages are already in ``cache_dir`` (a warm start, for ``/readyz`` and the CLI).
 
     ``add_recheck(recheck, recheck_pts)`` (an fp32 ``Engine`` of the same model, points > 0): rows whose top two
     probabilities differ by less than ``recheck_pts`` percentage points here are run again in ``recheck``
@@ -178,7 +180,8 @@ class Engine:
                  cache_dir: Path | None = None, cache_id: str = "",
                  int8_keep_fp32: tuple[str, ...] = INT8_KEEP_FP32,
                  bf16_keep_fp32: tuple[str, ...] = BF16_KEEP_FP32,
-                 build_elsewhere: Callable[[list[Path]], None] | None = None):
+                 build_elsewhere: Callable[[list[Path]], None] | None = None,
+                 status: Callable[[str], None] = lambda _: None):
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.input_size = input_size
@@ -213,6 +216,8 @@ class Engine:
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
             if cache_dir is not None:  # every precision: a package loads in well under a second, JIT recompiles
                 path = package_path(cache_dir, precision, cache_key(cache_id, precision, variant, cpu_tag()))
+                both = (path, path.with_name(path.name[:-4] + ".b1.pt2"))  # as aoti.load_or_build_aoti names them
+                status(LOADING_PACKAGES if all(p.is_file() for p in both) else "compiling")
                 try:
                     self._fn = load_or_build_aoti(make, input_size=input_size, path=path,
                                                   build_elsewhere=build_elsewhere)
@@ -226,6 +231,7 @@ class Engine:
         if self._fn is None:
             self._fn = make()
             if compile:
+                status("compiling")
                 self._fn = torch.compile(self._fn, backend="inductor")
                 self.backend = "inductor"
         self.warm_batch_sizes: list[int] = []

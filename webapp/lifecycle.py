@@ -173,14 +173,15 @@ def report_failure(pid: int, reason: str) -> bool:
 def describe_failure(phase: str, exc: BaseException) -> str:
     """One line for a start-up that raised something other than ``StartupError`` (a compile error...).
 
-    ``phase`` is the worker's state when it failed (``loading model``, ``compiling``, ``self-test``).
+    ``phase`` is the worker's state when it failed (``loading model``, ``compiling``, ``loading compiled model``,
+    ``warming up``, ``self-test``).
     The first line of the error, and where the rest is; compile errors run to pages.
     """
     first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
     text = f"{phase} failed: {type(exc).__name__}" + (f": {first}" if first else "")
     if len(text) > 600:
         text = text[:600] + " ..."
-    hint = "; CLASSIFIER_COMPILE=0 serves the model uncompiled" if phase == "compiling" else ""
+    hint = "; CLASSIFIER_COMPILE=0 serves the model uncompiled" if "compil" in phase else ""
     return f"{text} (CLASSIFIER_LOG_LEVEL=debug logs the traceback{hint})"
 
 

@@ -305,13 +305,15 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
     cache = use_cache_dir(settings)
     precision, reason = choose_engine_precision(settings, model, transform, cache=cache, threads=threads)
     photos, calib_id = calibration(settings, transform) if precision == "int8" else (None, "none")
-    status("compiling" if settings.COMPILE else "warming up")
+    status("compiling" if settings.COMPILE else "warming up")  # the engine says "loading ..." on a warm cache
     engine = Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE,
                     precision=precision, calibration=photos,
                     reduce_range=choose_reduce_range(settings.INT8_REDUCE_RANGE),
                     bf16_keep_fp32=keep_fp32_for(model.name),
                     cache_dir=cache, cache_id=f"{model.name}|{model.weights}|{calib_id}",
-                    build_elsewhere=build_elsewhere(precision) if build_elsewhere else None)
+                    build_elsewhere=build_elsewhere(precision) if build_elsewhere else None, status=status)
+    if engine.backend != "inductor":  # the JIT compiles as it warms up; packages and eager only run
+        status("warming up")
     if (recheck := recheck_engine(settings, model, cache, precision, build_elsewhere)) is not None:
         engine.add_recheck(*recheck)
         pts = recheck[1]
