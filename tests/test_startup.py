@@ -483,3 +483,18 @@ def test_close_calls_go_to_fp32_by_precision_and_only_for_trained_weights(precis
     assert startup.recheck_points(s, model, precision) == want
     if want == 0:
         assert startup.recheck_engine(s, model, None, precision, None) is None
+
+
+def test_each_workers_start_line_keeps_a_long_reason_short(make_app, monkeypatch, caplog):
+    """Found by a fresh-user tryout: every worker's start line carried the whole precision reason (EfficientNet-Lite0's
+    ~420 characters of bench figures). The line says it short and where it is whole; /healthz has it whole."""
+    import logging
+
+    reason = "auto: fp32 for this model: " + " ".join(f"figure {i} measured on the bench" for i in range(20))
+    monkeypatch.setattr(startup, "choose_engine_precision", lambda *args, **kwargs: ("fp32", reason))
+    caplog.set_level(logging.INFO, logger="webapp")
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, PRECISION="auto")
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("model resnet18_seeded"))
+    assert len(line) < 300 and "(whole: /healthz, python -m webapp info)" in line
+    assert "figure 0 measured" in line and "figure 19" not in line
+    assert app.test_client().get("/healthz").get_json()["precision_reason"] == reason

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,8 +322,11 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
 
         reason += (f"; close calls (top two under {pts:g} points apart) answered by fp32 "
                    f"({PREFIX}{precision.upper()}_RECHECK_PTS)")
+    # Each worker says this: the reason short (a model's bf16_auto_off runs to 400 characters with its figures).
     log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batches up to %d",
-             model.name, model.weights, precision, reason, settings.COMPILE, threads,
+             model.name, model.weights, precision,
+             textwrap.shorten(reason, 160, placeholder=" ... (whole: /healthz, python -m webapp info)"),
+             settings.COMPILE, threads,
              sorted(os.sched_getaffinity(0)), settings.MAX_BATCH_SIZE)
     golden = imaging.decode(GOLDEN.read_bytes(), max_pixels=ASSET_MAX_PIXELS, name=GOLDEN.name).image
     try:
