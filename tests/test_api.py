@@ -34,6 +34,17 @@ def test_predict_multipart_shape(client):
     assert all(v >= 0 for v in body["timing_ms"].values())
 
 
+@pytest.mark.parametrize("path, allowed", [("/api/v1/predict", {"POST", "OPTIONS"}),
+                                           ("/", {"GET", "HEAD", "POST", "OPTIONS"}),
+                                           ("/metrics", {"GET", "HEAD", "OPTIONS"})])
+def test_options_says_allow_with_no_content(client, path, allowed):
+    """Found by a fresh-user tryout: OPTIONS got Flask's 200 with an empty text/html body. RFC 9110 9.3.7: the
+    answer is the Allow header; 204, nothing else."""
+    resp = client.open(path, method="OPTIONS")
+    assert resp.status_code == 204 and resp.data == b"" and "Content-Type" not in resp.headers
+    assert set(resp.headers["Allow"].split(", ")) == allowed
+
+
 def test_predict_raw_body_and_topk(client):
     resp = client.post("/api/v1/predict?topk=7", data=small_png(), content_type="image/png")
     assert resp.status_code == 200

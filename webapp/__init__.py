@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from flask import Flask, g
+from flask import Flask, g, request
 
 from . import settings as settings_mod
 from .settings import GUNICORN_ENV
@@ -94,6 +94,12 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
         served_by = g.get("served_by")  # on a Ray cluster: the model replica that answered
         if served_by:
             resp.headers["X-Served-By"] = served_by
+        # Flask answers OPTIONS itself with 200 and an empty text/html body; RFC 9110 9.3.7: what there is
+        # to say is in Allow, so no content and no Content-Type.
+        if request.method == "OPTIONS" and resp.status_code == 200 and "Allow" in resp.headers \
+                and not resp.content_length:
+            resp.status_code = 204
+            del resp.headers["Content-Type"]
         return resp
 
     if own_classifier and not os.environ.get(GUNICORN_ENV):
