@@ -151,6 +151,38 @@ def test_no_request_no_id():
 
 
 # ------------------------------------------------------------------------------------ real gunicorn
+def _refused_by_gunicorn(port: int, request_id: str) -> bytes:
+    """A request gunicorn refuses before the app sees it (Content-Length not a number): its whole raw answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: " + request_id.encode()
+                     + b"\r\nUser-Agent: raw-test\r\nContent-Length: abc\r\n\r\n")
+        raw = b""
+        while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
+                re.search(rb"Content-Length: (\d+)", raw).group(1)):
+            raw += sock.recv(65536)
+    return raw
+
+
+@pytest.mark.server
+def test_gunicorn_text_access_line_of_a_refused_request(tmp_path):
+    """Found by a fresh-user tryout: with the default text access log, a request gunicorn refused showed 0 bytes
+    and no request id (gunicorn logs it before its answer exists); it shows the answer's bytes and id."""
+    srv = Server(tmp_path / "server.log", MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1,
+                 THREADS=1, MAX_BATCH_SIZE=1, METRICS=0)
+    try:
+        srv.wait_ready(workers=1)
+        raw = _refused_by_gunicorn(srv.port, "text-bad")
+        ok = requests.post(srv.url + "/api/v1/predict", data=PNG, headers={"Content-Type": "image/png",
+                                                                           "X-Request-ID": "text-ok"}, timeout=30)
+    finally:
+        code = srv.stop()
+    out = srv.output()
+    assert code == 0 and "Traceback" not in out and raw.startswith(b"HTTP/1.1 400 "), out[-3000:]
+    size = len(raw.split(b"\r\n\r\n", 1)[1])
+    assert re.search(rf'"POST /api/v1/predict HTTP/1.1" 400 {size} \d+ms text-bad$', out, re.M), out[-3000:]
+    assert re.search(rf'"POST /api/v1/predict HTTP/1.1" 200 {len(ok.content)} \d+ms text-ok$', out, re.M)
+
+
 @pytest.mark.server
 def test_gunicorn_json_access_log(tmp_path):
     """ACCESS_LOG=json under gunicorn: one JSON object per request on stdout, no text access lines;
@@ -167,13 +199,7 @@ def test_gunicorn_json_access_log(tmp_path):
         assert bad.status_code == 400 and UUID_HEX.fullmatch(bad.headers["X-Request-ID"])
         assert requests.get(srv.url + "/metrics", timeout=10).status_code == 404
         # gunicorn refuses it before the app sees it: it had no access line at all (tryout23)
-        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
-            sock.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nX-Request-ID: gunicorn-bad\r\n"
-                         b"User-Agent: raw-test\r\nContent-Length: abc\r\n\r\n")
-            raw = b""
-            while b"\r\n\r\n" not in raw or len(raw.split(b"\r\n\r\n", 1)[1]) < int(
-                    re.search(rb"Content-Length: (\d+)", raw).group(1)):
-                raw += sock.recv(65536)
+        raw = _refused_by_gunicorn(srv.port, "gunicorn-bad")
         assert raw.startswith(b"HTTP/1.1 400 ") and b"X-Request-ID: gunicorn-bad" in raw
     finally:
         code = srv.stop()

@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -156,6 +157,7 @@ class Worker(GeventWorker):
             ggevent.StreamServer = IdleFirstServer
         ggevent.gevent = QuickTicks(self)
         gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
+        self.log.access = functools.partial(_access_after_answer, self.log.access)
         bodies.stop_time_left = self.stop_time_left  # while stopping: answers say Connection: close, drains end early
         super().run()
 
@@ -228,6 +230,8 @@ class Worker(GeventWorker):
             super().handle_error(req, client, addr, exc)
         finally:
             _REFUSED.pop(id(client), None)
+            if (held := _HELD.pop(id(client), None)) is not None:  # the answer was not written: the line as it is
+                held[0](*held[1:])
 
     def handle_quit(self, sig, frame):
         """SIGINT / SIGQUIT: before ready, leave now; after, gunicorn's quick stop, once."""
@@ -283,6 +287,9 @@ _PARSE_CODES = {400: "bad_request"}
 # from Worker.handle_error to write_json_error, which it calls (same greenlet, same call: the entry is removed right
 # after).
 _REFUSED: dict[int, tuple] = {}
+# id(client socket) -> (gunicorn's access, resp, req, environ, request_time): the text access line of such a request,
+# held from gunicorn's handle_error (which logs it before the answer exists) until write_json_error has its size and id.
+_HELD: dict[int, tuple] = {}
 _LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
 
 
@@ -331,6 +338,16 @@ class ClientFaultsAtInfo(logging.Filter):
         return True
 
 
+def _access_after_answer(access, resp, req, environ, request_time) -> None:
+    """gunicorn's access logging (``Logger.access``, bound as ``access``), but for a request gunicorn refused: its
+    line is held (``_HELD``) for ``write_json_error``, so that it shows the answer's bytes and X-Request-ID, as every
+    other line does, not gunicorn's 0 bytes and no id (tryout23)."""
+    if id(getattr(resp, "sock", None)) in _REFUSED:
+        _HELD[id(resp.sock)] = (access, resp, req, environ, request_time)
+    else:
+        access(resp, req, environ, request_time)
+
+
 def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
     the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
@@ -355,6 +372,10 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
         pass
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n\r\n").encode("latin-1")
+    if (held := _HELD.pop(id(sock), None)) is not None:  # the text access line (ACCESS_LOG=text), now complete
+        access, resp, *rest = held
+        resp.sent, resp.headers = len(body), [(REQUEST_ID_HEADER, request_id)]
+        access(resp, *rest)
     gunicorn_util.write_nonblock(sock, head + body)
     if (access := logging.getLogger(ACCESS_LOGGER)).handlers:  # ACCESS_LOG=json: its line, as every request has
         access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
