@@ -547,3 +547,16 @@ def test_every_status_gunicorn_answers_before_the_app_is_documented_for_every_op
             assert "X-Request-ID" in response["headers"], (path, status)
             schema = response["content"][headers["content-type"]]["schema"]
             jsonschema.validate(json.loads(body), {**schema, "components": doc["components"]})
+
+
+@pytest.mark.parametrize("url, shown", [(b"/api/v1/predict?topk=\xe4\xb8\x89", "/api/v1/predict?topk=三"),
+                                        (b"/v2/models/caf\xc3\xa9/ready", "/v2/models/café/ready"),
+                                        (b"/api/v1/predict?x=\xff", "/api/v1/predict?x=\ufffd")])
+def test_a_raw_non_ascii_byte_in_the_url_is_said_so(srv, url, shown):
+    """Found by a fresh-user tryout: a raw UTF-8 byte in the URL (a hand-made client) got gunicorn's 400 with the
+    line shown decoded as Latin-1 ("caf\u00c3\u00a9"). The 400 shows the line as sent and says to percent-encode."""
+    status, headers, body = _raw(srv, b"GET " + url + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    message = json.loads(body)["error"]
+    message = message["message"] if isinstance(message, dict) else message  # /v2: "code: message"
+    assert status == 400 and "bad_request" in body.decode() and headers["x-request-id"]
+    assert f"the request line is not ASCII ('GET {shown} HTTP/1.1')" in message and "%C3%A9" in message

@@ -348,6 +348,24 @@ def _access_after_answer(access, resp, req, environ, request_time) -> None:
         access(resp, req, environ, request_time)
 
 
+_RAW_LINE = re.compile(r"Invalid HTTP request line: '(.*?)'+$", re.S)
+
+
+def _in_words(mesg: str) -> str:
+    """gunicorn's message for a request it refused, with what to send instead where it says too little."""
+    if "CONTENT-LENGTH" in mesg.upper():
+        # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
+        return (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
+                f"and not together with Transfer-Encoding: chunked")
+    if (m := _RAW_LINE.search(mesg)) and re.search(r"[\x80-\xff]|\\x[89a-f][0-9a-f]", m.group(1)):
+        # A raw UTF-8 byte in the URL (a hand-made client): gunicorn shows it decoded as Latin-1 ("Ã©" for "é").
+        raw = re.sub(r"\\x([0-9a-f]{2})", lambda h: chr(int(h.group(1), 16)), m.group(1))
+        line = raw.encode("latin-1", "replace").decode("utf-8", "replace")
+        return (f"the request line is not ASCII ({line!r}): a URL's other characters are sent percent-encoded "
+                f"(RFC 3986 2.1: é as %C3%A9; curl -G --data-urlencode 'name=value' encodes a query value)")
+    return mesg
+
+
 def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
     the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
@@ -358,11 +376,7 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     ``X-Request-ID``, as the app's do, and with ``ACCESS_LOG=json`` its access line (duration unknown: null), as
     every request has one. Then what the client still sends is read and dropped, bounded
     (``bodies.drain_socket``), so that closing does not reset the connection under an answer not yet read."""
-    message = mesg
-    if "CONTENT-LENGTH" in mesg.upper():
-        # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
-        message = (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
-                   f"and not together with Transfer-Encoding: chunked")
+    message = _in_words(mesg)
     path, request_id, method, remote, agent = _REFUSED.get(id(sock), (None,) * 5)
     request_id = request_id or request_id_from(None)
     body = json.dumps(error_body(path, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message, status_int)).encode()
