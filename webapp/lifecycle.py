@@ -181,7 +181,7 @@ def describe_failure(phase: str, exc: BaseException) -> str:
     text = f"{phase} failed: {type(exc).__name__}" + (f": {first}" if first else "")
     if len(text) > 600:
         text = text[:600] + " ..."
-    hint = "; CLASSIFIER_COMPILE=0 serves the model uncompiled" if "compil" in phase else ""
+    hint = "; CLASSIFIER_COMPILE=0 serves the model uncompiled" if "compil" in phase else ""  # or loading it
     return f"{text} (CLASSIFIER_LOG_LEVEL=debug logs the traceback{hint})"
 
 

@@ -387,9 +387,9 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n\r\n").encode("latin-1")
     if (held := _HELD.pop(id(sock), None)) is not None:  # the text access line (ACCESS_LOG=text), now complete
-        access, resp, *rest = held
+        log_access, resp, *rest = held
         resp.sent, resp.headers = len(body), [(REQUEST_ID_HEADER, request_id)]
-        access(resp, *rest)
+        log_access(resp, *rest)
     gunicorn_util.write_nonblock(sock, head + body)
     if (access := logging.getLogger(ACCESS_LOGGER)).handlers:  # ACCESS_LOG=json: its line, as every request has
         access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
