@@ -12,6 +12,7 @@ import json
 import re
 import signal
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -273,6 +274,36 @@ def test_a_body_in_tiny_chunks_is_a_400_at_once_and_one_in_8_kb_chunks_is_answer
             sock.sendall(head(chunked=True, extra=AUTH + "Connection: close\r\n") + body + b"0\r\n\r\n")
             status, data = read_answer(sock, 30)
             assert status == 200 and b'"predictions"' in data, (size, data[:600])
+
+
+def test_tiny_chunks_after_ordinary_ones_are_a_400_too_and_healthz_is_not_held(srv):
+    """Found by a fresh-user tryout (tryout24): the average was judged once, at the 4,096th piece, so 4,096 chunks of
+    160 bytes and then the rest of a photo in 1-byte ones were de-chunked for 9.7 s of CPU, with /healthz held 9 s.
+    The average is judged at every piece from the 4,096th on: 400 at once, and the hub keeps answering."""
+    from webapp.bodies import CHUNKS_JUDGED
+
+    photo = np.random.default_rng(5).integers(0, 256, 2_000_000, dtype=np.uint8).tobytes()
+    first = CHUNKS_JUDGED * 160
+    body = b"".join(b"a0\r\n%s\r\n" % photo[i:i + 160] for i in range(0, first, 160))
+    body += b"".join(b"1\r\n%c\r\n" % b for b in photo[first:]) + b"0\r\n\r\n"
+    with connect(srv) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 2**20)
+        start = time.monotonic()
+        sender = threading.Thread(target=lambda: _send_quietly(sock, head(chunked=True) + body), daemon=True)
+        sender.start()
+        health = requests.get(srv.url + "/healthz", timeout=10)
+        assert health.status_code == 200 and health.elapsed.total_seconds() < 1.0, health.elapsed
+        status, data = read_status(sock, timeout=10)
+        assert status == 400 and b"bytes on average" in data, data[:600]
+        assert time.monotonic() - start < 3.0
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    """``sock.sendall(data)``, where the server may close before it has all of it."""
+    try:
+        sock.sendall(data)
+    except OSError:
+        pass
 
 
 def test_a_malformed_chunked_body_left_unread_is_dropped_quietly(srv):

@@ -38,7 +38,7 @@ import sys
 from gunicorn.http.errors import NoMoreData, ParseException
 
 from . import balance
-from .concurrency import time_limit
+from .concurrency import let_others_run, time_limit
 from .errors import BadRequest, BodyTimeout, NotReady
 
 log = logging.getLogger(__name__)
@@ -53,12 +53,14 @@ DRAIN_CHUNK = 256 * 1024  # bytes per read of a drain from the socket
 _MSG_TRUNC = getattr(socket, "MSG_TRUNC", 0) if sys.platform.startswith("linux") else 0
 _DISCARD = bytearray(DRAIN_CHUNK)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# A chunked body whose first CHUNKS_JUDGED pieces average under MIN_MEAN_PIECE bytes is refused (400): gunicorn
-# de-chunks in Python, ~2 us a chunk, and never lets the hub run while bytes are waiting, so a 3 MB photo sent
-# in 1-byte chunks (19.5 MB on the wire) took 12.5 s of the worker's CPU, and /healthz and refusals waited 7-9 s
-# behind two of them (tryout21). Clients chunk by their buffer (http.client 8 KB, curl 16-64 KB) or a TCP read; a
-# script that sends a binary file line by line averages ~256 bytes (a byte is "\n" once in 256), hence 128: a
-# 32 MiB body then costs at most ~260,000 chunks, ~1 s.
+# A chunked body whose pieces, from the CHUNKS_JUDGED-th on, average under MIN_MEAN_PIECE bytes is refused (400):
+# gunicorn de-chunks in Python, ~2 us a chunk, and never lets the hub run while bytes are waiting, so a 3 MB photo
+# sent in 1-byte chunks (19.5 MB on the wire) took 12.5 s of the worker's CPU, and /healthz and refusals waited
+# 7-9 s behind two of them (tryout21). Clients chunk by their buffer (http.client 8 KB, curl 16-64 KB) or a TCP
+# read; a script that sends a binary file line by line averages ~256 bytes (a byte is "\n" once in 256), hence
+# 128: a 32 MiB body then costs at most ~260,000 chunks, ~1 s, and the hub runs every CHUNKS_JUDGED of them. The
+# average is judged at every piece: judged once, at the 4,096th, 160-byte chunks and then 1-byte ones took 9.7 s
+# and held /healthz 9 s (tryout24).
 CHUNKS_JUDGED, MIN_MEAN_PIECE = 4096, 128
 STOP_MARGIN_S = 0.5  # s: a stopping worker's drains end this long before its stop's wait does
 
@@ -236,12 +238,16 @@ class TinyChunks(ParseException):
 
 def _counted(parser):
     """gunicorn's de-chunking generator (``ChunkedReader.parser``: each chunk's bytes, in pieces no larger than
-    a socket read), raising ``TinyChunks`` once ``CHUNKS_JUDGED`` pieces average under ``MIN_MEAN_PIECE``."""
+    a socket read), raising ``TinyChunks`` once ``CHUNKS_JUDGED`` or more pieces average under ``MIN_MEAN_PIECE``;
+    every ``CHUNKS_JUDGED`` pieces the other greenlets run."""
     pieces = nbytes = 0
     for piece in parser:
         pieces, nbytes = pieces + 1, nbytes + len(piece)
-        if pieces == CHUNKS_JUDGED and nbytes < MIN_MEAN_PIECE * pieces:
-            raise TinyChunks(pieces, nbytes)
+        if pieces >= CHUNKS_JUDGED:
+            if nbytes < MIN_MEAN_PIECE * pieces:
+                raise TinyChunks(pieces, nbytes)
+            if pieces % CHUNKS_JUDGED == 0:
+                let_others_run()
         yield piece
 
 

@@ -38,7 +38,8 @@ Not threads, but safe between the two worlds:
 - ``peer_closed``, ``peer_sending``: has the client hung up, is its upload arriving? A zero-timeout poll on the
   original ``select.poll``, safe from the hub and from real threads.
 - ``fork_safe``: a lock no ``os.fork`` copies while held, for the gunicorn master's threads.
-- ``blocking_sleep``: the original ``time.sleep``, for code that may run in the hub (a signal handler).
+- ``blocking_sleep``: the original ``time.sleep``, for code that may run in the hub (a signal handler);
+  ``let_others_run``: a greenlet's turn given up, for long Python work on bytes already there (de-chunking).
 
 Outside gevent (tests, the CLI, Ray) everything is plain ``threading`` / ``concurrent.futures``.
 """
@@ -93,7 +94,6 @@ class _GeventFuture:
 
     def __init__(self):
         import gevent.event
-
         self._hub = gevent.get_hub()  # the waiting greenlet's hub: the worker's main thread
         self._result = gevent.event.AsyncResult()
 
@@ -129,9 +129,9 @@ def lower_this_thread(steps: int) -> None:
     """Run the calling OS thread ``steps`` niceness steps lower (at most 19), for good: on Linux niceness is per thread
     (``setpriority`` on the thread's id). 0 changes nothing; so does a platform or sandbox that refuses (the thread
     then simply keeps its priority). See the module docstring."""
-    if steps <= 0:
-        return
     try:
+        if steps <= 0:
+            return
         tid = _thread.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
     except (OSError, AttributeError):
@@ -162,12 +162,9 @@ class Primitives:
 
 @contextmanager
 def time_limit(seconds: float):
-    """Raise ``TimeoutError`` in this greenlet if the block runs longer than ``seconds`` (s).
-
-    Under gevent a ``gevent.Timeout``: it interrupts a greenlet blocked on a socket read (the body of an upload that
-    stalls). Elsewhere there is no such blocking read to interrupt (the test client and Ray's a2wsgi hand the app
-    bodies already in memory), so no limit is applied.
-    """
+    """Raise ``TimeoutError`` in this greenlet if the block runs longer than ``seconds`` (s): under gevent a
+    ``gevent.Timeout``, which interrupts a greenlet blocked on a socket read (an upload that stalls). Elsewhere no
+    limit: nothing blocks there (the test client and Ray's a2wsgi hand the app bodies already in memory)."""
     if not gevent_active():
         yield
         return
@@ -214,6 +211,13 @@ def _poll_now(sock) -> int | None:
 
 _IN = 0x1  # POLLIN (Linux values: the select module under gevent may lack its constants)
 _GONE = 0x2000 | 0x10 | 0x8 | 0x20  # POLLRDHUP | POLLHUP | POLLERR | POLLNVAL
+
+
+def let_others_run() -> None:
+    """Under gevent ``gevent.sleep(0)``: the hub runs the other greenlets now (Python work on bytes already received
+    never waits, so it never yields by itself); elsewhere nothing."""
+    if gevent_active():
+        __import__("gevent").sleep(0)
 
 
 def blocking_sleep(seconds: float) -> None:
@@ -288,17 +292,15 @@ def call_with_timeout(fn: Callable[[], object], timeout: float, *,
     0.2 s: True stops the wait early, as a timeout does. The thread is left to finish on its own (it is not joined
     at exit); it holds nothing. ``fn``'s exception is raised here."""
     p = Primitives.for_this_process()
-    done = p.make_lock()
+    done, box = p.make_lock(), []
     done.acquire()
-    box: list = []
 
     def run() -> None:
         try:
             box.append(fn())
         except BaseException as exc:  # handed back to the caller
             box.append(exc)
-        finally:
-            done.release()
+        done.release()
 
     p.start_thread(run, ())
     end = time.monotonic() + timeout
@@ -362,30 +364,28 @@ class Offloader:
                 late = StillRunning(f"no result within {within:.3g} s")
                 late.when_done = lambda then: work.rawlink(lambda _result: then())
                 raise late from None
-        if not ok:
-            raise value  # re-raised here: gevent's pool would print it as an unhandled traceback
+        if not ok:  # re-raised here: gevent's pool would print it as an unhandled traceback
+            raise value
         return value
 
     def _on_pool_thread(self, fn: Callable, args: tuple, kwargs: dict) -> tuple[bool, object]:
         tid = _thread.get_native_id()
         if tid not in self._lowered:  # the pool starts its threads lazily: set each up once
             self._lowered.add(tid)
-            if self.nice:
-                lower_this_thread(self.nice)
+            lower_this_thread(self.nice)  # 0: nothing
             if self.cores:
                 widen_this_thread(self.cores)
         return _capture(fn, args, kwargs)
 
 
 class StillRunning(TimeoutError):
-    """``Offloader.run`` gave up waiting and the work runs on: ``when_done(fn)`` calls ``fn()`` (in the hub) once
-    its thread is free, so that what it still costs (CPU, a pool thread) can count until then."""
+    """``Offloader.run`` gave up waiting and the work runs on: ``when_done(fn)`` calls ``fn()`` (in the hub) once its
+    thread is free, so that what it still costs (CPU, a pool thread) can count until then."""
 
 
 def widen_this_thread(cores: list[int]) -> bool:
-    """Let the calling OS thread run on ``cores`` (Linux ``sched_setaffinity`` with pid 0 is per thread; the process's
-    other threads keep theirs). False where the OS refuses it or has no such call (then the thread stays where it
-    was: slower at half load, never wrong)."""
+    """Let the calling OS thread run on ``cores`` (Linux ``sched_setaffinity`` with pid 0 is per thread; the others keep
+    theirs). False where the OS refuses it or has no such call (the thread stays: slower at half load, never wrong)."""
     try:
         os.sched_setaffinity(0, cores)
         return True
