@@ -45,6 +45,18 @@ def test_options_says_allow_with_no_content(client, path, allowed):
     assert set(resp.headers["Allow"].split(", ")) == allowed
 
 
+@pytest.mark.parametrize("path", ["/api/v1//predict", "/api/v1/predict//", "/v2/models/resnet18_seeded//infer",
+                                  "/v2/models//infer"])
+def test_a_doubled_slash_is_a_404_not_a_redirect(client, path):
+    """Found by a fresh-user tryout: Werkzeug answered "/api/v1//predict" with a 308 HTML redirect built from the
+    Host header (undocumented), and "/v2/models//infer" with a 405; a path that is no route is a 404 in the API's
+    shape (the protocol's under /v2)."""
+    resp = client.post(path, data=small_png(), content_type="image/png")
+    error = resp.get_json()["error"]
+    assert resp.status_code == 404 and "Location" not in resp.headers
+    assert error["code"] == "not_found" if isinstance(error, dict) else error.startswith("not_found: ")
+
+
 def test_predict_raw_body_and_topk(client):
     resp = client.post("/api/v1/predict?topk=7", data=small_png(), content_type="image/png")
     assert resp.status_code == 200

@@ -53,6 +53,9 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     lenient_multipart_headers()
 
     app = Flask(__name__, template_folder="../templates", static_folder="../static")
+    # Werkzeug answers "/api/v1//predict" with a 308 HTML redirect to the merged path, built from the Host header,
+    # documented nowhere (tryout24): a path that is not a route is a 404 in the API's shape, like any other.
+    app.url_map.merge_slashes = False
     app.request_class = UploadRequest
     app.config["MAX_CONTENT_LENGTH"] = settings.MAX_UPLOAD_BYTES
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.MAX_UPLOAD_BYTES
