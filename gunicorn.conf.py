@@ -269,7 +269,7 @@ def post_fork(server, worker):
     from webapp.logs import configure_access_logger, install_request_id_filter
 
     install_request_id_filter(app_log)  # its lines written while serving a request end with its id
-    from webapp.worker import ClientFaultsAtInfo
+    from webapp.refusals import ClientFaultsAtInfo
 
     server.log.error_log.addFilter(ClientFaultsAtInfo(server.log.error_log))  # a client's bad request: not a warning
     if _s.ACCESS_LOG == "json":

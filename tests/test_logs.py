@@ -165,13 +165,21 @@ def _refused_by_gunicorn(port: int, request_id: str) -> bytes:
 
 @pytest.mark.server
 def test_gunicorn_text_access_line_of_a_refused_request(tmp_path):
-    """Found by a fresh-user tryout: with the default text access log, a request gunicorn refused showed 0 bytes
-    and no request id (gunicorn logs it before its answer exists); it shows the answer's bytes and id."""
+    """Found by fresh-user tryouts: with the default text access log, a request gunicorn refused showed 0 bytes
+    and no request id (gunicorn logs it before its answer exists), and one it refused before it had a request object
+    (a 417, a lowercase method) had no line at all; each has its line, with the answer's bytes and id."""
     srv = Server(tmp_path / "server.log", MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1,
                  THREADS=1, MAX_BATCH_SIZE=1, METRICS=0)
     try:
         srv.wait_ready(workers=1)
         raw = _refused_by_gunicorn(srv.port, "text-bad")
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:  # gunicorn has no request object
+            sock.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nExpect: 200-ok\r\nX-Request-ID: text-417\r\n"
+                         b"Content-Length: 0\r\n\r\n")
+            expect = sock.recv(65536)
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(b"get /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            lower = sock.recv(65536)
         ok = requests.post(srv.url + "/api/v1/predict", data=PNG, headers={"Content-Type": "image/png",
                                                                            "X-Request-ID": "text-ok"}, timeout=30)
     finally:
@@ -181,6 +189,12 @@ def test_gunicorn_text_access_line_of_a_refused_request(tmp_path):
     size = len(raw.split(b"\r\n\r\n", 1)[1])
     assert re.search(rf'"POST /api/v1/predict HTTP/1.1" 400 {size} \d+ms text-bad$', out, re.M), out[-3000:]
     assert re.search(rf'"POST /api/v1/predict HTTP/1.1" 200 {len(ok.content)} \d+ms text-ok$', out, re.M)
+    # No line from gunicorn where it had no request object (tryout24): one is written, with the client's id if sent.
+    assert expect.startswith(b"HTTP/1.1 417 ") and b"X-Request-ID: text-417\r\n" in expect, expect
+    size = len(expect.split(b"\r\n\r\n", 1)[1])
+    assert re.search(rf'"- /api/v1/predict -" 417 {size} 0ms text-417$', out, re.M), out[-3000:]
+    lower_id = re.search(rb"X-Request-ID: (\w+)", lower).group(1).decode()
+    assert lower.startswith(b"HTTP/1.1 400 ") and re.search(rf'" 400 \d+ 0ms {lower_id}$', out, re.M), out[-3000:]
 
 
 @pytest.mark.server

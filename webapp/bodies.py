@@ -207,7 +207,7 @@ def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_
     """Read and drop what a client still sends on ``sock`` after its refusal was written, until it closes, at
     most ``max_bytes`` bytes and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads; returns (whether it closed, bytes
     read). For a refused body whose connection closes (``GuardedInput.drain``) and gunicorn's own refusals
-    (``worker.write_json_error``): closing a socket with unread bytes resets the connection, and a client
+    (``refusals.write_json_error``): closing a socket with unread bytes resets the connection, and a client
     still uploading may lose the answer it has not read yet. Never raises."""
     read, flags = 0, _MSG_TRUNC
     try:

@@ -13,9 +13,8 @@
   greenlet that raises ``SystemExit``; the second one ran during interpreter shutdown and printed
   a ``SystemExit: 0`` traceback. Here only the first stop signal counts.
 - **Requests gunicorn itself refuses** (a request line or header it cannot parse: ``Content-Length: abc``,
-  a line over its limit, bad chunked framing) are answered in the API's JSON error shape
-  (``write_json_error``), not gunicorn's HTML page; under ``/v2``, where the path got that far, in the
-  Open Inference Protocol's (``errors.error_body``).
+  a line over its limit, bad chunked framing) are answered in the API's JSON error shape, not gunicorn's HTML
+  page, and logged as the app's requests are (``webapp/refusals.py``).
 - **A stop is noticed at once**: gunicorn's loop checks ``alive``, and while stopping whether connections
   are still open, once a second (``gevent.sleep(1.0)``), so every stop waited up to 1 s to begin and up to
   1 s more after its last request; here the loop ticks every ``TICK_S`` (``QuickTicks``). With the clean
@@ -35,27 +34,20 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import json
-import logging
 import os
-import re
 import signal
 import struct
 import termios
 import time
-from http import HTTPStatus
 
 import gevent
 from gevent.server import StreamServer
 from gunicorn.workers import ggevent
 from gunicorn import util as gunicorn_util
-from gunicorn.http import message as gunicorn_message
 from gunicorn.workers.ggevent import GeventWorker
 
 from . import balance, bodies, children
-from .bodies import drain_socket
-from .errors import OTHER_HTTP_CODE, error_body
-from .logs import ACCESS_LOGGER, REQUEST_ID_HEADER, access_fields, request_id_from
+from .refusals import access_after_answer, refusing, write_json_error
 
 
 class IdleFirstServer(StreamServer):
@@ -157,7 +149,7 @@ class Worker(GeventWorker):
             ggevent.StreamServer = IdleFirstServer
         ggevent.gevent = QuickTicks(self)
         gunicorn_util.write_error = write_json_error  # what Worker.handle_error sends on a parse error
-        self.log.access = functools.partial(_access_after_answer, self.log.access)
+        self.log.access = functools.partial(access_after_answer, self.log.access)
         bodies.stop_time_left = self.stop_time_left  # while stopping: answers say Connection: close, drains end early
         super().run()
 
@@ -220,18 +212,10 @@ class Worker(GeventWorker):
         greenlet.throw(entry[0])
 
     def handle_error(self, req, client, addr, exc):
-        """gunicorn's, with what ``write_json_error`` needs of the refused request known to it: its path (for
-        its error shape) and its ``X-Request-ID`` (echoed where sane, as the app does; else a new one)."""
-        who = getattr(req, "method", None) or getattr(getattr(exc, "req", None), "method", None), \
-            addr[0] if isinstance(addr, tuple) else None, _request_header(req, exc, "User-Agent")
-        _REFUSED[id(client)] = (_request_path(req, exc), request_id_from(_request_header(req, exc, REQUEST_ID_HEADER)),
-                                *who)
-        try:
+        """gunicorn's, with what ``write_json_error`` needs of the refused request known to it (``refusals.refusing``):
+        its path (for its error shape), its ``X-Request-ID`` (echoed where sane, as the app does; else a new one)..."""
+        with refusing(req, client, addr, exc, self.log):
             super().handle_error(req, client, addr, exc)
-        finally:
-            _REFUSED.pop(id(client), None)
-            if (held := _HELD.pop(id(client), None)) is not None:  # the answer was not written: the line as it is
-                held[0](*held[1:])
 
     def handle_quit(self, sig, frame):
         """SIGINT / SIGQUIT: before ready, leave now; after, gunicorn's quick stop, once."""
@@ -276,123 +260,3 @@ def exit_on_stop_signals(log) -> None:
     worker at once, as it does later during start-up (the master's inherited handlers would drop it)."""
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: leave_before_ready(log, signum))
-
-
-# gunicorn's statuses for what it refuses itself -> the error table's code (webapp/errors.py); the
-# others have no row there and get "http_error", as the app's handler gives Werkzeug's unlisted ones.
-_PARSE_CODES = {400: "bad_request"}
-
-
-# id(client socket) -> (path, request id, method, client address, User-Agent) of the request gunicorn refused on it,
-# from Worker.handle_error to write_json_error, which it calls (same greenlet, same call: the entry is removed right
-# after).
-_REFUSED: dict[int, tuple] = {}
-# id(client socket) -> (gunicorn's access, resp, req, environ, request_time): the text access line of such a request,
-# held from gunicorn's handle_error (which logs it before the answer exists) until write_json_error has its size and id.
-_HELD: dict[int, tuple] = {}
-_LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
-
-
-def _request_header(req, exc: BaseException, name: str) -> str | None:
-    """A header of the refused request where gunicorn got as far as its headers (its request object), else None."""
-    for candidate in (req, getattr(exc, "req", None)):
-        for key, value in getattr(candidate, "headers", None) or ():
-            if isinstance(key, str) and key.upper() == name.upper():
-                return value
-    return None
-
-
-def _request_path(req, exc: BaseException) -> str | None:
-    """The path of a request gunicorn could not parse, as far as it got: its request object (``req``, or the
-    one the error carries, or the one being parsed in the traceback), else the start of the request line it
-    was reading (a line over the limit). None where nothing says."""
-    for candidate in (req, getattr(exc, "req", None)):
-        if isinstance(getattr(candidate, "path", None), str):
-            return candidate.path
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == gunicorn_message.__file__:  # gunicorn's parser, outer frames first
-            local = tb.tb_frame.f_locals
-            owner, line = local.get("self"), local.get("data")
-            if isinstance(owner, gunicorn_message.Request) and isinstance(getattr(owner, "path", None), str):
-                return owner.path
-            if isinstance(line, (bytes, bytearray)) and (m := _LINE_START.match(bytes(line[:512]))):
-                return m.group(1).decode("latin-1")  # read_line: the request line, too long to parse
-        tb = tb.tb_next
-    return None
-
-
-class ClientFaultsAtInfo(logging.Filter):
-    """On gunicorn's error log: its "Invalid request from ip=..." (a request it could not parse: the client's fault,
-    answered 4xx by ``write_json_error``) at INFO, not WARNING, so that warnings stay the server's own (tryout23: a
-    malformed Content-Length logged as a warning); dropped where INFO is off."""
-
-    def __init__(self, logger: logging.Logger):
-        super().__init__()
-        self.logger = logger
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno == logging.WARNING and str(record.msg).startswith("Invalid request from ip="):
-            record.levelno, record.levelname = logging.INFO, "INFO"
-            return self.logger.isEnabledFor(logging.INFO)
-        return True
-
-
-def _access_after_answer(access, resp, req, environ, request_time) -> None:
-    """gunicorn's access logging (``Logger.access``, bound as ``access``), but for a request gunicorn refused: its
-    line is held (``_HELD``) for ``write_json_error``, so that it shows the answer's bytes and X-Request-ID, as every
-    other line does, not gunicorn's 0 bytes and no id (tryout23)."""
-    if id(getattr(resp, "sock", None)) in _REFUSED:
-        _HELD[id(resp.sock)] = (access, resp, req, environ, request_time)
-    else:
-        access(resp, req, environ, request_time)
-
-
-_RAW_LINE = re.compile(r"Invalid HTTP request line: '(.*?)'+$", re.S)
-
-
-def _in_words(mesg: str) -> str:
-    """gunicorn's message for a request it refused, with what to send instead where it says too little."""
-    if "CONTENT-LENGTH" in mesg.upper():
-        # gunicorn says only "CONTENT-LENGTH" for all three faults: not a size, given twice, or beside chunked.
-        return (f"{mesg}: Content-Length must be the body's size in bytes, a whole number >= 0, given once, "
-                f"and not together with Transfer-Encoding: chunked")
-    if (m := _RAW_LINE.search(mesg)) and re.search(r"[\x80-\xff]|\\x[89a-f][0-9a-f]", m.group(1)):
-        # A raw UTF-8 byte in the URL (a hand-made client): gunicorn shows it decoded as Latin-1 ("Ã©" for "é").
-        raw = re.sub(r"\\x([0-9a-f]{2})", lambda h: chr(int(h.group(1), 16)), m.group(1))
-        line = raw.encode("latin-1", "replace").decode("utf-8", "replace")
-        return (f"the request line is not ASCII ({line!r}): a URL's other characters are sent percent-encoded "
-                f"(RFC 3986 2.1: é as %C3%A9; curl -G --data-urlencode 'name=value' encodes a query value)")
-    return mesg
-
-
-def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
-    """gunicorn's ``util.write_error`` (same arguments: the socket, status, reason phrase, message) in
-    the API's error shape: ``{"error": {"code", "message", "status"}}``, ``Connection: close``.
-
-    Called by gunicorn's ``Worker.handle_error`` for a request it could not parse (400, 414, 417, 431, 501...)
-    before the app saw it. A Content-Length that is not a number of bytes, is repeated, or comes with
-    ``Transfer-Encoding: chunked`` says what Content-Length must be, in words. Every answer carries an
-    ``X-Request-ID``, as the app's do, and with ``ACCESS_LOG=json`` its access line (duration unknown: null), as
-    every request has one. Then what the client still sends is read and dropped, bounded
-    (``bodies.drain_socket``), so that closing does not reset the connection under an answer not yet read."""
-    message = _in_words(mesg)
-    path, request_id, method, remote, agent = _REFUSED.get(id(sock), (None,) * 5)
-    request_id = request_id or request_id_from(None)
-    body = json.dumps(error_body(path, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message, status_int)).encode()
-    try:  # gunicorn 27 names its 501 (a transfer coding it does not know) "Bad Request"
-        reason = HTTPStatus(status_int).phrase
-    except ValueError:
-        pass
-    head = (f"HTTP/1.1 {status_int} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{REQUEST_ID_HEADER}: {request_id}\r\n\r\n").encode("latin-1")
-    if (held := _HELD.pop(id(sock), None)) is not None:  # the text access line (ACCESS_LOG=text), now complete
-        log_access, resp, *rest = held
-        resp.sent, resp.headers = len(body), [(REQUEST_ID_HEADER, request_id)]
-        log_access(resp, *rest)
-    gunicorn_util.write_nonblock(sock, head + body)
-    if (access := logging.getLogger(ACCESS_LOGGER)).handlers:  # ACCESS_LOG=json: its line, as every request has
-        access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
-                                             duration_ms=None, size=len(body), remote_addr=remote, query="",
-                                             user_agent=agent), separators=(",", ":")))
-    drain_socket(sock)
