@@ -115,8 +115,8 @@ def parse_topk(raw: str | None, default: int) -> int:
         raw = raw.strip(_SPACE)
     if raw is None or raw == "":
         return default
-    # ASCII digits only: int() would also take "3_0" and other scripts' digits ("٣").
     if not (raw.isascii() and raw.isdigit() or raw.startswith("-") and raw[1:].isascii() and raw[1:].isdigit()):
+        # ASCII digits only: int() would also take "3_0" and other scripts' digits ("٣").
         raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
     digits = raw.lstrip("-").lstrip("0") or "0"
     if len(digits) > 2:  # int() refuses over 4300 digits (a 500); nothing that long is in range
@@ -141,6 +141,7 @@ def request_topk(request, default: int) -> int:
 ORIGINAL_FIELDS = ("original_width", "original_height", "original_format", "original_bytes")
 # The multipart fields read as text: ``topk`` and the ``original_*`` ones.
 TEXT_FIELDS = ("topk", *ORIGINAL_FIELDS)
+_EXAMPLES = dict(topk="5", original_width="4032", original_height="3024", original_format="JPEG", original_bytes="3250")
 
 
 def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
@@ -244,9 +245,8 @@ def _over_limit(request: Request) -> bool:
 
 def _no_body(request: Request) -> bool:
     """True when the request carries no body: ``Content-Length: 0``, or neither a length nor chunked encoding."""
-    if request.content_length is not None:
-        return request.content_length == 0
-    return "chunked" not in request.headers.get("Transfer-Encoding", "").lower()
+    length = request.content_length
+    return length == 0 if length is not None else "chunked" not in request.headers.get("Transfer-Encoding", "").lower()
 
 
 def _too_large(request: Request) -> TooLarge:
@@ -375,9 +375,10 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         # A text field sent as a file part (curl -F 'topk=@k.txt': a part with a filename) is not in the form,
         # so it read as missing (original_*) or as not sent at all (topk: the default, silently).
         if misplaced := [f for f in TEXT_FIELDS if f in request.files]:
-            raise BadRequest(f"{misplaced[0]} arrived as a file part (its part has a filename, as curl -F "
-                             f"'{misplaced[0]}=@file' sends it); send it as a text field, e.g. curl -F "
-                             f"'{misplaced[0]}=<value>' or -F '{misplaced[0]}=<file'")
+            field = misplaced[0]  # an example value, never "<value>": curl reads "<x" as the file x (tryout24)
+            raise BadRequest(f"{field} arrived as a file part (its part has a filename, as curl -F '{field}=@file' "
+                             f"sends it); send it as a text field: curl -F '{field}={_EXAMPLES[field]}', or "
+                             f"-F '{field}=<file'")
         originals = read_originals(request.form, len(parts))
         return [Upload(_clean_name(_part_name(p)), _part_bytes(p), o) for p, o in zip(parts, originals)]
     if mimetype.startswith("image/") or mimetype in RAW_TYPES:
