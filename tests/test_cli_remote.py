@@ -226,7 +226,8 @@ def test_an_empty_or_malformed_server_url_is_a_usage_error(folder, url, message)
 
 
 def test_well_formed_server_urls_pass():
-    for url in ("http://127.0.0.1:8000", "https://[::1]:8443/", "http://classifier.internal/prefix"):
+    for url in ("http://127.0.0.1:8000", "https://[::1]:8443/", "http://classifier.internal/prefix",
+                "HTTP://LOCALHOST:8000", "Https://classifier.internal"):  # a scheme is case-insensitive (tryout24)
         assert remote.url_problem(url) is None, url
 
 

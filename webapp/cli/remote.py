@@ -89,7 +89,7 @@ def url_problem(url: str) -> str | None:
 
     import urllib3
 
-    if not url.startswith(("http://", "https://")):
+    if not url.lower().startswith(("http://", "https://")):  # a scheme is case-insensitive (RFC 3986 3.1)
         return f"--server must be an http:// or https:// URL, got {url!r}"
     try:
         parts = urllib.parse.urlsplit(url)
