@@ -381,7 +381,10 @@ def test_bulk_classify_usage_errors(tmp_path):
     assert out_is_folder.returncode == 2 and "is a folder" in out_is_folder.stderr
     with_format = run("--cluster", str(tmp_path), "--out", str(tmp_path / "x.parquet"), "--format", "csv")
     assert with_format.returncode == 2 and "--format" in with_format.stderr
-    for result in (missing_out, missing_src, no_cluster, out_is_folder, with_format):
+    as_csv = run("--cluster", str(tmp_path), "--out", str(tmp_path / "x.csv"))  # wrote Parquet into x.csv (tryout24)
+    assert as_csv.returncode == 2 and "writes Parquet, not .csv" in as_csv.stderr, as_csv.stderr
+    assert f"name it {tmp_path / 'x.parquet'}" in as_csv.stderr and not (tmp_path / "x.csv").exists()
+    for result in (missing_out, missing_src, no_cluster, out_is_folder, with_format, as_csv):
         assert "Traceback" not in result.stderr
 
 

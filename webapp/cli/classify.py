@@ -304,6 +304,11 @@ def classify_cluster(args: argparse.Namespace) -> int:
     if args.format or args.jobs:
         err("error: --format and --jobs are for classify without --cluster (with it, rows go to --out)")
         return EXIT_USAGE
+    suffix = os.path.splitext(args.out.rstrip("/"))[1].lower()
+    if suffix not in (".parquet", ".pq", ""):  # x.csv held Parquet, exit 0 (tryout24): a name that says otherwise
+        err(f"error: --out {args.out!r}: classify --cluster writes Parquet, not {suffix}; name it "
+            f"{args.out.rstrip('/')[:-len(suffix)]}.parquet (or leave --cluster out for --format csv/json)")
+        return EXIT_USAGE
     if "://" not in args.out:  # a bad destination is a usage error, found before Ray starts
         out = expand(args.out)
         try:
