@@ -45,7 +45,7 @@ def why_skipped(path: Path) -> str | None:
 def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[Item], list[Skipped]]:
     """Expand files and folders into ``[(shown path, path, error)]`` in a stable order, and the files skipped.
 
-    Folders are walked recursively (symlinked folders are not followed, so no loops), sorted, and
+    Folders are walked recursively (symlinked ones too, but for a link back to a folder above: a loop), sorted, and
     yield image file names only, no hidden files, unless ``all_files``. A path named on the command
     line is always tried. What cannot be had becomes an error entry (``unreadable``'s words): a missing
     path, something that is not a regular file (a broken link, a FIFO, a device: never opened), an
@@ -78,8 +78,14 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
             def cannot_list(exc: OSError, top: Path = path) -> None:  # called where the walk reaches it: in order
                 items.append((str(exc.filename or top), None, f"cannot read the folder: {exc.strerror or exc}"))
 
-            for folder, dirs, names in os.walk(path, onerror=cannot_list):
-                dirs[:] = sorted(d for d in dirs if all_files or not d.startswith("."))
+            above: dict[str, frozenset] = {}  # folder -> the folders above it, as (device, inode)
+            for folder, dirs, names in os.walk(path, onerror=cannot_list, followlinks=True):
+                # Symlinked folders are walked as any (tryout24: they were left out without a word), except one
+                # that links back to a folder above it (a loop: all it holds is listed already).
+                chain = above.pop(folder, frozenset()) | {_inode(folder)}
+                dirs[:] = [d for d in sorted(dirs) if (all_files or not d.startswith("."))
+                           and _inode(os.path.join(folder, d)) not in chain]
+                above.update((os.path.join(folder, d), chain) for d in dirs)
                 for name in sorted(names):
                     file = Path(folder) / name
                     shown = shown_path(arg, file.relative_to(path))
@@ -97,6 +103,16 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
         else:
             items.append((arg, None, why))
     return items, skipped
+
+
+def _inode(path: str) -> tuple:
+    """``path``'s folder as ``(device, inode)``, through links; where it cannot be looked at, a key of its own (the
+    walk then says it cannot read it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("unreadable", path)
+    return st.st_dev, st.st_ino
 
 
 def read_limited(path: Path, limit: int) -> bytes:
