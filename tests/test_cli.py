@@ -920,6 +920,28 @@ def test_output_is_valid_unicode_for_a_name_that_is_not_utf8(fmt):
         assert len(text.splitlines()) == 3 and "/photos/two\\nlines.jpg" in text and "caf\\xe9" in text
 
 
+def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_text():
+    """Found by a fresh-user tryout: a file named ``=cmd().jpg`` was a CSV cell starting with ``=``, which a
+    spreadsheet runs as a formula. Such cells get OWASP's leading ``'``; JSON keeps the name as it is."""
+    import io as _io
+
+    from webapp.cli.output import ResultStream
+
+    names = ["=cmd().jpg", "+1.jpg", "-x.jpg", "@SUM(A1).jpg", "\tx.jpg", "plain=.jpg"]
+    results = [{"path": n, "predictions": [{"label": "tabby", "index": 281, "probability": 0.5}], "error": None}
+               for n in names] + [{"path": "=e.jpg", "predictions": [], "error": {"code": "x", "message": "-m"}}]
+    for fmt in ("csv", "json"):
+        out = _io.StringIO()
+        stream = ResultStream(fmt, 3, [r["path"] for r in results], out)
+        assert all(stream.put(i, r) for i, r in enumerate(results)) and stream.close()
+        if fmt == "csv":
+            rows = list(csv.DictReader(_io.StringIO(out.getvalue())))
+            assert [r["path"] for r in rows] == ["'" + n for n in names[:-1]] + ["plain=.jpg", "'=e.jpg"]
+            assert rows[-1]["error"] == "'-m (x)"
+        else:
+            assert [r["path"] for r in json.loads(out.getvalue())] == names + ["=e.jpg"]
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_output_that_cannot_be_written_is_one_line_not_a_traceback():
     """``classify ... > /dev/full``: a traceback and exit 1, as if files had failed (tryout17). Now one line, and

@@ -12,6 +12,12 @@ from .common import err, printable, silence_stdout, unicode_text
 _unicode, _printable = unicode_text, printable  # (the names this module has used)
 
 
+def _cell(text: str) -> str:
+    """A CSV cell a spreadsheet shows as text: one starting with ``= + - @``, a tab or CR (a file named
+    ``=cmd().jpg``) gets a leading ``'``, OWASP's guard against formula injection (tryout24)."""
+    return "'" + text if text[:1] in ("=", "+", "-", "@", "\t", "\r") else text
+
+
 def _error_text(error: dict) -> str:
     return f"error: {error['message']} ({error['code']})"
 
@@ -61,9 +67,9 @@ class ResultStream:
         if self.fmt == "csv":
             buf = io.StringIO()
             writer = csv.writer(buf, lineterminator="\n")
-            path = _unicode(r["path"])  # a name that is not UTF-8: \xNN, as in JSON (a UTF-8 CSV reader refused it)
+            path = _cell(_unicode(r["path"]))  # not UTF-8: \xNN, as in JSON (UTF-8 CSV readers refused it)
             if r["error"]:
-                writer.writerow([path, "", "", "", "", f"{r['error']['message']} ({r['error']['code']})"])
+                writer.writerow([path, "", "", "", "", _cell(f"{r['error']['message']} ({r['error']['code']})")])
             for rank, p in enumerate(r["predictions"], 1):
                 writer.writerow([path, rank, p["label"], p["index"], f"{p['probability']:.6f}", ""])
             return buf.getvalue()
