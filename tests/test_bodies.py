@@ -298,6 +298,19 @@ def test_tiny_chunks_after_ordinary_ones_are_a_400_too_and_healthz_is_not_held(s
         assert time.monotonic() - start < 8.0
 
 
+@pytest.mark.parametrize("size", [LIMIT + 1, 2**80])
+def test_a_chunk_declared_over_the_limit_is_a_413_at_once(srv, size):
+    """Found by fresh-user tryouts: a chunk size line of 2^80 bytes, then a stall, got 408 when the body timeout
+    ran out (30 s by default), where a Content-Length as large is a 413 at once. The size line decides it."""
+    with connect(srv) as sock:
+        start = time.monotonic()
+        sock.sendall(head(chunked=True) + b"%x\r\n" % size + b"abc")  # and nothing more
+        status, data = read_answer(sock, BODY_TIMEOUT + 5)
+        assert status == 413 and b'"too_large"' in data and f"the limit is {LIMIT:,}".encode() in data, data[:600]
+        assert time.monotonic() - start < BODY_TIMEOUT  # not the 408 of a stalled body
+        assert b"Connection: close" in data
+
+
 def _send_quietly(sock: socket.socket, data: bytes) -> None:
     """``sock.sendall(data)``, where the server may close before it has all of it."""
     try:

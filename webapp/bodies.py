@@ -18,7 +18,8 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   default), and logged the stalled one as cut although its 408 had gone out.
 - A chunked body gunicorn cannot de-chunk (a bad chunk size, extension or trailer, no CRLF after a
   chunk, cut off before its last chunk), or one of tiny chunks (``_counted``), is the client's error:
-  ``400 bad_request``, connection closed.
+  ``400 bad_request``, connection closed. A chunk whose size line is over the upload limit is a 413 as soon
+  as that line is read (``_bounded``), as a Content-Length over it is.
 - A refused request whose body was not read to its end is answered at once, with the connection
   closed after the answer. Only then is what is left of the body read and discarded, bounded in
   bytes and seconds (``DRAIN_BYTES``, ``DRAIN_SECONDS``), so a client still sending reads the
@@ -39,7 +40,7 @@ from gunicorn.http.errors import NoMoreData, ParseException
 
 from . import balance
 from .concurrency import let_others_run, time_limit
-from .errors import BadRequest, BodyTimeout, NotReady
+from .errors import BadRequest, BodyTimeout, NotReady, TooLarge
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class GuardedInput:
             data = fn(*args)
         except TimeoutError:  # refused before its end: the connection closes after the 408, drained (below)
             raise BodyTimeout.after(self.idle_s) from None
+        except ChunkOverLimit as exc:  # a chunk declared larger than the whole limit: 413 now, as a Content-Length
+            self.cut_short = True
+            raise TooLarge.body(exc.limit, exc.size) from None
         except (ParseException, NoMoreData) as exc:  # gunicorn's de-chunking: the client's error, never a 500
             # Where a next request would start is unknown: close. A client still sending is drained from the
             # socket after its 400 (closing with bytes unread resets the connection, and it may lose the answer).
@@ -228,6 +232,26 @@ def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_
     return False, read
 
 
+class ChunkOverLimit(ParseException):
+    """A chunk whose size line declares more than ``limit`` bytes, the whole body's limit (``MAX_UPLOAD_BYTES``)."""
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"a chunk of {size:,} bytes")
+        self.size, self.limit = size, limit
+
+
+def _bounded(parse_chunk_size, limit: int):
+    """gunicorn's ``ChunkedReader.parse_chunk_size`` (-> ``(size, rest)``), raising ``ChunkOverLimit`` for a chunk over
+    ``limit`` bytes as soon as its size line is read: it waited for the bytes (a stalled client: the body timeout,
+    30 s) where a Content-Length as large gets its 413 at once (tryout24)."""
+    def parse(unreader, data=None):
+        size, rest = parse_chunk_size(unreader, data)
+        if size > limit:
+            raise ChunkOverLimit(size, limit)
+        return size, rest
+    return parse
+
+
 class TinyChunks(ParseException):
     """A chunked body of tiny chunks (``CHUNKS_JUDGED``, ``MIN_MEAN_PIECE``): ``pieces`` pieces, ``nbytes`` bytes."""
 
@@ -286,8 +310,9 @@ class _Answered:
                 self.body.close()
 
 
-def guard_bodies(wsgi_app, *, idle_s: float):
-    """Wrap ``wsgi_app`` (a WSGI callable) as the module docstring says; returns the new WSGI callable."""
+def guard_bodies(wsgi_app, *, idle_s: float, max_bytes: int | None = None):
+    """Wrap ``wsgi_app`` (a WSGI callable) as the module docstring says (``idle_s``: the body timeout, s; ``max_bytes``:
+    the upload limit, which one chunk of a chunked body may not declare more than); returns the new WSGI callable."""
 
     def app(environ, start_response):
         sock = environ.get("gunicorn.socket")
@@ -305,6 +330,8 @@ def guard_bodies(wsgi_app, *, idle_s: float):
         reader = getattr(environ["wsgi.input"], "reader", None)  # gunicorn's Body: its ChunkedReader, if chunked
         if chunked and getattr(reader, "parser", None) is not None:
             reader.parser = _counted(reader.parser)
+            if max_bytes and hasattr(reader, "parse_chunk_size"):  # looked up on the reader at each chunk
+                reader.parse_chunk_size = _bounded(reader.parse_chunk_size, max_bytes)
         guarded = GuardedInput(environ["wsgi.input"], sock=sock, expect_continue=expect,
                                content_length=None if chunked or unknown else int(length or 0), idle_s=idle_s)
         environ["wsgi.input"] = guarded
