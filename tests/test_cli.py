@@ -488,6 +488,18 @@ def test_symlinked_folders_in_a_folder_are_walked_and_a_loop_ends(tmp_path):
     assert skipped == [] and all(error is None for _, _, error in items)
 
 
+def test_a_photo_named_as_a_format_not_read_is_read_where_its_bytes_are_one(tmp_path):
+    """Found by a fresh-user tryout: a JPEG saved as ``.heic`` was skipped in a folder by its name alone ("HEIC is
+    not a format read here"), though named on the command line it was classified. Its first bytes decide."""
+    (tmp_path / "jpeg.heic").write_bytes(b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + bytes(100))
+    (tmp_path / "real.heic").write_bytes(b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(100))
+    (tmp_path / "empty.cr2").write_bytes(b"")
+    items, skipped = files.collect_files([str(tmp_path)])
+    assert [shown for shown, _, _ in items] == [str(tmp_path / "jpeg.heic")]
+    assert [(shown, why.split(" is not")[0]) for shown, why in skipped] == [
+        (str(tmp_path / "empty.cr2"), "skipped: RAW (Canon)"), (str(tmp_path / "real.heic"), "skipped: HEIC")]
+
+
 def test_every_symlink_is_its_own_row_and_a_path_found_twice_is_one(tmp_path):
     """A dataset's class folders of symlinks into one pool: 45 links to 9 photos gave 9 rows, the other paths
     left out without a word (the files were de-duplicated by their resolved target)."""

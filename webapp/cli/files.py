@@ -37,9 +37,22 @@ def shown_path(arg: str, inside: Path | None = None) -> str:
 
 
 def why_skipped(path: Path) -> str | None:
-    """Why a photo file in a folder is not read (HEIC, RAW: formats the decoder does not take), else None."""
+    """Why a photo file in a folder is not read (HEIC, RAW: formats the decoder does not take, by its name), else
+    None. The walk reads one so named anyway where its first bytes are a format read here (``read_anyway``)."""
     kind = UNREADABLE_PHOTOS.get(path.suffix.lower())
     return f"skipped: {kind} is not a format read here ({FORMAT_NAMES}); convert it to JPEG first" if kind else None
+
+
+def read_anyway(path: Path) -> bool:
+    """True where a file named as a format not read here (``UNREADABLE_PHOTOS``) starts as one that is: an app's JPEG
+    saved as ``.heic`` was skipped by its name (tryout24), though named on the command line it was classified."""
+    from ..formats import claimed_format
+
+    try:
+        with open(path, "rb") as f:
+            return claimed_format(f.read(64)) is not None
+    except OSError:
+        return False
 
 
 def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[Item], list[Skipped]]:
@@ -90,7 +103,10 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
                     file = Path(folder) / name
                     shown = shown_path(arg, file.relative_to(path))
                     why = unreadable(file)
-                    if not all_files and (name.startswith(".") or file.suffix.lower() not in IMAGE_SUFFIXES):
+                    suffix = file.suffix.lower()
+                    taken = all_files or not name.startswith(".") and (
+                        suffix in IMAGE_SUFFIXES or suffix in UNREADABLE_PHOTOS and why is None and read_anyway(file))
+                    if not taken:
                         photo = None if name.startswith(".") else why_skipped(file)
                         if photo or why is None:  # a HEIC/RAW photo, or a file --all-files would try
                             skipped.append((shown, photo))
