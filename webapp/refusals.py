@@ -46,7 +46,6 @@ _HELD: dict[int, tuple] = {}
 _LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
 
 
-
 @contextmanager
 def refusing(req, client, addr, exc: BaseException, glog):
     """Around gunicorn's ``Worker.handle_error(req, client, addr, exc)``: what ``write_json_error`` needs of the refused

@@ -141,7 +141,7 @@ def request_topk(request, default: int) -> int:
 ORIGINAL_FIELDS = ("original_width", "original_height", "original_format", "original_bytes")
 # The multipart fields read as text: ``topk`` and the ``original_*`` ones.
 TEXT_FIELDS = ("topk", *ORIGINAL_FIELDS)
-_EXAMPLES = dict(topk="5", original_width="4032", original_height="3024", original_format="JPEG", original_bytes="3250")
+_SAMPLE = dict(topk="5", original_width="4032", original_height="3024", original_format="JPEG", original_bytes="3250000")
 
 
 def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
@@ -377,7 +377,7 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         if misplaced := [f for f in TEXT_FIELDS if f in request.files]:
             field = misplaced[0]  # an example value, never "<value>": curl reads "<x" as the file x (tryout24)
             raise BadRequest(f"{field} arrived as a file part (its part has a filename, as curl -F '{field}=@file' "
-                             f"sends it); send it as a text field: curl -F '{field}={_EXAMPLES[field]}', or "
+                             f"sends it); send it as a text field: curl -F '{field}={_SAMPLE[field]}', or "
                              f"-F '{field}=<file'")
         originals = read_originals(request.form, len(parts))
         return [Upload(_clean_name(_part_name(p)), _part_bytes(p), o) for p, o in zip(parts, originals)]
