@@ -141,7 +141,7 @@ def request_topk(request, default: int) -> int:
 ORIGINAL_FIELDS = ("original_width", "original_height", "original_format", "original_bytes")
 # The multipart fields read as text: ``topk`` and the ``original_*`` ones.
 TEXT_FIELDS = ("topk", *ORIGINAL_FIELDS)
-_SAMPLE = dict(topk="5", original_width="4000", original_height="3000", original_format="JPEG", original_bytes="3250000")
+_SAMPLE = dict(topk="5", original_width="4000", original_height="3000", original_format="PNG", original_bytes="3250000")
 
 
 def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
