@@ -57,6 +57,15 @@ def test_a_doubled_slash_is_a_404_not_a_redirect(client, path):
     assert error["code"] == "not_found" if isinstance(error, dict) else error.startswith("not_found: ")
 
 
+@pytest.mark.parametrize("field", ["original_width", "original_bytes"])
+def test_an_original_field_in_the_query_is_a_400(client, field):
+    """Found by a fresh-user tryout: ``?original_width=4000`` was ignored without a word (it is a form field)."""
+    resp = client.post(f"/api/v1/predict?{field}=4000", data={"file": (io.BytesIO(small_png()), "a.png")})
+    error = resp.get_json()["error"]
+    assert resp.status_code == 400 and error["code"] == "bad_request"
+    assert error["message"].startswith(f"{field} is a multipart form field, not a query parameter")
+
+
 def test_predict_raw_body_and_topk(client):
     resp = client.post("/api/v1/predict?topk=7", data=small_png(), content_type="image/png")
     assert resp.status_code == 200
