@@ -46,6 +46,15 @@ def _check_flags() -> None:
                 lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: gunicorn {flag} {value}: {exc}")
             if name == "workers":
                 _flags["workers"] = trial.workers
+                if trial.workers < 1:
+                    _no_workers(trial.workers)
+
+
+def _no_workers(workers: int) -> None:
+    """gunicorn takes ``-w 0``: a master that never starts a worker, every request 503 for ever (tryout25)."""
+    lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: gunicorn -w {workers} starts no worker, so "
+                       f"nothing would ever answer; give -w 1 or more, or leave -w out (the plan picks the count: "
+                       f"{settings.PREFIX}WORKERS=0)")
 
 
 _flags: dict = {}  # gunicorn flags given on its command line that this file must know of (-w)
@@ -123,6 +132,8 @@ def _clear_metrics_dir() -> str | None:
 # -- hooks -----------------------------------------------------------------------------------------
 def on_starting(server):
     """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
+    if server.cfg.workers < 1:  # -w 0 from GUNICORN_CMD_ARGS (the command line's is refused as it is read)
+        _no_workers(server.cfg.workers)
     if server.cfg.bind != bind:  # gunicorn's -b (or GUNICORN_CMD_ARGS, serve -- -b) wins over the setting: say so
         server.log.warning("-b %s overrides %sBIND=%s (serve --bind)", " -b ".join(server.cfg.bind), settings.PREFIX,
                            _s.BIND)

@@ -533,6 +533,18 @@ def test_a_gunicorn_flag_value_gunicorn_refuses_is_one_line_and_exit_2(tmp_path,
 
 @pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
+def test_no_worker_is_one_line_and_exit_2(tmp_path, launcher):
+    """Found by a fresh-user tryout: ``serve -- -w 0`` started a master that never started a worker: every request
+    503 not_ready ("a first start compiles it"), /healthz 200 starting, for ever."""
+    argv = GUNICORN + ["-w", "0"] if launcher == "gunicorn" else SERVE + ["--", "-w", "0"]
+    code, lines, temp = run_to_end(tmp_path, "noworker", argv, timeout=60)
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names="gunicorn -w 0 starts no worker",
+                        most=1)
+    assert "give -w 1 or more, or leave -w out" in lines[-1]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 @pytest.mark.parametrize("how", ["setting", "flag"])
 def test_more_workers_than_memory_holds_is_one_line_and_exit_2(tmp_path, launcher, how):
     """Found by a fresh-user tryout: CLASSIFIER_WORKERS=1000 on a 2-core, 24 GB box was accepted, and 400
