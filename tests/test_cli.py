@@ -954,6 +954,26 @@ def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_text():
             assert [r["path"] for r in json.loads(out.getvalue())] == names + ["=e.jpg"]
 
 
+def test_a_csv_cell_with_a_carriage_return_is_quoted():
+    """Found by a fresh-user tryout: a file named "cr\\rret.jpg" was written unquoted (lines end in "\\n", so the
+    csv module quoted "\\n" but not "\\r"), and csv and pandas read its row as two."""
+    import io as _io
+
+    from webapp.cli.output import ResultStream
+
+    results = [{"path": "cr\rret.jpg", "predictions": [{"label": "tabby", "index": 281, "probability": 0.5}],
+                "error": None},
+               {"path": "e.jpg", "predictions": [], "error": {"code": "x", "message": "a\rb"}},
+               {"path": "plain.jpg", "predictions": [{"label": "tabby", "index": 281, "probability": 0.5}], "error": None}]
+    out = _io.StringIO()
+    stream = ResultStream("csv", 3, [r["path"] for r in results], out)
+    assert all(stream.put(i, r) for i, r in enumerate(results)) and stream.close()
+    rows = list(csv.DictReader(_io.StringIO(out.getvalue(), newline="")))
+    assert [(r["path"], r["rank"], r["error"]) for r in rows] == [("cr\rret.jpg", "1", ""), ("e.jpg", "", "a\rb (x)"),
+                                                                   ("plain.jpg", "1", "")]
+    assert out.getvalue().splitlines()[-1] == "plain.jpg,1,tabby,281,0.500000,"  # others quoted as before: minimal
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_output_that_cannot_be_written_is_one_line_not_a_traceback():
     """``classify ... > /dev/full``: a traceback and exit 1, as if files had failed (tryout17). Now one line, and

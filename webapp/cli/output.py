@@ -66,10 +66,14 @@ class ResultStream:
             return ("\n " if self.next == 0 else ",\n ") + text
         if self.fmt == "csv":
             buf = io.StringIO()
-            writer = csv.writer(buf, lineterminator="\n")
             path = _cell(_unicode(r["path"]))  # not UTF-8: \xNN, as in JSON (UTF-8 CSV readers refused it)
+            error = _cell(f"{r['error']['message']} ({r['error']['code']})") if r["error"] else ""
+            # Lines end in "\n", so the csv module quotes a field with "\n" but not one with "\r", which readers
+            # (csv, pandas) take for a line end: a file named "cr\rret.jpg" split its row in two (tryout25).
+            writer = csv.writer(buf, lineterminator="\n", quoting=csv.QUOTE_ALL if "\r" in path + error else
+                                csv.QUOTE_MINIMAL)
             if r["error"]:
-                writer.writerow([path, "", "", "", "", _cell(f"{r['error']['message']} ({r['error']['code']})")])
+                writer.writerow([path, "", "", "", "", error])
             for rank, p in enumerate(r["predictions"], 1):
                 writer.writerow([path, rank, p["label"], p["index"], f"{p['probability']:.6f}", ""])
             return buf.getvalue()
