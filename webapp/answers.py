@@ -9,7 +9,7 @@ import time
 
 from .batcher import Result
 from .contract import Upload
-from .errors import BadRequest
+from .errors import BadRequest, TooLarge
 from .imaging import Prepared, limited_size
 from .models import encode
 
@@ -49,16 +49,18 @@ def answer(model: dict, categories: list[str], uploads: list[Upload], prepared: 
     }
 
 
-def check_originals(uploads: list[Upload], prepared: list[Prepared]) -> None:
+def check_originals(uploads: list[Upload], prepared: list[Prepared], max_pixels: int | None = None) -> None:
     """Refuse ``original_*`` fields that cannot describe the copy received: a client scales a photo down before
     upload (``static/scale.js``, ``classify --server``: the short side to ``send_short_side``, of a strip over 2:1
     its central 2:1 only), so the copy is never wider or taller than its original (both upright, px; one pixel
     of rounding allowed), and has its shape: the original's width to height (a strip over 2:1: its own or its
     central 2:1's), each side within two pixels of rounding. Such values were reported as the photo's without a
-    word (a portrait 3024x4032 original beside a landscape 768x576 copy too: tryout22).
+    word (a portrait 3024x4032 original beside a landscape 768x576 copy too: tryout22). And the photo is the
+    original: one over ``max_pixels`` (``MAX_PIXELS``) is refused as it is sent whole (the page classified an 85 MP
+    photo it had scaled, which curl and ``classify --server`` got 413 for: tryout25).
 
     :raises BadRequest: the first upload whose original is smaller than what arrived, or of another shape (400,
-        naming it).
+        naming it). :raises TooLarge: the first whose original, fit otherwise, is over ``max_pixels`` (413).
     """
     for up, p in zip(uploads, prepared, strict=True):
         o = up.original
@@ -73,3 +75,7 @@ def check_originals(uploads: list[Upload], prepared: list[Prepared]) -> None:
         if all(abs(w * oh - h * ow) > 2 * (ow + oh) for ow, oh in shapes):
             raise BadRequest(f"{say}, not the shape of the {w}x{h} photo received (a scaled copy keeps its "
                              f"original's width to height, of a strip over 2:1 its central 2:1's); both upright, in px")
+        if max_pixels is not None and o.width * o.height > max_pixels:  # the message a whole upload would get
+            raise TooLarge(f"{up.name}: {o.width}x{o.height} is {o.width * o.height:,} pixels; the limit is "
+                           f"{max_pixels:,} (CLASSIFIER_MAX_PIXELS; original_width x original_height: the photo "
+                           f"before the client scaled it)")

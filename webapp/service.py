@@ -297,7 +297,7 @@ class Classifier:
                     raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S, _formats(uploads)) from None
                 self.admission.decoded(job, size, ms)
                 prepared.append(p)
-            check_originals(uploads, prepared)  # a client's impossible original_*: 400 before the forward pass
+            check_originals(uploads, prepared, s.MAX_PIXELS)  # impossible original_* (400), or too big (413)
             decode_ms = (time.perf_counter() - start) * 1e3
             if gone is not None and gone():
                 raise ClientGone.before("its photos were queued")

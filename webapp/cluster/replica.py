@@ -81,7 +81,7 @@ class ModelReplica:
         for item in done:  # the first bad upload in request order, as the gunicorn app reports it
             if isinstance(item, BaseException):
                 raise item
-        check_originals(uploads, list(done))
+        check_originals(uploads, list(done), s.MAX_PIXELS)
         decode_ms = (time.perf_counter() - start) * 1e3
         try:
             outcomes = await asyncio.wait_for(
