@@ -247,6 +247,31 @@ def test_counts_add_up_across_gunicorn_workers(server):
     assert dict(info[0])["model"] == "resnet18_seeded" and info[1] == 1
 
 
+@pytest.mark.server
+def test_requests_gunicorn_refuses_are_counted(server):
+    """Found by a fresh-user tryout: a 414 (a 9,000-byte path), a 431 (a 9,000-byte header) or a 400 gunicorn
+    answers itself was in the access log but not in /metrics, so a flood of malformed requests did not show."""
+    import socket
+
+    def raw(request: bytes) -> None:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(request)
+            while sock.recv(65536):  # to the end of its answer: the connection closes after it
+                pass
+
+    def refused(samples) -> Counter:
+        return by_status(matching(samples, "classifier_http_requests_total", endpoint="(unparsed)"))
+
+    before = refused(parse(requests.get(server.url + "/metrics", timeout=10).text))
+    raw(b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 9000 + b"\r\n\r\n")
+    raw(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+    samples = parse(requests.get(server.url + "/metrics", timeout=10).text)
+    assert diff(refused(samples), before) == {"414": 1, "431": 1, "400": 1}
+    assert value(samples, "classifier_http_requests_total", endpoint="(unparsed)", status=400,
+                 code="bad_request") >= 1
+
+
 def test_rechecked_images_are_counted(app, client):
     """int8's and bf16's close calls that fp32 answered (``Engine.rechecked``) reach ``/metrics`` and
     ``/healthz``: here a second engine of the same (seeded) model rechecks every row (100 points: every margin

@@ -13,8 +13,9 @@ nothing of Prometheus):
 
 - ``classifier_http_requests_total`` and ``classifier_http_request_duration_seconds``, by
   ``endpoint`` (the route, e.g. ``/api/v1/predict``, a 405 under the route it asked; ``unmatched``
-  for a path no route has, so the label's values stay the routes), ``method`` (``other`` for a
-  method HTTP does not define, likewise) and ``status``;
+  for a path no route has, so the label's values stay the routes; ``(unparsed)`` for a request gunicorn
+  refused before routing, counted only), ``method`` (``other`` for a method HTTP does not define, likewise)
+  and ``status``;
 - per classified image: ``classifier_queue_wait_seconds``, ``classifier_batch_size`` (the size of
   the batch the image ran in) and ``classifier_inference_seconds`` (that batch's forward pass).
   From the batcher's ``Result`` of each image, which the classifier reports to ``on_outcomes``
@@ -53,6 +54,7 @@ def multiprocess_mode() -> bool:
 
 
 MASTER_ENDPOINT = "(master)"  # the endpoint label of gunicorn's master's own answers (webapp/responder.py)
+UNPARSED_ENDPOINT = "(unparsed)"  # that of requests gunicorn refused before routing (webapp/refusals.py)
 
 
 def http_metrics(registry: CollectorRegistry) -> tuple[Counter, Histogram]:
@@ -190,6 +192,10 @@ def init_metrics(app: Flask, settings) -> Metrics | None:
     app.extensions["metrics"] = metrics
     classifier = app.extensions["classifier"]
     classifier.on_outcomes = metrics.observe_results  # exact per-image values, from every view (API and page)
+    from . import refusals  # requests gunicorn refused before the app saw them (a header it cannot parse, 414, 431)
+
+    refusals.on_refusal[:] = [lambda method, status, code: metrics.observe_request(
+        UNPARSED_ENDPOINT, method_label(method or ""), status, None, code)]
 
     @app.after_request
     def count_request(resp):

@@ -11,7 +11,8 @@ HTML page and its own message. Here (``worker.Worker`` installs these):
 - the text access line gunicorn writes before its answer exists (0 bytes, no id) waits for that answer
   (``access_after_answer``), and where gunicorn writes none (no request object: a 417, a lowercase method) one is
   written; with ``ACCESS_LOG=json`` the JSON line, as every request has one;
-- ``ClientFaultsAtInfo`` logs gunicorn's "Invalid request from ip=..." at INFO: the client's fault, not a warning.
+- ``ClientFaultsAtInfo`` logs gunicorn's "Invalid request from ip=..." at INFO: the client's fault, not a warning;
+- ``on_refusal`` tells ``/metrics`` of each (``webapp/metrics.py``: endpoint ``(unparsed)``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from http import HTTPStatus
 from types import SimpleNamespace
+from typing import Callable
 
 from gunicorn import util as gunicorn_util
 from gunicorn.http import message as gunicorn_message
@@ -44,6 +46,8 @@ _REFUSED: dict[int, tuple] = {}
 # held from gunicorn's handle_error (which logs it before the answer exists) until write_json_error has its size and id.
 _HELD: dict[int, tuple] = {}
 _LINE_START = re.compile(rb"^[A-Za-z]+ (/[^ \r\n?]*)")
+# Told (method or None, status, error code) of each refusal answered: webapp/metrics.py counts them (one at most).
+on_refusal: list[Callable[[str | None, int, str], None]] = []
 
 
 @contextmanager
@@ -174,6 +178,11 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
         glog.access(answer, [], {"REMOTE_ADDR": remote or "-", "REQUEST_METHOD": method or "-", "RAW_URI": path or "-",
                                  "SERVER_PROTOCOL": "-", "HTTP_USER_AGENT": agent or "-"}, timedelta(0))
     gunicorn_util.write_nonblock(sock, head + body)
+    for observe in on_refusal:  # /metrics (tryout25: a flood of malformed requests was invisible there)
+        try:
+            observe(method, status_int, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE))
+        except Exception:  # never fail an answer over a metric
+            logging.getLogger(__name__).exception("cannot count a refused request in the metrics")
     if (access := logging.getLogger(ACCESS_LOGGER)).handlers:  # ACCESS_LOG=json: its line, as every request has
         access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
                                              duration_ms=None, size=len(body), remote_addr=remote, query="",
