@@ -152,6 +152,26 @@ def test_bundle_refuses_an_out_that_cannot_be_looked_at_or_made_in_one_line(tmp_
 
 
 @pytest.mark.cli
+@pytest.mark.extended  # bundle's refusals, rare (~6 s each): with `-m extended`
+@pytest.mark.parametrize("empty_folder", [False, True])
+def test_a_failed_download_leaves_nothing_in_the_way_of_a_second_try(tmp_path, empty_folder):
+    """Found by a fresh-user tryout: after pip failed, ``kit/wheels/`` was left, and the same command again was
+    refused ("exists and is not an empty folder", exit 2). What the run made goes; an empty folder given stays."""
+    req = tmp_path / "req.txt"
+    req.write_text("no-such-project-will-ever-be-fetched==1\n")
+    out = tmp_path / "kit"
+    if empty_folder:
+        out.mkdir()
+    for _ in range(2):
+        proc = _bundle(out, req, "--index-url", (tmp_path / "no-index").as_uri())
+        assert proc.returncode == 1 and "error: pip download failed" in proc.stderr, proc.stderr
+        assert (sorted(out.iterdir()) == []) if empty_folder else not out.exists()
+    (tmp_path / "a-file").write_text("x")
+    proc = _bundle(tmp_path / "a-file", req)
+    assert proc.returncode == 2 and "exists and is not a folder" in proc.stderr, proc.stderr
+
+
+@pytest.mark.cli
 @pytest.mark.parametrize("weights, words", [
     ("missing.pth", "does not exist or is not a file. Put a copy of https://download.pytorch.org/models/"
                     "resnet18-f37072fd.pth there, or unset CLASSIFIER_WEIGHTS to bundle without it."),

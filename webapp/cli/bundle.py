@@ -19,6 +19,7 @@ Progress and the size summary go to stderr; stdout gets the kit's path (and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -163,6 +164,15 @@ def _copy(src: Path, dest: Path, mode: int | None = None) -> None:
     os.chmod(dest, mode if mode is not None else 0o644)
 
 
+def _remove_partial(out: Path, made: bool) -> None:
+    """After a failed download: remove what this run put in ``out`` (its ``wheels``), and ``out`` itself where it
+    made it, so that the same command can be run again (a left folder was refused as not empty: tryout25)."""
+    shutil.rmtree(out / "wheels", ignore_errors=True)
+    if made:
+        with contextlib.suppress(OSError):
+            out.rmdir()
+
+
 def cmd_bundle(args: argparse.Namespace) -> int:
     """``bundle``: build the kit in ``--out`` (and ``--out``.tar with ``--tar``).
 
@@ -184,8 +194,10 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     try:
         what = kind(out)  # raises Unusable: a name too long, a folder on the way not searchable
         if what is not None and (what != "folder" or any(out.iterdir())):
-            err(f"error: {out} exists and is not an empty folder; give a new one")
+            err(f"error: {out} exists and is {'not an empty folder' if what == 'folder' else 'not a folder'}; give "
+                f"a new one")
             return EXIT_USAGE
+        made = what is None  # what a failure removes again: the folder, or what was put in the empty one
         (out / "wheels").mkdir(parents=True)
     except OSError as exc:  # or it cannot be made: read-only, no permission...
         err(f"error: --out: {out}: {reason(exc)}")
@@ -208,11 +220,13 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         for line in tail:
             err(line)
         err(f"error: pip download failed (exit {proc.returncode}): {' '.join(cmd)}")
+        _remove_partial(out, made)
         return EXIT_FAILED
     try:
         wheels = kit.wheels_in(wheels_dir)
     except ValueError as exc:
         err(f"error: {exc}")
+        _remove_partial(out, made)
         return EXIT_FAILED
 
     err("[2/5] copying the service's source ...")
