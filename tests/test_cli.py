@@ -974,6 +974,17 @@ def test_a_csv_cell_with_a_carriage_return_is_quoted():
     assert out.getvalue().splitlines()[-1] == "plain.jpg,1,tabby,281,0.500000,"  # others quoted as before: minimal
 
 
+@pytest.mark.cli
+def test_a_name_the_outputs_encoding_cannot_hold_is_escaped_not_a_traceback(tmp_path):
+    """Found by a fresh-user tryout: with an ASCII standard output (PYTHONIOENCODING=ascii, a C locale) a file named
+    "émoji😀.jpg" ended the run in a UnicodeEncodeError traceback, exit 1. It is written escaped."""
+    (tmp_path / "émoji😀.jpg").write_bytes(b"not a photo")
+    out = run_cli("classify", str(tmp_path), "-q", env=clean_env(PYTHONIOENCODING="ascii", CLASSIFIER_COMPILE=0,
+                                                                     CLASSIFIER_MODEL="resnet18_seeded"))
+    assert "Traceback" not in out.stderr and out.returncode == 1, out.stderr  # 1: the file failed, as it does
+    assert "\\xe9moji\\U0001f600.jpg" in out.stdout and "unsupported_media_type" in out.stdout, out.stdout
+
+
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_output_that_cannot_be_written_is_one_line_not_a_traceback():
     """``classify ... > /dev/full``: a traceback and exit 1, as if files had failed (tryout17). Now one line, and

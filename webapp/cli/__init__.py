@@ -26,6 +26,7 @@ it when they run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from ..settings import SettingsError
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     execs gunicorn.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    for stream in (sys.stdout, sys.stderr):  # a name the output's encoding cannot hold (PYTHONIOENCODING=ascii, a
+        with contextlib.suppress(AttributeError, ValueError):  # C locale) is escaped, not a traceback (tryout25)
+            stream.reconfigure(errors="backslashreplace")
     extra: list[str] = []
     if argv[:1] == ["serve"] and "--" in argv:  # serve ... -- <gunicorn args>
         cut = argv.index("--")
