@@ -879,6 +879,22 @@ def test_classify_exit_status_table(case, expected, photos, tmp_path, no_classif
         assert err.startswith("error: cannot start the model: ") and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("fmt, printed", [("json", "[]\n"), ("csv", "path,rank,label,index,probability,error\n")])
+def test_ctrl_c_while_the_model_starts_still_prints_a_whole_empty_output(no_classifier_env, monkeypatch, capsys,
+                                                                        fmt, printed):
+    """Found by a fresh-user tryout: Ctrl-C while "starting the model" left standard output empty, where
+    ``--format json`` promises a whole list however the run ends: it is ``[]``."""
+    from webapp import service
+
+    def interrupted(self, heartbeat=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(service.Classifier, "start", interrupted)
+    assert cli.main(["classify", "-q", "-f", fmt, str(SHARED_IMAGES / "dog.jpg")]) == 130
+    out = capsys.readouterr()
+    assert out.out == printed and out.err == "interrupted\n", out
+
+
 def test_classify_interrupted_exits_130(no_classifier_env, monkeypatch, capsys):
     from webapp.cli import classify
 

@@ -206,6 +206,9 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     except StartupError as exc:  # weights missing or damaged, a failed self-test: configuration
         err(f"error: cannot start the model: {exc}")
         return EXIT_USAGE
+    except KeyboardInterrupt:  # before any row: still a whole (empty) list, table or CSV, as later (tryout25)
+        ResultStream(args.format or "table", topk, []).close()
+        raise
     model = classifier.describe()
     if model.get("note") and logging.getLogger("webapp").level > logging.WARNING:  # else the service said it
         err(f"warning: {model['note']}")
