@@ -754,7 +754,7 @@ def test_info(no_classifier_env, capsys):
     text = capsys.readouterr().out
     assert "precision" in text and "plan" in text and "hub cache" in text
     assert info["precision"]["recheck_pts"] == {"bf16": 1.0, "int8": 3.0}
-    assert ("answered by fp32: bf16's with its top two under 1 points apart (CLASSIFIER_BF16_RECHECK_PTS), int8's "
+    assert ("answered by fp32: bf16's with its top two under 1 point apart (CLASSIFIER_BF16_RECHECK_PTS), int8's "
             "with its top two under 3 points apart (CLASSIFIER_INT8_RECHECK_PTS)") in text
 
 

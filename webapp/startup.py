@@ -320,10 +320,10 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
         pts = recheck[1]
         from .settings import PREFIX
 
-        reason += (f"; close calls (top two under {pts:g} points apart) answered by fp32 "
+        reason += (f"; close calls (top two under {pts:g} point{'' if pts == 1 else 's'} apart) answered by fp32 "
                    f"({PREFIX}{precision.upper()}_RECHECK_PTS)")
     # Each worker says this: the reason short (a model's bf16_auto_off runs to 400 characters with its figures).
-    log.info("model %s (%s), %s (%s), compile=%s, %d intra-op threads, cores %s: warming up batches up to %d",
+    log.info("model %s (%s), %s (%s), compile=%s, intra-op threads %d, cores %s: warming up batches up to %d",
              model.name, model.weights, precision,
              textwrap.shorten(reason, 160, placeholder=" ... (whole: /healthz, python -m webapp info)"),
              settings.COMPILE, threads,

@@ -166,7 +166,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     for name, m in p["by_model"].items():
         rows.append((f"  {name}", f"{m['precision']} ({m['reason']})"))
     rows.append(("  close calls", "answered by fp32: " + ", ".join(
-        (f"{k}'s with its top two under {v:g} points apart" if v > 0 else f"none of {k}'s")
+        (f"{k}'s with its top two under {v:g} point{'' if v == 1 else 's'} apart" if v > 0 else f"none of {k}'s")
         + f" ({settings_mod.PREFIX}{k.upper()}_RECHECK_PTS)" for k, v in p["recheck_pts"].items())
         + "; with trained weights only"))
     rows += [
