@@ -306,7 +306,7 @@ def load_engine(settings, *, status: Callable[[str], None] = lambda _: None,
     cache = use_cache_dir(settings)
     precision, reason = choose_engine_precision(settings, model, transform, cache=cache, threads=threads)
     photos, calib_id = calibration(settings, transform) if precision == "int8" else (None, "none")
-    status("compiling" if settings.COMPILE else "warming up")  # the engine says "loading ..." on a warm cache
+    # The engine tells status "compiling", or "loading compiled model" where the cache holds its packages.
     engine = Engine(model.module, input_size=model.preprocessing.crop, compile=settings.COMPILE,
                     precision=precision, calibration=photos,
                     reduce_range=choose_reduce_range(settings.INT8_REDUCE_RANGE),

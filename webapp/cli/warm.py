@@ -97,7 +97,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     added = {k: v for k, v in after.items() if before.get(k) != v}
     e = started.engine
     print(f"model {started.model.name}, {e.precision} ({started.precision_reason}), backend {e.backend}, "
-          f"{started.threads} intra-op threads, batch 1..{s.MAX_BATCH_SIZE} warmed in {took:.1f} s")
+          f"intra-op threads {started.threads}, batch 1..{s.MAX_BATCH_SIZE} warmed in {took:.1f} s")
     if "passed" in test:
         print(f"self-test: {'passed' if test['passed'] else 'FAILED'} (top 3 of {test['photo']}: "
               f"{', '.join(test['top3'])})")
