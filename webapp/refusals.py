@@ -73,16 +73,23 @@ def _request_header(req, exc: BaseException, name: str) -> str | None:
         for key, value in getattr(candidate, "headers", None) or ():
             if isinstance(key, str) and key.upper() == name.upper():
                 return value
-    tb = exc.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame  # gunicorn's parse_headers: "lines", the header lines as str
-        lines = frame.f_locals.get("lines") if frame.f_code.co_filename == gunicorn_message.__file__ else None
+    for local in _parser_frames(exc):
+        lines = local.get("lines")  # parse_headers: the header lines, as str
         for line in lines if isinstance(lines, list) else ():
             key, colon, value = str(line).partition(":")
             if colon and key.strip().upper() == name.upper():
                 return value.strip()
-        tb = tb.tb_next
     return None
+
+
+def _parser_frames(exc: BaseException):
+    """The local variables of each frame of gunicorn's parser (``gunicorn.http.message``) in ``exc``'s traceback,
+    outer frames first: what it had read of the request when it refused it."""
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == gunicorn_message.__file__:
+            yield tb.tb_frame.f_locals
+        tb = tb.tb_next
 
 
 def _request_path(req, exc: BaseException) -> str | None:
@@ -92,16 +99,12 @@ def _request_path(req, exc: BaseException) -> str | None:
     for candidate in (req, getattr(exc, "req", None)):
         if isinstance(getattr(candidate, "path", None), str):
             return candidate.path
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == gunicorn_message.__file__:  # gunicorn's parser, outer frames first
-            local = tb.tb_frame.f_locals
-            owner, line = local.get("self"), local.get("data")
-            if isinstance(owner, gunicorn_message.Request) and isinstance(getattr(owner, "path", None), str):
-                return owner.path
-            if isinstance(line, (bytes, bytearray)) and (m := _LINE_START.match(bytes(line[:512]))):
-                return m.group(1).decode("latin-1")  # read_line: the request line, too long to parse
-        tb = tb.tb_next
+    for local in _parser_frames(exc):
+        owner, line = local.get("self"), local.get("data")
+        if isinstance(owner, gunicorn_message.Request) and isinstance(getattr(owner, "path", None), str):
+            return owner.path
+        if isinstance(line, (bytes, bytearray)) and (m := _LINE_START.match(bytes(line[:512]))):
+            return m.group(1).decode("latin-1")  # read_line: the request line, too long to parse
     return None
 
 
