@@ -28,33 +28,16 @@ except settings.SettingsError as exc:
 
 
 def _check_flags() -> None:
-    """A gunicorn flag with a value gunicorn refuses (``--timeout -5``) is a bad setting: one line and exit 2,
-    as the exit table says. gunicorn applies command-line values after reading this file and exits 1 on one
-    it refuses; so they are tried here first, on a Config of their own, with gunicorn's own parser and checks
-    (a flag it cannot parse at all, ``-w abc``, never gets here: argparse exits 2 before this file is read)."""
+    """A gunicorn flag with a value gunicorn refuses (``--timeout -5``, ``-w 0``) is a bad setting: one line and
+    exit 2, as the exit table says (``lifecycle.gunicorn_flags_problem``, which ``serve --dry-run`` asks too; a
+    flag it cannot parse at all, ``-w abc``, never gets here: argparse exits 2 before this file is read)."""
     if not os.path.basename(sys.argv[0]).startswith("gunicorn") and not sys.argv[0].endswith("gunicorn/__main__.py"):
         return  # not gunicorn's command line (a tool reading this file)
-    from gunicorn.config import Config
-
-    trial = Config()
-    for name, value in vars(trial.parser().parse_args(sys.argv[1:])).items():
-        if value is not None and name != "args":
-            try:
-                trial.set(name.lower(), value)
-            except Exception as exc:  # gunicorn's validators raise ValueError/TypeError with its own words
-                flag = next((f for f in trial.settings[name].cli or () if f.startswith("--")), name)
-                lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: gunicorn {flag} {value}: {exc}")
-            if name == "workers":
-                _flags["workers"] = trial.workers
-                if trial.workers < 1:
-                    _no_workers(trial.workers)
-
-
-def _no_workers(workers: int) -> None:
-    """gunicorn takes ``-w 0``: a master that never starts a worker, every request 503 for ever (tryout25)."""
-    lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: gunicorn -w {workers} starts no worker, so "
-                       f"nothing would ever answer; give -w 1 or more, or leave -w out (the plan picks the count: "
-                       f"{settings.PREFIX}WORKERS=0)")
+    problem, workers = lifecycle.gunicorn_flags_problem(sys.argv[1:])
+    if problem:
+        lifecycle.exit_now(lifecycle.EXIT_CONFIG, problem)
+    if workers is not None:
+        _flags["workers"] = workers
 
 
 _flags: dict = {}  # gunicorn flags given on its command line that this file must know of (-w)
@@ -133,7 +116,7 @@ def _clear_metrics_dir() -> str | None:
 def on_starting(server):
     """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
     if server.cfg.workers < 1:  # -w 0 from GUNICORN_CMD_ARGS (the command line's is refused as it is read)
-        _no_workers(server.cfg.workers)
+        lifecycle.exit_now(lifecycle.EXIT_CONFIG, lifecycle.no_workers_problem(server.cfg.workers))
     if server.cfg.bind != bind:  # gunicorn's -b (or GUNICORN_CMD_ARGS, serve -- -b) wins over the setting: say so
         server.log.warning("-b %s overrides %sBIND=%s (serve --bind)", " -b ".join(server.cfg.bind), settings.PREFIX,
                            _s.BIND)

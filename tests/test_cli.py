@@ -162,6 +162,30 @@ def test_dry_run_refuses_the_workers_a_real_start_refuses(no_classifier_env, mon
     assert cli.main(["serve", "--dry-run", "--workers", "2"]) == 0
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["-w", "abc"], "invalid int value: 'abc'"),
+    (["-w", "0"], "gunicorn -w 0 starts no worker"),
+    (["--timeout", "-5"], "gunicorn --timeout -5: Value must be positive"),
+])
+def test_dry_run_refuses_the_gunicorn_flags_a_real_start_refuses(extra, says, no_classifier_env, capsys):
+    """``serve --dry-run -- --bogus-flag`` printed the command and exited 0; the real start exits 2 (tryout25)."""
+    assert cli.main(["serve", "--dry-run", "--", *extra]) == 2
+    out = capsys.readouterr()
+    assert says in out.err and "wsgi:app" not in out.out
+
+
+def test_dry_run_counts_gunicorn_w_against_memory(no_classifier_env, monkeypatch, capsys):
+    """gunicorn's -w wins over the plan in the real start, so the memory check counts it in --dry-run too."""
+    from webapp import cpu
+
+    monkeypatch.setattr(cpu, "available_mb", lambda: 4096)
+    assert cli.main(["serve", "--dry-run", "--", "-w", "500"]) == 2
+    assert "500 workers need at least" in capsys.readouterr().err
+    assert cli.main(["serve", "--dry-run", "--", "-w", "2", "--timeout", "90"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("wsgi:app -w 2 --timeout 90")
+
+
 @pytest.mark.parametrize("command", [["settings"], ["serve", "--cluster", "--dry-run"], ["serve", "--dry-run"]])
 def test_autoscaling_with_min_replicas_above_max_is_refused_by_every_command(command, no_classifier_env, monkeypatch,
                                                                              capsys):
