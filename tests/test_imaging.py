@@ -600,9 +600,9 @@ def test_non_images_are_415_and_named(data, named):
     """The 415 names what was sent where its leading bytes say (with the article as the name is said)."""
     exc = _raises(data, NotAnImage, 415)
     if named:
-        assert f": {named}, which this server cannot decode" in exc.message, exc.message
+        assert f": {named}, which the classifier cannot decode" in exc.message, exc.message
     else:
-        assert "not an image format this server can decode" in exc.message, exc.message
+        assert "not an image format the classifier can decode" in exc.message, exc.message
 
 
 @pytest.mark.parametrize("data,claimed", [
@@ -658,7 +658,7 @@ def test_an_avif_with_avif_among_its_compatible_brands_is_claimed_as_avif():
 @pytest.mark.parametrize("damage", ["SOI's first byte", "SOI", "the marker after SOI", "SOI missing"])
 def test_a_jpeg_whose_start_is_damaged_is_400_damaged_not_415(damage):
     """A JPEG whose first bytes were damaged (its SOI, or the marker after it) or lost (SOI missing, its EXIF block
-    first) was "not an image format this server can decode; send JPEG, ..." (415) to a user who sent a JPEG. It is
+    first) was "not an image format the classifier can decode; send JPEG, ..." (415) to a user who sent a JPEG. It is
     a damaged JPEG: 400, saying what to send; another format or a text file stays 415."""
     whole = shared_image("dog.jpg").read_bytes()
     assert whole[6:11] == b"Exif\x00"
@@ -1248,7 +1248,7 @@ def test_a_jpeg_no_decoder_here_reads_is_415_naming_its_kind(change, said):
         data[sof + 4] = int(change.split()[1]) if " " in change else 8
     with pytest.raises(NotAnImage) as ei:
         decode(bytes(data), max_pixels=BIG, min_side=224)
-    assert ei.value.message.startswith(f"upload: {said}, which this server cannot decode (it reads 8-bit lossy "
+    assert ei.value.message.startswith(f"upload: {said}, which the classifier cannot decode (it reads 8-bit lossy "
                                        f"JPEGs); send it as PNG"), ei.value.message
 
 
@@ -1421,7 +1421,7 @@ def test_a_float_tiff_pillow_cannot_read_is_415_naming_its_samples_not_damaged(d
     identify it, and it was answered "damaged, its header cannot be read" (tryout19). It is a 415 naming its samples,
     as a 12-bit JPEG's is; the one float TIFF Pillow reads (32-bit, one sample) still decodes."""
     arr = np.random.default_rng(0).random(shape).astype(dtype)
-    with pytest.raises(NotAnImage, match=f"a TIFF of {said}, which this server cannot decode"):
+    with pytest.raises(NotAnImage, match=f"a TIFF of {said}, which the classifier cannot decode"):
         decode(_float_tiff(arr), max_pixels=BIG)
     assert decode(_float_tiff(arr[..., 0] if arr.ndim == 3 else arr.astype("<f4")), max_pixels=BIG).size == (8, 8)
 

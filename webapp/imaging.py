@@ -108,14 +108,14 @@ def decode(data: bytes, *, max_pixels: int, name: str = "upload", min_side: int 
         if claimed == "JPEG" and (frame := jpeg_frame(data)) and (kind := frame.undecodable):
             raise _undecodable_jpeg(name, kind) from None
         if claimed == "TIFF" and (kind := tiff_samples(data)):
-            raise NotAnImage(f"{name}: {kind}, which this server cannot decode (it reads integer samples, and "
+            raise NotAnImage(f"{name}: {kind}, which the classifier cannot decode (it reads integer samples, and "
                              f"32-bit float ones with one sample a pixel); send it as a 16-bit TIFF or PNG") from None
         if claimed:
             raise UndecodableImage(f"{name}: the {claimed} data is damaged (starts like {claimed}, but its header "
                                    f"cannot be read); send the file as it was saved, or save it again") from None
         fmt = sniff_format(data)
-        what = (f"{article(fmt)} {fmt} file, which this server cannot decode" if fmt
-                else "not an image format this server can decode")
+        what = (f"{article(fmt)} {fmt} file, which the classifier cannot decode" if fmt
+                else "not an image format the classifier can decode")
         raise NotAnImage(f"{name}: {what}; send {FORMAT_NAMES}") from None
     except Exception as exc:  # Pillow plugins raise assorted errors on malformed headers
         if not _repaired and (fixed := repair.png_mended(data, exc)):  # metadata too large to inflate, a bad CRC
@@ -220,7 +220,7 @@ def _mangled(name: str, data: bytes) -> UndecodableImage | NotAnImage | None:
 
 def _undecodable_jpeg(name: str, kind: str) -> NotAnImage:
     """The 415 for a JPEG of a kind no decoder here reads (``formats.JpegFrame.undecodable``'s words)."""
-    return NotAnImage(f"{name}: {kind}, which this server cannot decode (it reads 8-bit lossy JPEGs); send it as "
+    return NotAnImage(f"{name}: {kind}, which the classifier cannot decode (it reads 8-bit lossy JPEGs); send it as "
                       f"PNG or TIFF (16 bits kept to the model's input), or as an 8-bit JPEG")
 
 
@@ -241,7 +241,7 @@ def _decode_arithmetic(name: str, data: bytes, mode: str) -> Image.Image:
     from torchvision.io import ImageReadMode, decode_jpeg
 
     if mode not in ("L", "RGB"):  # a whole file of a kind no decoder here reads: 415, as a 12-bit JPEG
-        raise NotAnImage(f"{name}: an arithmetic-coded {mode} JPEG, which this server cannot decode; save it "
+        raise NotAnImage(f"{name}: an arithmetic-coded {mode} JPEG, which the classifier cannot decode; save it "
                          f"Huffman-coded (jpegtran -optimize) or as RGB")
     try:
         pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
