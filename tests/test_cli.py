@@ -288,6 +288,17 @@ def test_a_path_that_does_not_exist_is_a_usage_error_in_both_modes(no_classifier
     assert capsys.readouterr().err == f"error: {tmp_path / 'missing.jpg'}: no such file or directory\n"
 
 
+@pytest.mark.parametrize("mode", [[], ["--cluster", "--out", "out.parquet"], ["--server", "http://127.0.0.1:9"]])
+def test_paths_that_are_not_regular_files_are_each_the_error(no_classifier_env, tmp_path, capsys, mode):
+    """``classify /dev/zero`` said "/dev/zero: not a regular file" and then "error: no image files in /dev/zero"
+    (tryout25): where the given paths themselves cannot be had, their lines are the error, as a missing one's is;
+    a folder among them still gets the summary. Nothing is sent or started: exit 2."""
+    assert cli.main(["classify", *mode, "/dev/zero", "/dev/null"]) == 2
+    assert capsys.readouterr().err == "error: /dev/zero: not a regular file\nerror: /dev/null: not a regular file\n"
+    assert cli.main(["classify", *mode, "/dev/zero", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"/dev/zero: not a regular file\nerror: no image files in /dev/zero {tmp_path}\n"
+
+
 LONG = "a" * 300  # a name part over 255 bytes: pathlib's exists()/is_file()/is_dir() raise ENAMETOOLONG for it
 
 

@@ -174,9 +174,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
     items, skipped = collect_files(args.paths, all_files=args.all_files)
     report_skipped(skipped)
     if not any(path for _, path, _ in items):
-        for shown, _, why in items:
-            err(f"{shown}: {why}")
-        no_image_files(args.paths, skipped)
+        no_image_files(args.paths, skipped, [(shown, why) for shown, _, why in items])
         return EXIT_USAGE
     # The service's info lines are for server logs; here the CLI's own lines say it shorter. An
     # explicitly set log level (--log-level, CLASSIFIER_LOG_LEVEL) is honoured.
@@ -331,13 +329,13 @@ def classify_cluster(args: argparse.Namespace) -> int:
     items, skipped = collect_files([p for p in args.paths if "://" not in p], all_files=args.all_files)
     report_skipped(skipped)
     unreadable = [(shown, why) for shown, path, why in items if path is None]
-    for shown, why in unreadable:
-        err(f"{shown}: {why}")
     shown = {os.path.abspath(path): name for name, path, _ in items if path is not None}
     sources = list(shown) + uris
     if not sources:
-        no_image_files(args.paths, skipped)
+        no_image_files(args.paths, skipped, unreadable)
         return EXIT_USAGE
+    for name, why in unreadable:
+        err(f"{name}: {why}")
     if ray_missing():
         return EXIT_USAGE
     import tempfile

@@ -182,9 +182,17 @@ def report_skipped(skipped: list) -> None:
             err(f"{shown}: {why}")
 
 
-def no_image_files(paths: list[str], skipped: list) -> None:
-    """The usage error for paths holding no image file, with what was skipped in them."""
-    err(f"error: no image files in {' '.join(paths)}" + skipped_note(skipped, lead=" (") + (")" if skipped else ""))
+def no_image_files(paths: list[str], skipped: list, unread: list[tuple[str, str]]) -> None:
+    """The usage error for paths holding no image file: each path that could not be had (``unread``: (shown path,
+    ``unreadable``'s why)) named with why, then the paths with what was skipped in them. Where the unread ones
+    are the given paths themselves (``classify /dev/zero``), each is the error: "error: /dev/zero: not a regular
+    file", as for a missing path, not that line and "no image files in /dev/zero" after it (tryout25)."""
+    whole = not skipped and set(paths) <= {shown for shown, _ in unread}
+    for shown, why in unread:
+        err(f"{'error: ' if whole else ''}{shown}: {why}")
+    if not whole:
+        err(f"error: no image files in {' '.join(paths)}" + skipped_note(skipped, lead=" (") +
+            (")" if skipped else ""))
 
 
 def skipped_note(skipped: list, lead: str = "; ") -> str:

@@ -304,9 +304,7 @@ def classify_remote(args: argparse.Namespace) -> int:
     items, skipped = collect_files(args.paths, all_files=args.all_files)
     report_skipped(skipped)  # as local classify: a HEIC in a folder is named with why, not dropped unsaid
     if not any(path for _, path, _ in items):
-        for shown, _, why in items:
-            err(f"{shown}: {why}")
-        no_image_files(args.paths, skipped)
+        no_image_files(args.paths, skipped, [(shown, why) for shown, _, why in items])
         return EXIT_USAGE  # as local classify (README's exit table: no image file in the paths)
     client = Client(args.server, jobs=(jobs := args.jobs or DEFAULT_JOBS), token=s.API_TOKEN)
     try:
