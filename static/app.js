@@ -331,7 +331,7 @@ function render(item) {
         m.untrained ? " · " + tr("untrained") : null,
         " · ", tr("size", { width: res.width, height: res.height, format: res.format })),
       h("p", { className: "timing" },
-        h("span", { className: "visually-hidden" }, tr("timing_label") + ": "),
+        h("span", { className: "visually-hidden" }, tr("timing_label") + " "),
         h("span", { className: "sent" }, sentWords(item)), " · ",
         tr("timing", Object.fromEntries(Object.entries(answer.timing_ms).map(([k, v]) => [k, ms(v)]))),
         item.roundTrip != null ? " · " + tr("round_trip", { ms: ms(item.roundTrip) }) : null));

@@ -107,6 +107,19 @@ def test_both_languages_have_the_same_strings_and_placeholders():
         assert zh[key] and (CJK.search(zh[key]) or key in ("meta", "size")), key
 
 
+HALF_WIDTH_BY_CJK = re.compile(r"[\u3000-\u303f\u4e00-\u9fff\uff00-\uffef][:;,?!]|[:;,?!][\u3000-\u303f\u4e00-\u9fff]")
+
+
+def test_chinese_strings_use_full_width_punctuation_and_the_page_adds_none():
+    """The Chinese page's screen-reader timing label read "耗时: " (tryout25): the template and app.js added an
+    ASCII colon after the label in every language. Punctuation is the strings' own, full-width in Chinese."""
+    for key, text in i18n.STRINGS["zh"].items():
+        assert not HALF_WIDTH_BY_CJK.search(text), (key, text)
+    for name in ("templates/index.html", "static/app.js"):
+        source = (ROOT / name).read_text(encoding="utf-8")
+        assert not re.search(r"(\}\}|tr\(\"\w+\"\)\s*\+\s*\")[:;,]", source), name
+
+
 def test_every_catalog_model_has_a_title_in_every_language():
     """Titles live in the catalog (English) and in i18n.MODEL_TITLES (the others), keyed by model name."""
     from webapp import catalog
