@@ -715,6 +715,19 @@ def test_weights_verify(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == f"error: --dest: {tmp_path / LONG}: File name too long\n"  # the folder named
 
 
+@pytest.mark.parametrize("value", ["1e9", "0", "nan", "abc", "601"])
+def test_weights_fetch_timeout_has_the_settings_range(value, tmp_path, no_classifier_env, capsys):
+    """``--timeout 1e9`` was taken (tryout25): the option gives CLASSIFIER_DOWNLOAD_TIMEOUT_S's value, so it has
+    that setting's range (0.1 to 600 s), a usage error before anything is fetched."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["weights", "fetch", "--dest", str(tmp_path / "w"), "--url", "http://127.0.0.1:9/x.pth",
+                  "--timeout", value])
+    assert exc.value.code == 2
+    assert f"argument --timeout: --timeout={value!r} is" in capsys.readouterr().err
+    assert "from 0.1 to 600" in settings.BY_NAME["DOWNLOAD_TIMEOUT_S"].rule()
+    assert not (tmp_path / "w").exists()
+
+
 def test_weights_fetch_without_network_fails_fast(tmp_path, no_classifier_env, capsys):
     url = f"http://127.0.0.1:{free_port()}/resnet18-f37072fd.pth"  # nothing listens there: refused at once
     start = time.monotonic()

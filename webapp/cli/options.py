@@ -146,15 +146,19 @@ def positive_int(text: str) -> int:
     return value
 
 
-def positive_float(text: str) -> float:
-    """``text`` as a finite float above 0 (seconds, where used); raises ``argparse.ArgumentTypeError`` otherwise."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
-    return value
+def setting_arg(name: str, flag: str):
+    """argparse ``type=`` for an option that gives a setting's value under its own flag (``weights fetch --timeout``
+    for ``DOWNLOAD_TIMEOUT_S``): the text converted and checked by the setting's own rule, so the range is the
+    table's (``--timeout 1e9`` was taken: tryout25); a bad value raises ``argparse.ArgumentTypeError``."""
+    setting = settings_mod.BY_NAME[name]
+
+    def convert(text: str):
+        try:
+            return setting.convert(text, flag)
+        except SettingsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def hex_prefix(text: str) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from ..paths import Unusable, expand, kind, reason
 from .common import EXIT_FAILED, EXIT_OK, err
-from .options import HelpFormatter, folder_arg, hex_prefix, path_arg, positive_float
+from .options import HelpFormatter, folder_arg, hex_prefix, path_arg, setting_arg
 
 
 def add_parser(sub) -> None:
@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
                     "the download timeout.")
     fetch.add_argument("--dest", type=folder_arg, default=Path("."), metavar="DIR", help="folder to put the file in "
                        "(default: the current folder)")
-    fetch.add_argument("--timeout", type=positive_float, default=None, metavar="SECONDS",
-                       help="give up connecting after this long (default: CLASSIFIER_DOWNLOAD_TIMEOUT_S)")
+    fetch.add_argument("--timeout", type=setting_arg("DOWNLOAD_TIMEOUT_S", "--timeout"), default=None,
+                       metavar="SECONDS", help=f"give up connecting after this long "
+                       f"({settings_mod.BY_NAME['DOWNLOAD_TIMEOUT_S'].rule()}; default: CLASSIFIER_DOWNLOAD_TIMEOUT_S)")
     fetch.add_argument("--url", default=None, help=argparse.SUPPRESS)  # tests: a closed port
     fetch.set_defaults(func=cmd_weights_fetch)
     verify = wsub.add_parser(
