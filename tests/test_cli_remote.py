@@ -98,11 +98,14 @@ def assert_same_answers(local: dict, got: dict, *, probability_tol: float) -> No
     for path, mine in local.items():
         theirs = got[path]
         assert theirs["model"] == mine["model"] == "efficientnet_lite0"
+        assert list(theirs) == list(mine), (path, theirs, mine)  # the same JSON, key order too
         if mine["error"]:
             assert theirs["error"]["code"] == mine["error"]["code"], (path, theirs["error"], mine["error"])
             assert theirs["predictions"] == []
             continue
         assert theirs["error"] is None, (path, theirs["error"])
+        # each prediction's keys came sorted from the server (tryout25)
+        assert [list(p) for p in theirs["predictions"]] == [list(p) for p in mine["predictions"]], path
         assert (theirs["width"], theirs["height"], theirs["format"]) == (mine["width"], mine["height"], mine["format"])
         assert [p["label"] for p in theirs["predictions"]] == [p["label"] for p in mine["predictions"]], path
         assert [p["probability"] for p in theirs["predictions"]] == pytest.approx(

@@ -252,8 +252,10 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
             doc = parsed(resp)
             if resp.status == 200 and "results" in doc:
                 r = doc["results"][0]
-                return {**{k: r[k] for k in ("width", "height", "format")}, **(info or {}),
-                        "predictions": r["predictions"], "batch_size": r.get("batch_size"), "retries": tries - 1}
+                # each prediction's keys in local classify's order (the server's JSON sorts them)
+                return {**{k: r[k] for k in ("width", "height", "format")}, **(info or {}), "predictions": [
+                    {**{k: p[k] for k in ("label", "index", "probability") if k in p}, **p} for p in r["predictions"]],
+                        "batch_size": r.get("batch_size"), "retries": tries - 1}
             failure, wait = _refusal(resp, doc), retry_wait(resp, doc, tries)
             if resp.status == 401:  # the token (CLASSIFIER_API_TOKEN) is missing or wrong: so for every file
                 # in the client's words: the server's ("send 'Authorization: Bearer <token>'") are for scripts
