@@ -122,6 +122,8 @@ def test_serve_sets_the_variables_and_passes_the_rest_to_gunicorn():
                      "CLASSIFIER_BIND=0.0.0.0:9001", "CLASSIFIER_TOP_K=5"):
         assert expected in lines
     assert "s3cret" not in out.stdout, "the token must never be printed"
+    # a comment, not CLASSIFIER_API_TOKEN='(set, hidden)', which pasted would set that as the token (tryout25)
+    assert "# CLASSIFIER_API_TOKEN is set (hidden)" in lines and "(set, hidden)'" not in out.stdout
     assert lines[-1].endswith(f"-m gunicorn -c {ROOT / 'gunicorn.conf.py'} wsgi:app --preload --timeout 90")
 
 

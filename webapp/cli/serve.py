@@ -43,9 +43,12 @@ def add_parser(sub) -> None:
 
 
 def _print_environ(env: dict) -> None:
-    """The ``CLASSIFIER_*`` variables of ``env``, sorted, secrets masked, as shell assignments (``--dry-run``)."""
+    """The ``CLASSIFIER_*`` variables of ``env``, sorted, as shell assignments (``--dry-run``); a secret that is
+    set is a comment line, so that pasting the lines cannot set ``CLASSIFIER_API_TOKEN='(set, hidden)'``."""
     for key in sorted(k for k in env if k.startswith(PREFIX)):
-        print(f"{key}={shlex.quote(shown(key[len(PREFIX):], env[key]))}")
+        setting = settings_mod.BY_NAME.get(key[len(PREFIX):])
+        print(f"# {key} is set (hidden)" if setting is not None and setting.secret and env[key]
+              else f"{key}={shlex.quote(shown(key[len(PREFIX):], env[key]))}")
 
 
 def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
