@@ -38,7 +38,8 @@ from .logs import ACCESS_LOGGER, REQUEST_ID_HEADER, access_fields, request_id_fr
 _PARSE_CODES = {400: "bad_request"}
 
 
-# id(client socket) -> (path, request id, method, client address, User-Agent, gunicorn's logger) of the request gunicorn
+# id(client socket) -> (path, request id, method, client address, User-Agent, gunicorn's logger, protocol) of the
+# request gunicorn
 # refused on it, from Worker.handle_error (``refusing``) to write_json_error, which it calls (same greenlet, same call:
 # the entry is removed right after).
 _REFUSED: dict[int, tuple] = {}
@@ -54,10 +55,12 @@ on_refusal: list[Callable[[str | None, int, str], None]] = []
 def refusing(req, client, addr, exc: BaseException, glog):
     """Around gunicorn's ``Worker.handle_error(req, client, addr, exc)``: what ``write_json_error`` needs of the refused
     request (path, ``X-Request-ID``, method, address, User-Agent; ``glog``, gunicorn's logger, for its access line)."""
-    who = getattr(req, "method", None) or getattr(getattr(exc, "req", None), "method", None), \
-        addr[0] if isinstance(addr, tuple) else None, _request_header(req, exc, "User-Agent")
+    parsed = _parsed_request(req, exc)
+    version = getattr(parsed, "version", None)
+    who = getattr(parsed, "method", None), addr[0] if isinstance(addr, tuple) else None, \
+        _request_header(req, exc, "User-Agent")
     _REFUSED[id(client)] = (_request_path(req, exc), request_id_from(_request_header(req, exc, REQUEST_ID_HEADER)),
-                            *who, glog)
+                            *who, glog, f"HTTP/{version[0]}.{version[1]}" if isinstance(version, tuple) else None)
     try:
         yield
     finally:
@@ -90,6 +93,19 @@ def _parser_frames(exc: BaseException):
         if tb.tb_frame.f_code.co_filename == gunicorn_message.__file__:
             yield tb.tb_frame.f_locals
         tb = tb.tb_next
+
+
+def _parsed_request(req, exc: BaseException):
+    """gunicorn's request object for the refused request, as far as it was parsed: ``req``, the one the error
+    carries, or the one its parser was filling when it refused a header (an ``Expect`` it does not know: a 417,
+    whose access line said ``"- /path -"`` for its method and protocol). None where there is none."""
+    for candidate in (req, getattr(exc, "req", None)):
+        if isinstance(getattr(candidate, "method", None), str):
+            return candidate
+    for local in _parser_frames(exc):
+        if isinstance(owner := local.get("self"), gunicorn_message.Request) and isinstance(owner.method, str):
+            return owner
+    return None
 
 
 def _request_path(req, exc: BaseException) -> str | None:
@@ -163,7 +179,7 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     every request has one. Then what the client still sends is read and dropped, bounded
     (``bodies.drain_socket``), so that closing does not reset the connection under an answer not yet read."""
     message = _in_words(mesg)
-    path, request_id, method, remote, agent, glog = _REFUSED.get(id(sock), (None,) * 6)
+    path, request_id, method, remote, agent, glog, protocol = _REFUSED.get(id(sock), (None,) * 7)
     request_id = request_id or request_id_from(None)
     body = json.dumps(error_body(path, _PARSE_CODES.get(status_int, OTHER_HTTP_CODE), message, status_int)).encode()
     try:  # gunicorn 27 names its 501 (a transfer coding it does not know) "Bad Request"
@@ -179,7 +195,7 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     elif glog is not None:  # gunicorn logs none where it has no request object (a 417, a method not in capitals)
         answer = SimpleNamespace(status=status_int, sent=len(body), headers=[(REQUEST_ID_HEADER, request_id)])
         glog.access(answer, [], {"REMOTE_ADDR": remote or "-", "REQUEST_METHOD": method or "-", "RAW_URI": path or "-",
-                                 "SERVER_PROTOCOL": "-", "HTTP_USER_AGENT": agent or "-"}, timedelta(0))
+                                 "SERVER_PROTOCOL": protocol or "-", "HTTP_USER_AGENT": agent or "-"}, timedelta(0))
     gunicorn_util.write_nonblock(sock, head + body)
     for observe in on_refusal:  # /metrics (tryout25: a flood of malformed requests was invisible there)
         try:
