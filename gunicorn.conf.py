@@ -17,12 +17,20 @@ from webapp import balance, caches, catalog, cpu, lifecycle, listen, reloads, sd
 
 lifecycle.hold_control_signals()  # a SIGHUP or SIGUSR1 before gunicorn's handlers exist is kept, not fatal
 sdnotify.take_notify_socket()  # systemd's Type=notify: READY=1 once a worker serves, not as the master boots
-try:
-    _s = settings.load()
-    # The workers' cache folder, made here as a worker would: one that cannot be is a setting's fault, said
-    # before listening, not each worker's "loading model failed" and exit 3. (One that cannot be written is
-    # used as it is: a warm cache shipped read-only; each worker says so.)
-    caches.make_cache_dir(_s, read_only_ok=True)
+
+
+def _settings() -> settings.Settings:
+    """The settings, and the workers' cache folder made here as a worker would: one that cannot be is a setting's
+    fault, said before listening, not each worker's "loading model failed" and exit 3. (One that cannot be
+    written is used as it is: a warm cache shipped read-only; each worker says so.)"""
+    s = settings.load()
+    caches.make_cache_dir(s, read_only_ok=True)
+    return s
+
+
+_first_load = lifecycle.first_config_load()
+try:  # a SIGHUP's re-read that fails keeps the settings read before (webapp/reloads.py): the master serves on
+    _s = reloads.settings_read(_settings, _first_load)
 except settings.SettingsError as exc:
     lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {exc}")
 
@@ -51,7 +59,7 @@ _plan = cpu.plan(cpu.usable_cores(), workers=_s.WORKERS, threads=_s.THREADS)
 # As many workers as were asked for (gunicorn's -w wins over the plan) must fit in memory: too many would
 # have the host swap until nothing answers, so that is a bad setting, said before anything starts (not on
 # a SIGHUP's re-read, when the running workers hold some of that memory).
-if lifecycle.first_config_load() and (
+if _first_load and (
         _problem := cpu.memory_problem(_flags.get("workers", _plan.workers), cpu.available_mb())):
     lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {_problem}")
 
@@ -298,6 +306,8 @@ def post_worker_init(worker):
     except Exception as exc:  # noqa: BLE001  every start-up failure ends the same way: one line, exit 3
         if isinstance(exc, StartupError):
             reason = str(exc)
+        elif isinstance(exc, settings.SettingsError):  # the cache folder, gone bad since the start: a reload's worker
+            reason = f"configuration error: {exc}"
         else:  # a compile error and the like: its first line here, the whole traceback at debug level
             worker.log.debug("start-up failed", exc_info=True)
             reason = lifecycle.describe_failure(classifier.status, exc)

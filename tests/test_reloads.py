@@ -86,3 +86,53 @@ def test_a_replacement_that_cannot_start_is_not_forked_again_and_again(tmp_path)
         wait_for(lambda: len(pids := serving(srv)) == 2 and not pids & first)
     finally:
         srv.stop_cleanly()
+
+
+@pytest.mark.server
+@pytest.mark.extended  # a reload whose settings went bad, rare (~20 s): with `-m extended`
+def test_a_reload_whose_settings_went_bad_leaves_the_old_worker_serving(tmp_path):
+    """Found by a fresh-user tryout (tryout26): a SIGHUP after the calibration folder had moved, or after the
+    cache folder had become a file, ended the whole master with exit 2 (gunicorn.conf.py read the settings again
+    and refused them as at a first start), and systemd's RestartPreventExitStatus=2 kept it down. The master
+    now serves on with the settings it had; the new worker meets the error and the reload is given up."""
+    from PIL import Image
+
+    calib, cache = tmp_path / "calib", tmp_path / "cache"
+
+    def cache_becomes_a_file():
+        cache.rename(tmp_path / "cache.old")
+        cache.write_text("x")
+
+    def cache_mended():
+        cache.unlink()
+        (tmp_path / "cache.old").rename(cache)
+
+    calib.mkdir()
+    for i in range(2):
+        Image.new("RGB", (64, 48), (40 * i, 90, 200)).save(calib / f"{i}.jpg")
+    srv = Server(tmp_path / "server.log", MODEL="resnet18_seeded", COMPILE=0, PRECISION="fp32", WORKERS=1, THREADS=1,
+                 MAX_BATCH_SIZE=1, CACHE_DIR=cache, CALIBRATION_DIR=calib)
+    try:
+        (old,) = srv.wait_ready(1)
+        for n, (spoil, mend, said) in enumerate([
+                (lambda: calib.rename(tmp_path / "moved"), lambda: (tmp_path / "moved").rename(calib),
+                 "CLASSIFIER_CALIBRATION_DIR"),
+                (cache_becomes_a_file, cache_mended, "CLASSIFIER_CACHE_DIR")], 1):
+            spoil()
+            os.kill(srv.proc.pid, signal.SIGHUP)
+            wait_for(lambda: srv.output().count("the reload is given up") == n)
+            time.sleep(1)  # what the master does next: before, it had exited 2 already
+            assert srv.proc.poll() is None, srv.output()[-3000:]
+            assert serving(srv) == {old}
+            errors = [ln for ln in srv.output().splitlines() if "configuration error on reload" in ln]
+            assert len(errors) == n and said in errors[-1] and "[ERROR]" in errors[-1], errors
+            given_up = [ln for ln in srv.output().splitlines() if "the reload is given up" in ln]
+            assert len(given_up) == n and said in given_up[-1] and "could not start: configuration error: " in \
+                given_up[-1] and "traceback" not in given_up[-1], given_up
+            mend()
+        assert "Traceback" not in srv.output()
+        os.kill(srv.proc.pid, signal.SIGHUP)  # mended: this one goes through
+        wait_for(lambda: old not in serving(srv))
+        assert srv.proc.poll() is None
+    finally:
+        srv.stop_cleanly()

@@ -26,6 +26,30 @@ import time
 from .lifecycle import EXIT_STARTUP, master, stopping
 
 RELOAD_WAIT_S = 900.0  # s: past it, old workers go even where new ones are not ready (each bounds its own start)
+_settings = None  # the settings gunicorn.conf.py read last without an error (``settings_read``)
+
+
+def settings_read(load, first: bool):
+    """The settings for gunicorn.conf.py, ``load()``-ed (it raises ``SettingsError``). On the first read an error
+    propagates (one line, exit 2: nothing serves yet). On a SIGHUP's re-read it must not stop the master: a cache
+    folder replaced by a file, a calibration folder moved since the start, ended the whole server with exit 2,
+    and under systemd (``RestartPreventExitStatus=2``) it stayed down (tryout26). The master then logs the error
+    and goes on with the settings it read last; the reload's new workers meet the same error as they start, so
+    the reload is given up and the workers serving now serve on (``failed_start``)."""
+    global _settings
+    from .settings import SettingsError
+
+    try:
+        _settings = load()
+    except SettingsError as exc:
+        if first or _settings is None:
+            raise
+        import logging
+
+        logging.getLogger("gunicorn.error").error(
+            "configuration error on reload: %s; the master keeps the settings it had, and the reload's new workers "
+            "meet the error as they start (the workers serving now serve on)", exc)
+    return _settings
 
 
 def keep_serving_through_reloads(server) -> None:

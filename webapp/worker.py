@@ -37,6 +37,7 @@ import functools
 import os
 import signal
 import struct
+import sys
 import termios
 import time
 
@@ -141,6 +142,22 @@ class Worker(GeventWorker):
         self._clients: dict = {}  # connection greenlet -> its client socket
         self._waits: dict = {}  # connection greenlet -> (timeout, client socket, monotonic start) of its wait
         self._stop_began: float | None = None  # monotonic time of SIGTERM (or of the first tick of another stop)
+
+    def load_wsgi(self):
+        """gunicorn's, but a bad setting met as the app loads is a failed start told to the master (one line): a
+        reload's worker, where a setting went bad since the start (a calibration folder moved), exited 3 with a
+        traceback, which halts the whole server; told, the master gives the reload up (webapp/reloads.py)."""
+        from . import lifecycle
+        from .settings import SettingsError
+
+        try:
+            super().load_wsgi()
+        except SettingsError as exc:
+            if not lifecycle.report_failure(self.pid, f"configuration error: {exc}"):
+                raise
+            sys.stdout.flush()  # out at once, as post_worker_init's failed start: nothing of this worker to keep
+            sys.stderr.flush()
+            os._exit(0)
 
     def run(self):
         """gunicorn's gevent loop, ticking every ``TICK_S``; its servers are ``IdleFirstServer`` where the
