@@ -78,6 +78,30 @@ def test_tampered_file_is_refused(weights_file, url, hub, tmp_path):
         models.load_model(cfg())
 
 
+def test_an_unreadable_weights_file_is_one_line_in_start_up_and_info(weights_file, url, hub, monkeypatch):
+    """Found by a fresh-user tryout (tryout26): a weights file of mode 000 (as CLASSIFIER_WEIGHTS or in the hub
+    cache) gave a PermissionError traceback in ``classify`` (exit 1, not 2) and ``info``. The tests run as root,
+    which reads any file: the read is refused here as the kernel refuses it to the service's user."""
+    real = models.sha256_file
+
+    def refused(path):
+        if str(path).endswith(weights_file.name):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(models, "sha256_file", refused)
+    with pytest.raises(StartupError, match=r"weights file .* cannot be read: Permission denied; make it readable"):
+        models.load_model(cfg(WEIGHTS=str(weights_file)))
+    said = models.explain_resolution(cfg(MODEL="resnet18", WEIGHTS=str(weights_file)))
+    assert said["setting"]["problem"] == "Permission denied" and "start-up fails" in said["would_serve"]
+    hub.mkdir(parents=True)
+    (hub / weights_file.name).write_bytes(weights_file.read_bytes())
+    with pytest.raises(StartupError, match="cannot be read: Permission denied"):
+        models.load_model(cfg())
+    said = models.explain_resolution(cfg(MODEL="resnet18"))
+    assert said["would_serve"] == "nothing: the hub cache file cannot be read (Permission denied)", said
+
+
 def test_hub_cache_comes_second(weights_file, url, hub):
     hub.mkdir(parents=True)
     (hub / weights_file.name).write_bytes(weights_file.read_bytes())

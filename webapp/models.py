@@ -106,8 +106,7 @@ class LoadedModel:
 def encode(logits: torch.Tensor, categories: list[str], topk: int) -> list[dict]:
     """Logits ``(C,) float32`` -> top-k ``[{"label", "index", "probability"}]`` (softmax, highest first).
 
-    Probabilities are rounded to 6 decimals; ``topk`` larger than C gives C rows.
-    """
+    Probabilities are rounded to 6 decimals; ``topk`` larger than C gives C rows."""
     probs = torch.softmax(logits.float(), dim=0)
     top = torch.topk(probs, k=min(topk, probs.numel()))
     return [{"label": categories[i], "index": i, "probability": round(float(p), 6)}
@@ -134,10 +133,12 @@ def expected_hash_prefix(url: str) -> str:
 def check_weights_file(path: Path, url: str) -> None:
     """Refuse a weights file whose sha256 does not start with the prefix in ``url``'s file name.
 
-    :raises StartupError: naming the file, both hashes and where to get a good copy.
-    """
-    prefix = expected_hash_prefix(url)
-    actual = sha256_file(path)
+    :raises StartupError: naming the file, both hashes and where to get a good copy, or why it cannot be read."""
+    try:
+        actual, prefix = sha256_file(path), expected_hash_prefix(url)
+    except OSError as exc:
+        raise StartupError(f"weights file {path} cannot be read: {exc.strerror or exc}; make it readable by the "
+                           f"user the service runs as, or replace it with a fresh copy of {url}.") from None
     if not actual.startswith(prefix):
         raise StartupError(
             f"weights file {path} is damaged or not the expected file: its sha256 is {actual[:16]}..., "
@@ -345,9 +346,11 @@ def explain_resolution(settings) -> dict:
 
     def weights_file(path: Path) -> dict:
         what, problem = look(path)  # a path that cannot be looked at is shown with the OS's reason
-        exists = what == "file"
-        return {"path": str(path), "exists": exists, "hash_ok": sha256_file(path).startswith(prefix) if exists else None,
-                "problem": problem, "kind": what}
+        try:  # there but not readable (mode 000): said as such, not a traceback (tryout26)
+            hash_ok = sha256_file(path).startswith(prefix) if what == "file" else None
+        except OSError as exc:
+            hash_ok, problem = None, exc.strerror or str(exc)
+        return {"path": str(path), "exists": what == "file", "hash_ok": hash_ok, "problem": problem, "kind": what}
 
     configured = weights_file(expand(settings.WEIGHTS)) if settings.WEIGHTS else None
     hub = weights_file(hub_checkpoint_path(RESNET18_URL))
@@ -366,7 +369,8 @@ def explain_resolution(settings) -> dict:
                   if configured["problem"] else
                   "nothing: CLASSIFIER_WEIGHTS names a missing or damaged file, start-up fails")
     elif hub["exists"]:
-        serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file is damaged"
+        serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file " + (
+            f"cannot be read ({hub['problem']})" if hub["problem"] else "is damaged")
     else:
         then = (f"{catalog.OFFLINE} (offline fallback)" if settings.FALLBACK and offline else
                 "nothing (CLASSIFIER_FALLBACK=0)" if not settings.FALLBACK else "nothing (offline model not installed)")
