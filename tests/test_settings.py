@@ -48,6 +48,15 @@ def test_bad_values_name_key_value_and_rule(env, value, words):
     ({"CLASSIFIER_TOP_K": "2.5"}, {}, "CLASSIFIER_TOP_K='2.5' is not valid; allowed: an integer from 1 to 10"),
     # int() reads any script's digits; the API's topk does not, nor does a setting (tryout18: "٥" was 5)
     ({"CLASSIFIER_TOP_K": "\u0665"}, {}, "CLASSIFIER_TOP_K='\u0665' is not valid; allowed: an integer from 1 to 10"),
+    # float() and a port's int() read them too (tryout26: "١٠" was 10.0 s; "٨٦٠١" listened on 8601)
+    ({"CLASSIFIER_REQUEST_TIMEOUT_S": "\u0661\u0660"}, {},
+     "CLASSIFIER_REQUEST_TIMEOUT_S='\u0661\u0660' is not valid; allowed: a number from 0.01 to 3,600"),
+    ({"CLASSIFIER_BIND": "\u0668\u0666\u0660\u0661"}, {}, "CLASSIFIER_BIND='\u0668\u0666\u0660\u0661' is not valid; "
+     "allowed: a port (8000: 127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), [IPv6]:PORT ([::1]:8000) or unix:PATH (port 1 "
+     "to 65535)"),
+    ({"CLASSIFIER_BIND": "0.0.0.0:\u0668\u0666\u0660\u0661"}, {}, "CLASSIFIER_BIND='0.0.0.0:"
+     "\u0668\u0666\u0660\u0661' is not valid; allowed: a port (8000: 127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), "
+     "[IPv6]:PORT ([::1]:8000) or unix:PATH (port 1 to 65535)"),
     ({"CLASSIFIER_TOP_K": ""}, {}, "CLASSIFIER_TOP_K='' is not valid (empty: a shell variable not set? unset "
                                    "CLASSIFIER_TOP_K for the default, 3); allowed: an integer from 1 to 10"),
     ({"CLASSIFIER_TOP_K": "11"}, {}, "CLASSIFIER_TOP_K='11' is out of range; allowed: an integer from 1 to 10"),

@@ -108,12 +108,12 @@ def parse_bind(text: str) -> str:
     """
     value = str(text).strip()
 
-    def port_of(digits: str) -> str:
-        if not digits.isdigit() or not 0 < int(digits) < 65536:
+    def port_of(digits: str) -> str:  # ASCII digits: int() reads any script's ("٨٦٠١" listened on 8601: tryout26)
+        if not (digits.isascii() and digits.isdigit()) or not 0 < int(digits) < 65536:
             raise ValueError(f"{digits!r} is not a port")
         return str(int(digits))
 
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return f"127.0.0.1:{port_of(value)}"
     if value.startswith("unix:"):
         if not value[5:].strip():

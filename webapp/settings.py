@@ -53,9 +53,9 @@ def _int(text: str) -> int:
     return int(digits)
 
 
-def _float(text: str) -> float:
-    if (value := float(str(text).strip())) != value or value in (float("inf"), float("-inf")):
-        raise ValueError("expected a finite number")
+def _float(text: str) -> float:  # ASCII: float() reads any script's digits ("١٠" as 10.0: tryout26)
+    if not (text := str(text).strip()).isascii() or (value := float(text)) != value or abs(value) == float("inf"):
+        raise ValueError("expected a finite number in ASCII digits")
     return value
 
 
