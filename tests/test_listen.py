@@ -32,6 +32,21 @@ def test_check_listen_on_unix_sockets(tmp_path):
         assert "in use" in listen.check_listen([str(tmp_path / "live.sock")], sleep=lambda s: None)
     # the same file, nobody listening any more: a stale socket gunicorn replaces
     assert listen.check_listen([str(tmp_path / "live.sock")]) is None
+    # a path too long for sun_path was gunicorn's 5 retries and exit 1 (tryout26); 107 bytes still fit
+    deep = tmp_path / ("d" * (107 - len(str(tmp_path)) - len("//x.sock")))
+    deep.mkdir()
+    assert len(str(deep / "x.sock")) == 107 and listen.check_listen([str(deep / "x.sock")]) is None
+    said = listen.check_listen([str(deep / "xy.sock")])
+    assert said.startswith(f"cannot listen on unix:{deep / 'xy.sock'}: a unix socket path holds at most 107 bytes, "
+                           "this one 108;"), said
+
+
+def test_a_unix_socket_in_a_folder_it_cannot_write_is_not_said_to_be_a_port(tmp_path, monkeypatch):
+    """"permission denied (ports below 1024 need root)" was said for a socket in a read-only folder (tryout26)."""
+    monkeypatch.setattr(listen.os, "access", lambda path, mode: False)  # the tests run as root, who writes anywhere
+    said = listen.check_listen([str(tmp_path / "x.sock")])
+    assert said.startswith(f"cannot listen on unix:{tmp_path / 'x.sock'}: cannot write in {tmp_path};") and \
+        "1024" not in said, said
 
 
 def test_refuse_new_connections_drops_new_ones_and_keeps_those_queued():

@@ -20,7 +20,11 @@ from typing import Callable
 LISTEN_ATTEMPTS, LISTEN_PAUSE_S = 4, 0.5
 
 
-def _why(exc: OSError) -> str:
+def _why(exc: OSError, address) -> str:
+    """Why ``address`` cannot be bound, in words; a unix socket's reason is ``_probe``'s own (its EACCES is a
+    folder it cannot write in: "ports below 1024 need root" misled there, tryout26)."""
+    if not isinstance(address, tuple):
+        return exc.strerror or str(exc)
     reasons = {errno.EADDRINUSE: "the address is in use (another server listens there)",
                errno.EACCES: "permission denied (ports below 1024 need root)",
                errno.EADDRNOTAVAIL: "no such address on this host"}
@@ -44,6 +48,9 @@ def _probe(address) -> None:
     path = address
     if path.startswith("\0"):
         return
+    # sun_path's 108 bytes end with a NUL (unix(7)): a longer path was gunicorn's 5 retries and exit 1 (tryout26)
+    if (size := len(os.fsencode(path))) >= 108:
+        raise OSError(errno.ENAMETOOLONG, f"a unix socket path holds at most 107 bytes, this one {size}")
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -91,7 +98,7 @@ def check_listen(addresses, *, sleep: Callable[[float], None] = time.sleep) -> s
                 if exc.errno == errno.EADDRINUSE and attempt + 1 < LISTEN_ATTEMPTS:
                     sleep(LISTEN_PAUSE_S)
                     continue
-                return (f"cannot listen on {show(address)}: {_why(exc)}; choose another address with "
+                return (f"cannot listen on {show(address)}: {_why(exc, address)}; choose another address with "
                         f"CLASSIFIER_BIND (or gunicorn's -b)")
     return None
 
