@@ -125,7 +125,9 @@ def on_starting(server):
     """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
     if server.cfg.workers < 1:  # -w 0 from GUNICORN_CMD_ARGS (the command line's is refused as it is read)
         lifecycle.exit_now(lifecycle.EXIT_CONFIG, lifecycle.no_workers_problem(server.cfg.workers))
-    if server.cfg.bind != bind:  # gunicorn's -b (or GUNICORN_CMD_ARGS, serve -- -b) wins over the setting: say so
+    # gunicorn's -b (or GUNICORN_CMD_ARGS, serve -- -b) wins over the setting: said where one was set (over the
+    # default, which nobody chose, it was a warning about nothing: tryout26)
+    if server.cfg.bind != bind and settings.PREFIX + "BIND" in os.environ:
         server.log.warning("-b %s overrides %sBIND=%s (serve --bind)", " -b ".join(server.cfg.bind), settings.PREFIX,
                            _s.BIND)
     problem = listen.check_listen(server.cfg.address)

@@ -63,6 +63,8 @@ def run_to_end(tmp_path: Path, name: str, argv: list[str], *, timeout: float = 3
     tmp, temp = temp_env(tmp_path, name)
     full = classifier_env({**BASE, "CACHE_DIR": tmp_path / "cache", **settings}, {**tmp, **(env or {})})
     full["CLASSIFIER_BIND"] = bind or f"127.0.0.1:{free_port()}"
+    if bind == "":  # not set at all
+        del full["CLASSIFIER_BIND"]
     full["PYTHONPATH"] = str(ROOT)
     out = subprocess.run(argv, cwd=ROOT, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
     return out.returncode, out.stdout.decode(errors="replace").splitlines(), temp
@@ -831,9 +833,13 @@ def test_a_bind_flag_over_the_setting_is_said(tmp_path, launcher):
         flag = ["-b", f"127.0.0.1:{port}"]
         code, lines, temp = run_to_end(tmp_path, "bind", GUNICORN + flag if launcher == "gunicorn" else
                                        SERVE + ["--", *flag], timeout=60, bind="127.0.0.1:1")
+        # over the default (CLASSIFIER_BIND not set), nothing that was chosen is overridden: no warning (tryout26)
+        unset = run_to_end(tmp_path, "nobind", GUNICORN + flag, timeout=60, bind="") if launcher == "gunicorn" else ()
     assert_failed_start(code, lines, temp, status=lifecycle.EXIT_LISTEN, names=f"cannot listen on 127.0.0.1:{port}",
                         most=3)
     assert [ln for ln in lines if f"-b 127.0.0.1:{port} overrides CLASSIFIER_BIND=127.0.0.1:1 (serve --bind)" in ln]
+    if unset:
+        assert unset[0] == lifecycle.EXIT_LISTEN and not [ln for ln in unset[1] if "overrides" in ln], unset[1]
 
 
 @pytest.mark.server
