@@ -50,14 +50,14 @@ def test_a_reload_that_cannot_start_leaves_the_old_worker_serving(tmp_path):
     srv = faulty_server(tmp_path, workers=1)
     try:
         (old,) = srv.wait_ready(1)
-        (tmp_path / "fail").write_text(REASON)
+        (tmp_path / "fail").write_text(REASON + ".")  # a reason's full stop is not doubled: ".;" (tryout26)
         os.kill(srv.proc.pid, signal.SIGHUP)
         wait_for(lambda: "the reload is given up" in srv.output())
         time.sleep(1)  # what the master does next: before, it stopped
         assert srv.proc.poll() is None, srv.output()[-3000:]
         assert serving(srv) == {old}
         (line,) = [ln for ln in srv.output().splitlines() if "the reload is given up" in ln]
-        assert "[ERROR]" in line and REASON in line and "could not start" in line, line
+        assert "[ERROR]" in line and f"{REASON}; the reload is given up" in line and "could not start" in line, line
         (tmp_path / "fail").unlink()  # mended: the next reload goes through
         os.kill(srv.proc.pid, signal.SIGHUP)
         wait_for(lambda: old not in serving(srv))  # (both serve until the new one is ready: webapp/reloads.py)

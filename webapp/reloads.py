@@ -139,4 +139,5 @@ def failed_start(server, worker) -> None:
         then = (f"serving with {left} of {server.num_workers} workers; it is not started again (it would fail "
                 f"the same way) until a SIGHUP reload or a SIGTTIN")
         server.num_workers = left
-    server.log.error("worker %s could not start: %s; %s. Mend it, then reload (SIGHUP).", worker.pid, reason, then)
+    server.log.error("worker %s could not start: %s; %s. Mend it, then reload (SIGHUP).", worker.pid,
+                     reason.rstrip("."), then)  # a reason's own full stop made ".;" (tryout26)
