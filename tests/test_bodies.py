@@ -660,3 +660,14 @@ def test_a_drain_on_a_socket_that_takes_no_flags_copies_instead(length):
     assert body.drain() is True and sock.data == b""
     assert 0 in sock.calls  # read with no flags after the refusal
     assert sock.shut == socket.SHUT_WR  # its answer's end told (half-close) before the drain waits for the client
+
+
+def test_a_body_cut_by_a_stop_is_not_said_to_be_the_whole_servers_stop():
+    """A slow upload on an old worker during a reload was told "the server is stopping" (tryout26), though the
+    server served on with its new workers: the words name the worker, the stop or the reload, and what to do."""
+    from webapp.bodies import cut_by_stop
+
+    refusal = cut_by_stop(27.14)
+    assert refusal.status == 503 and refusal.headers == {"Retry-After": "1"}
+    assert refusal.message.startswith("the worker reading it is stopping (the server is stopping, or reloading: ")
+    assert "had not all arrived 27.1 s after the stop began; send the request again" in refusal.message

@@ -80,8 +80,9 @@ def cut_by_stop(seconds: float) -> NotReady:
     """The 503 for a request whose body was still arriving ``seconds`` (s) after its worker began to stop, too
     close to the end of the stop's wait (gunicorn's ``graceful_timeout``) to be read and answered: an answer
     the client can act on instead of the reset it got when the wait ended."""
-    return NotReady(f"the server is stopping, and this request's body had not all arrived {seconds:.1f} s after the "
-                    "stop began; send the request again", headers={"Retry-After": "1"})
+    return NotReady(f"the worker reading it is stopping (the server is stopping, or reloading: its new workers "
+                    f"serve), and this request's body had not all arrived {seconds:.1f} s after the stop began; send "
+                    "the request again", headers={"Retry-After": "1"})  # not "the server": a reload's too (tryout26)
 
 
 def stop_time_left() -> float | None:
