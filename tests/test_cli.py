@@ -808,6 +808,22 @@ def test_info(no_classifier_env, capsys):
             "with its top two under 3 points apart (CLASSIFIER_INT8_RECHECK_PTS)") in text
 
 
+def test_info_says_a_plan_the_start_refuses(no_classifier_env, monkeypatch, capsys):
+    """CLASSIFIER_WORKERS=1000 on a 24 GB host: the start refuses it (exit 2), and info printed the plan without a
+    word (tryout26). It says what the start says."""
+    from webapp import cpu
+
+    monkeypatch.setattr(cpu, "available_mb", lambda: 4096)
+    monkeypatch.setenv("CLASSIFIER_WORKERS", "500")
+    assert cli.main(["info", "--json"]) == 0
+    problem = json.loads(capsys.readouterr().out)["plan"]["problem"]
+    assert problem == cpu.memory_problem(500, 4096) and problem.startswith("500 workers need at least")
+    assert cli.main(["info"]) == 0
+    assert f"  a start refuses it  {problem}" in capsys.readouterr().out
+    monkeypatch.setenv("CLASSIFIER_WORKERS", "1")
+    assert cli.main(["info"]) == 0 and "a start refuses it" not in capsys.readouterr().out
+
+
 def test_info_names_path_settings_that_cannot_be_looked_at(no_classifier_env, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(tmp_path / f"{LONG}.pth"))
     monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / LONG))

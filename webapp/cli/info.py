@@ -70,7 +70,9 @@ def gather_info() -> dict:
         "cores": {"usable": cores, "count": len(cores)},
         "plan": {"workers": plan.workers, "threads": plan.threads, "slots": [list(c) for c in plan.slots],
                  "oversubscribed": plan.oversubscribed, "shared": plan.shared, "text": cpu.describe(plan, cores),
-                 "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS}},
+                 "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS},
+                 # what a start refuses (exit 2) where the workers do not fit in memory: said here too (tryout26)
+                 "problem": cpu.memory_problem(plan.workers, cpu.available_mb())},
         "weights": {
             "model": s.MODEL, "url": RESNET18_URL, "setting": weights["setting"], "hub": weights["hub"],
             "download": s.DOWNLOAD, "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK,
@@ -172,6 +174,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     rows += [
         ("cores", f"{info['cores']['count']} usable: {info['cores']['usable']}"),
         ("plan", plan["text"]),
+        *([("  a start refuses it", plan["problem"])] if plan["problem"] else []),
         ("model", w["model"]),
         ("  will serve", w["would_serve"]),
     ]
