@@ -177,6 +177,25 @@ def test_dry_run_refuses_the_gunicorn_flags_a_real_start_refuses(extra, says, no
     assert says in out.err and "wsgi:app" not in out.out
 
 
+def test_dry_run_refuses_a_cache_folder_the_start_refuses_and_makes_none(no_classifier_env, monkeypatch, tmp_path,
+                                                                         capsys):
+    """``serve --dry-run`` said exit 0 for a cache folder that the real start refuses (exit 2: tryout26); it asks
+    the same question, without making any folder."""
+    from webapp import caches
+
+    (tmp_path / "file").write_text("x")
+    for folder, said in [(tmp_path / "file", "it exists and is not a folder"),
+                         (tmp_path / "file" / "sub", f"{tmp_path / 'file'} is not a folder")]:
+        monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(folder))
+        assert cli.main(["serve", "--dry-run"]) == 2
+        assert capsys.readouterr().err == f"configuration error: CLASSIFIER_CACHE_DIR={folder} cannot be created: {said}\n"
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / "new" / "deeper"))
+    assert cli.main(["serve", "--dry-run"]) == 0 and not (tmp_path / "new").exists()
+    monkeypatch.setattr(caches, "unwritable", lambda path: "Permission denied")  # root writes anywhere
+    assert cli.main(["serve", "--dry-run"]) == 2
+    assert f"cannot be created: Permission denied (in {tmp_path})" in capsys.readouterr().err
+
+
 def test_dry_run_counts_gunicorn_w_against_memory(no_classifier_env, monkeypatch, capsys):
     """gunicorn's -w wins over the plan in the real start, so the memory check counts it in --dry-run too."""
     from webapp import cpu

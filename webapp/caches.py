@@ -66,6 +66,25 @@ def make_cache_dir(values: Mapping[str, Any], *, read_only_ok: bool = False) -> 
     return path
 
 
+def cache_dir_problem(values: Mapping[str, Any]) -> str | None:
+    """What ``make_cache_dir(values, read_only_ok=True)`` would refuse, found without making anything (``serve
+    --dry-run`` passed a folder the start then refused: tryout26), or None: the folder, or the nearest folder
+    above it that exists, must be one, and a missing one's nearest existing folder writable."""
+    path = cache_dir(values)
+    what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
+    below = path
+    while (found := look(below))[0] is None and found[1] is None and below.parent != below:
+        below = below.parent  # missing: the start makes it and its parents in the nearest existing folder
+    if found[1] is not None:
+        return f"{what} cannot be created: {found[1]}"
+    if found[0] != "folder":
+        return f"{what} cannot be created: " + ("it exists and is not a folder" if below == path else
+                                                 f"{below} is not a folder")
+    if below != path and (why := unwritable(below)):
+        return f"{what} cannot be created: {why} (in {below})"
+    return None
+
+
 def where_space_ran_out(reason: str, values: Mapping[str, Any]) -> str:
     """``reason`` (a failed start-up's line), with the free space of the folders start-up writes to where it says
     a disk is full (ENOSPC): the cache folder and the temporary one, each named with its MB free. The OS's

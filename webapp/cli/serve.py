@@ -80,7 +80,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     cmd = [sys.executable, "-m", "gunicorn", "-c", str(conf), "wsgi:app", *extra]
     if args.dry_run:  # what the real start would refuse (--bogus, -w 0, 500 workers on 24 GB), refused here too
-        from .. import cpu, lifecycle
+        from .. import caches, cpu, lifecycle
 
         try:  # gunicorn's own parser on gunicorn's own arguments: an unknown flag is argparse's exit 2 there
             problem, workers = lifecycle.gunicorn_flags_problem(cmd[3:])
@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
             return EXIT_USAGE if exc.code else EXIT_OK  # -- --help: gunicorn's help, printed
         if workers is None:
             workers = cpu.plan(cpu.usable_cores(), workers=s.WORKERS, threads=s.THREADS).workers
-        problem = problem or cpu.memory_problem(workers, cpu.available_mb())
+        problem = problem or caches.cache_dir_problem(s) or cpu.memory_problem(workers, cpu.available_mb())
         if problem:
             err(problem if problem.startswith("configuration error") else f"configuration error: {problem}")
             return EXIT_USAGE
