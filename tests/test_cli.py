@@ -124,7 +124,7 @@ def test_serve_sets_the_variables_and_passes_the_rest_to_gunicorn():
     assert "s3cret" not in out.stdout, "the token must never be printed"
     # a comment, not CLASSIFIER_API_TOKEN='(set, hidden)', which pasted would set that as the token (tryout25)
     assert "# CLASSIFIER_API_TOKEN is set (hidden)" in lines and "(set, hidden)'" not in out.stdout
-    assert lines[-1].endswith(f"-m gunicorn -c {ROOT / 'gunicorn.conf.py'} wsgi:app --preload --timeout 90")
+    assert lines[-1].endswith(f"gunicorn -c {ROOT / 'gunicorn.conf.py'} wsgi:app --preload --timeout 90")
 
 
 @pytest.mark.cli

@@ -996,3 +996,35 @@ def test_sigterm_closes_idle_keep_alive_connections_and_answers_the_request_in_f
     assert "Traceback" not in out and "[ERROR]" not in out, out[-3000:]
     for s in (kept, silent, busy):
         s.close()
+
+
+@pytest.mark.server
+@pytest.mark.extended  # gunicorn's binary upgrade, rare (~15 s): with `-m extended`
+def test_sigusr2_re_exec_of_serve_starts_a_new_master(tmp_path):
+    """gunicorn's SIGUSR2 re-runs its command line. ``serve`` exec'd ``python -m gunicorn``, whose re-run put
+    gunicorn's own folder first on the import path: its ``http`` package hid the standard library's, and the new
+    master failed with a traceback (tryout26). Both masters serve after it, as gunicorn documents."""
+    port = free_port()
+    env, _ = temp_env(tmp_path, "usr2")
+    env = {**os.environ, **env, **{f"CLASSIFIER_{k}": str(v) for k, v in BASE.items()}, "CLASSIFIER_WORKERS": "1",
+           "CLASSIFIER_CACHE_DIR": str(tmp_path / "cache"), "CLASSIFIER_BIND": f"127.0.0.1:{port}"}
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(SERVE, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while log.read_text(errors="replace").count("ready in") < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGUSR2)
+        while (text := log.read_text(errors="replace")).count("ready in") < 2:
+            assert "Traceback" not in text and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.2)
+        masters = [int(pid) for pid in re.findall(r"Listening at: \S+ \((\d+)\)", text)]
+        assert len(masters) == 2 and masters[0] == proc.pid and masters[1] != proc.pid, text[-3000:]
+        assert "Failed to read config" not in text and "Traceback" not in text, text[-3000:]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
+            assert resp.status == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # both masters and their workers: one process group
+        proc.wait(timeout=60)

@@ -78,12 +78,13 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     # wsgi.py and the webapp package are found from any working folder; relative paths in
     # settings (CLASSIFIER_WEIGHTS=./x.pth) still mean the caller's folder.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "gunicorn", "-c", str(conf), "wsgi:app", *extra]
+    gunicorn_args = ["-c", str(conf), "wsgi:app", *extra]
+    cmd = [*_gunicorn_launcher(), *gunicorn_args]
     if args.dry_run:  # what the real start would refuse (--bogus, -w 0, 500 workers on 24 GB), refused here too
         from .. import caches, cpu, lifecycle
 
         try:  # gunicorn's own parser on gunicorn's own arguments: an unknown flag is argparse's exit 2 there
-            problem, workers = lifecycle.gunicorn_flags_problem(cmd[3:])
+            problem, workers = lifecycle.gunicorn_flags_problem(gunicorn_args)
         except SystemExit as exc:  # argparse printed its usage line and the error
             return EXIT_USAGE if exc.code else EXIT_OK  # -- --help: gunicorn's help, printed
         if workers is None:
@@ -105,6 +106,17 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
     sys.stderr.flush()
     os.execve(sys.executable, cmd, env)  # never returns: gunicorn's master is this process now
     return EXIT_FAILED  # pragma: no cover
+
+
+def _gunicorn_launcher() -> list[str]:
+    """How to start gunicorn with this interpreter: its ``gunicorn`` script where this interpreter's scripts are
+    (a venv's bin), else ``python -m gunicorn``. The script first: gunicorn's SIGUSR2 re-exec runs ``sys.argv``
+    again, and ``python .../gunicorn/__main__.py`` puts gunicorn's own folder first on the import path, whose
+    ``http`` package hides the standard library's: the new master failed with a traceback (tryout26)."""
+    import sysconfig
+
+    script = os.path.join(sysconfig.get_path("scripts"), "gunicorn")
+    return [sys.executable, script] if os.path.isfile(script) else [sys.executable, "-m", "gunicorn"]
 
 
 def _bind_problem(bind: str, extra: list[str]) -> str | None:
