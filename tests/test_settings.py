@@ -233,13 +233,25 @@ def test_calibration_dir_must_be_a_folder_of_photos(tmp_path):
     rule = settings.BY_NAME["CALIBRATION_DIR"].rule()
     assert settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": str(tmp_path / "photos")}).CALIBRATION_DIR \
         == str(tmp_path / "photos")
-    assert settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": " "}).CALIBRATION_DIR == ""
-    for given, why in [("/nonexistent", "no such folder"), (str(tmp_path / "file.jpg"), "it exists and is not a folder"),
+    assert settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": ""}).CALIBRATION_DIR == ""
+    for given, why in [(" ", "only spaces (a slip?); unset it for the default"), ("/nonexistent", "no such folder"), (str(tmp_path / "file.jpg"), "it exists and is not a folder"),
                        (str(tmp_path / "empty"), "no JPG/JPEG/PNG/WEBP photo in it"),
                        ("/tmp/" + "a" * 300, "it cannot be read: File name too long")]:
         with pytest.raises(SettingsError) as err:
             settings.load(environ={"CLASSIFIER_CALIBRATION_DIR": given})
         assert str(err.value) == f"CLASSIFIER_CALIBRATION_DIR={given!r} is not valid: {why}; allowed: {rule}"
+
+
+@pytest.mark.parametrize("name", ["WEIGHTS", "CACHE_DIR", "MODEL", "LOG_LEVEL"])
+def test_a_string_setting_of_only_spaces_is_refused_not_taken_as_unset(name):
+    """CLASSIFIER_WEIGHTS=' ' was taken as "not set": a typo quietly fell back to the offline model (tryout26), as a
+    token of spaces is refused. Empty stays the documented "none" (or the default)."""
+    with pytest.raises(SettingsError) as err:
+        settings.load(environ={f"CLASSIFIER_{name}": "  "})
+    assert str(err.value).startswith(f"CLASSIFIER_{name}='  ' is not valid: only spaces (a slip?); unset it for the "
+                                     "default; allowed: ")
+    if name in ("WEIGHTS", "CACHE_DIR"):
+        assert settings.load(environ={f"CLASSIFIER_{name}": ""})[name] == ""
 
 
 @pytest.mark.parametrize("name", ["API_TOKEN", "METRICS_TOKEN"])

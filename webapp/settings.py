@@ -40,10 +40,8 @@ class SettingsError(ValueError):
 
 
 def _bool(text: str) -> bool:
-    if (low := text.strip().lower()) in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
+    if (low := text.strip().lower()) in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return low in ("1", "true", "yes", "on")
     raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
 
 
@@ -59,8 +57,10 @@ def _float(text: str) -> float:  # ASCII: float() reads any script's digits ("١
     return value
 
 
-def _str(text: str) -> str:
-    return str(text).strip()
+def _str(text: str) -> str:  # spaces alone are a slip, not "empty" (CLASSIFIER_WEIGHTS=' ' fell back unsaid: tryout26)
+    if not (value := str(text).strip()) and str(text):
+        raise _Reason("only spaces (a slip?); unset it for the default")
+    return value
 
 
 class _Reason(ValueError):
@@ -83,7 +83,7 @@ def _token(text: str) -> str:
 
 def _photo_folder(text: str) -> str:
     """``CALIBRATION_DIR``: empty, or a folder of photos (``assets.calibration_problem``), checked as settings load."""
-    value = str(text).strip()
+    value = _str(text)
     if value:
         from .assets import calibration_problem  # Pillow: imported only when a folder is set
 
