@@ -210,7 +210,7 @@ def test_rate_limit_storage_says_which_client_package_to_install(uri, name, pack
 def test_a_rate_limit_needs_a_storage():
     assert settings.load(environ={"CLASSIFIER_RATE_LIMIT_STORAGE": ""}).RATE_LIMIT_STORAGE == ""  # no limit: unused
     with pytest.raises(SettingsError) as err:
-        settings.load(environ={"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": " "})
+        settings.load(environ={"CLASSIFIER_RATE_LIMIT": "5/minute", "CLASSIFIER_RATE_LIMIT_STORAGE": ""})
     assert str(err.value) == f"CLASSIFIER_RATE_LIMIT_STORAGE='' is not valid; allowed: {rate_limits.STORAGE_RULE}"
     with pytest.raises(SettingsError, match="^RATE_LIMIT_STORAGE='' is not valid"):
         settings.load(environ={}, overrides={"RATE_LIMIT": "5/minute", "RATE_LIMIT_STORAGE": ""})
@@ -242,10 +242,11 @@ def test_calibration_dir_must_be_a_folder_of_photos(tmp_path):
         assert str(err.value) == f"CLASSIFIER_CALIBRATION_DIR={given!r} is not valid: {why}; allowed: {rule}"
 
 
-@pytest.mark.parametrize("name", ["WEIGHTS", "CACHE_DIR", "MODEL", "LOG_LEVEL"])
-def test_a_string_setting_of_only_spaces_is_refused_not_taken_as_unset(name):
+@pytest.mark.parametrize("name", [s.name for s in settings.SETTINGS if s.parse is not settings._token])
+def test_a_setting_of_only_spaces_is_refused_not_taken_as_unset(name):
     """CLASSIFIER_WEIGHTS=' ' was taken as "not set": a typo quietly fell back to the offline model (tryout26), as a
-    token of spaces is refused. Empty stays the documented "none" (or the default)."""
+    token of spaces is refused; CLASSIFIER_RATE_LIMIT=' ' was "no limit". Every setting: empty stays the documented
+    "none" (or the default), spaces alone are refused."""
     with pytest.raises(SettingsError) as err:
         settings.load(environ={f"CLASSIFIER_{name}": "  "})
     assert str(err.value).startswith(f"CLASSIFIER_{name}='  ' is not valid: only spaces (a slip?); unset it for the "

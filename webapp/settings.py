@@ -147,8 +147,8 @@ class Setting:
         :raises SettingsError: naming ``source`` (the env var or config key), the value and the rule.
         """
         try:
-            if isinstance(raw, str):
-                value = self.parse(raw)
+            if isinstance(raw, str):  # spaces alone are a slip for every setting (RATE_LIMIT=' ' was "off")
+                value = self.parse(raw) if raw.strip() or not raw or self.parse is _token else _str(raw)
             elif self.parse is _bool:
                 if not isinstance(raw, bool):
                     raise ValueError("expected a boolean")
