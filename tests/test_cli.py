@@ -861,6 +861,11 @@ def test_info_says_a_weights_setting_naming_a_folder_is_a_folder(no_classifier_e
     monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(tmp_path / "none.pth"))
     assert cli.main(["info"]) == 0
     assert f"{tmp_path / 'none.pth'} (absent)" in capsys.readouterr().out
+    (tmp_path / "link.pth").symlink_to(tmp_path / "none.pth")  # a dangling link: not "absent" (tryout26)
+    monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(tmp_path / "link.pth"))
+    assert cli.main(["info"]) == 0
+    assert f"{tmp_path / 'link.pth'} (is a link to {tmp_path / 'none.pth'}, which does not exist)" \
+        in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model", ["efficientnet_lite0", "resnet18_seeded"])

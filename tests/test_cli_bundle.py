@@ -208,7 +208,7 @@ def test_ctrl_c_during_the_download_leaves_nothing_in_the_way_of_a_second_try(tm
 
 @pytest.mark.cli
 @pytest.mark.parametrize("weights, words", [
-    ("missing.pth", "does not exist or is not a file. Put a copy of https://download.pytorch.org/models/"
+    ("missing.pth", "does not exist. Put a copy of https://download.pytorch.org/models/"
                     "resnet18-f37072fd.pth there, or unset CLASSIFIER_WEIGHTS to bundle without it."),
     ("resnet18-f37072fd.pth", "sha256"),  # there, but not the file its name promises
 ])

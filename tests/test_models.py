@@ -3,6 +3,7 @@
 import hashlib
 import http.server
 import json
+import os
 import socket
 import threading
 import time
@@ -100,6 +101,34 @@ def test_an_unreadable_weights_file_is_one_line_in_start_up_and_info(weights_fil
         models.load_model(cfg())
     said = models.explain_resolution(cfg(MODEL="resnet18"))
     assert said["would_serve"] == "nothing: the hub cache file cannot be read (Permission denied)", said
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda p: p.mkdir(), "is a folder, not a file"),
+    (lambda p: os.symlink(p.parent / "gone.pth", p), "is a link to {gone}, which does not exist"),
+    (lambda p: os.symlink(p, p), "is a link that loops (Too many levels of symbolic links)"),
+    (lambda p: os.mkfifo(p), "is not a regular file (a FIFO or device)"),
+])
+def test_something_not_a_file_where_the_weights_go_is_said_as_what_it_is(weights_file, url, hub, make, said):
+    """A folder, a dangling or looping link, a FIFO where the weights file goes: as CLASSIFIER_WEIGHTS it was "does
+    not exist or is not a file", in the hub cache "no file at" and the offline model served with "not found"
+    advice, which sent users looking for a file they could see there (tryout26). Now both refuse the start
+    saying what is there, as a damaged file is refused; ``info`` says the same."""
+    hub.mkdir(parents=True)
+    target = hub / weights_file.name
+    make(target)
+    said = said.format(gone=hub / "gone.pth")
+    with pytest.raises(StartupError) as err:
+        models.load_model(cfg(FALLBACK=True))
+    assert str(err.value) == (f"the torch hub cache's {target} {said}: put {weights_file.name} (from {url}) there in "
+                              "its place, or set CLASSIFIER_WEIGHTS to where the file is")
+    assert models.explain_resolution(cfg(MODEL="resnet18"))["would_serve"] == \
+        f"nothing: the hub cache path {said}, start-up fails"
+    with pytest.raises(StartupError) as err:
+        models.load_model(cfg(WEIGHTS=str(target)))
+    assert str(err.value) == f"CLASSIFIER_WEIGHTS={target} {said}. Put a copy of {url} there, or unset CLASSIFIER_WEIGHTS."
+    assert models.explain_resolution(cfg(MODEL="resnet18", WEIGHTS=str(target)))["would_serve"] == \
+        f"nothing: CLASSIFIER_WEIGHTS {said}, start-up fails"
 
 
 def test_hub_cache_comes_second(weights_file, url, hub):

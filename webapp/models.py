@@ -36,7 +36,7 @@ from torchvision.transforms import InterpolationMode
 
 from . import catalog
 from .errors import StartupError
-from .paths import expand, look
+from .paths import expand, look, not_a_file
 
 log = logging.getLogger(__name__)
 
@@ -221,20 +221,19 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     tried: list[str] = []
     if settings.WEIGHTS:
         path = expand(settings.WEIGHTS)
-        what, problem = look(path)
-        if problem:  # a name too long, a folder on the way not searchable: the OS's reason, in one line
-            raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} cannot be looked at: {problem}")
-        if what != "file":
-            raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} does not exist or is not a file. "
-                               f"Put a copy of {url} there, or unset CLASSIFIER_WEIGHTS.")
+        if why := not_a_file(path):  # a name too long, a folder, a dangling link: what is there, in one line
+            fix = "" if why.startswith("cannot") else f". Put a copy of {url} there, or unset CLASSIFIER_WEIGHTS."
+            raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} {why}{fix}")
         check_weights_file(path, url)
         return path, tried
     cached = hub_checkpoint_path(url)
-    what, problem = look(cached)  # TORCH_HOME is the user's too
-    if what == "file":
+    if not (why := not_a_file(cached)):  # TORCH_HOME is the user's too
         check_weights_file(cached, url)
         return cached, tried
-    tried.append(f"{cached}: {problem}" if problem else f"no file at {cached}")
+    if not why.startswith("does not exist"):  # a folder, a dangling link...: refused, as a damaged file is
+        raise StartupError(f"the torch hub cache's {cached} {why}: put {cached.name} (from {url}) there in its "
+                           f"place, or set CLASSIFIER_WEIGHTS to where the file is")
+    tried.append(f"no file at {cached}")
     if settings.DOWNLOAD:
         why = download_weights(url, cached, timeout=settings.DOWNLOAD_TIMEOUT_S)
         if why is None:
@@ -336,12 +335,10 @@ def build_resnet18(settings) -> LoadedModel:
 def explain_resolution(settings) -> dict:
     """What start-up would serve here, without building anything: for ``python -m webapp info``.
 
-    Returns ``{"setting", "hub", "offline_model", "would_serve"}``: the ``WEIGHTS`` file and the hub
-    cache file as ``{"path", "exists", "hash_ok", "problem", "kind"}`` (``setting`` None when unset; ``problem``: why
-    the path cannot be looked at, e.g. "File name too long", else None; ``kind``: ``look``'s word), the offline
-    model's weights file (None when its package is missing), and one sentence that follows
-    ``build_resnet18``'s order (setting, hub cache, download, fallback).
-    """
+    Returns ``{"setting", "hub", "offline_model", "would_serve"}``: the ``WEIGHTS`` file and the hub cache file as
+    ``{"path", "exists", "hash_ok", "problem", "kind", "why"}`` (``setting`` None when unset; ``problem``: why the
+    path cannot be looked at or read, e.g. "File name too long", else None; ``kind``: ``look``'s word; ``why``:
+    ``not_a_file``'s), the offline model's file (None without its package), a sentence in ``build_resnet18``'s order."""
     prefix = expected_hash_prefix(RESNET18_URL)
 
     def weights_file(path: Path) -> dict:
@@ -350,7 +347,8 @@ def explain_resolution(settings) -> dict:
             hash_ok = sha256_file(path).startswith(prefix) if what == "file" else None
         except OSError as exc:
             hash_ok, problem = None, exc.strerror or str(exc)
-        return {"path": str(path), "exists": what == "file", "hash_ok": hash_ok, "problem": problem, "kind": what}
+        return {"path": str(path), "exists": what == "file", "hash_ok": hash_ok, "problem": problem, "kind": what,
+                "why": not_a_file(path) if what != "file" else ""}
 
     configured = weights_file(expand(settings.WEIGHTS)) if settings.WEIGHTS else None
     hub = weights_file(hub_checkpoint_path(RESNET18_URL))
@@ -367,10 +365,12 @@ def explain_resolution(settings) -> dict:
         serves = ("resnet18 from CLASSIFIER_WEIGHTS" if configured["hash_ok"] else
                   f"nothing: CLASSIFIER_WEIGHTS cannot be looked at ({configured['problem']}), start-up fails"
                   if configured["problem"] else
-                  "nothing: CLASSIFIER_WEIGHTS names a missing or damaged file, start-up fails")
+                  f"nothing: CLASSIFIER_WEIGHTS {configured['why'] or 'is damaged'}, start-up fails")
     elif hub["exists"]:
         serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file " + (
             f"cannot be read ({hub['problem']})" if hub["problem"] else "is damaged")
+    elif not hub["why"].startswith("does not exist"):
+        serves = f"nothing: the hub cache path {hub['why']}, start-up fails"
     else:
         then = (f"{catalog.OFFLINE} (offline fallback)" if settings.FALLBACK and offline else
                 "nothing (CLASSIFIER_FALLBACK=0)" if not settings.FALLBACK else "nothing (offline model not installed)")

@@ -61,6 +61,35 @@ def look(path: str | os.PathLike) -> tuple[str | None, str | None]:
         return None, exc.strerror
 
 
+def not_a_file(path: str | os.PathLike) -> str:
+    """Why ``path`` is not a regular file to read, in words that say what is there instead: "does not exist", "is
+    a folder, not a file", "is a link to T, which does not exist", "is a link that loops", "cannot be looked at:
+    Permission denied"...; "" where it is a file. A dangling or looping link was said as "does not exist", which
+    sent users looking for a file they could see in ``ls`` (tryout26). Raises nothing."""
+    try:
+        what = kind(path)
+    except Unusable as exc:
+        return f"cannot be looked at: {exc.strerror}"
+    if what is not None:
+        return {"file": "", "folder": "is a folder, not a file"}.get(what, "is not a regular file (a FIFO or device)")
+    try:
+        is_link = stat.S_ISLNK(os.lstat(path).st_mode)
+    except ValueError:  # a NUL byte in the name
+        return "does not exist"
+    except OSError as exc:
+        return {errno.ELOOP: "goes through a link that loops",
+                errno.ENOTDIR: "does not exist (a part of its path is a file, not a folder)"}.get(exc.errno,
+                                                                                               "does not exist")
+    if not is_link:
+        return "does not exist"
+    try:
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "is a link that loops (Too many levels of symbolic links)"
+    return f"is a link to {os.readlink(path)}, which does not exist"
+
+
 def said(exc: OSError) -> str:
     """``exc`` in one line: ``"PATH: reason"`` (``os.strerror``'s words) when it names a path, else its own text
     (``mkdir``'s ``[Errno 36] File name too long: '...'`` becomes ``.../aaa: File name too long``)."""

@@ -29,7 +29,7 @@ import sysconfig
 from pathlib import Path
 
 from .. import settings as settings_mod
-from ..paths import Unusable, expand, kind, reason
+from ..paths import Unusable, expand, kind, not_a_file, reason
 from . import kit
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err
 from .options import path_arg
@@ -151,9 +151,11 @@ def find_weights() -> tuple[Path | None, str]:
         if present:
             check_weights_file(path, RESNET18_URL)
             return path, f"{path}, sha256 checked"
-        if s.WEIGHTS and path == candidates[0]:
-            raise StartupError(f"CLASSIFIER_WEIGHTS={s.WEIGHTS} does not exist or is not a file. Put a copy of "
+        if s.WEIGHTS and path == candidates[0]:  # what is there instead: missing, a folder, a dangling link...
+            raise StartupError(f"CLASSIFIER_WEIGHTS={s.WEIGHTS} {not_a_file(path)}. Put a copy of "
                                f"{RESNET18_URL} there, or unset CLASSIFIER_WEIGHTS to bundle without it.")
+        if not not_a_file(path).startswith("does not exist"):  # the hub cache's: as the service refuses it
+            raise StartupError(f"the torch hub cache's {path} {not_a_file(path)}: put the file there in its place")
     return None, (f"none at {', '.join(map(str, candidates))}: the kit serves the offline EfficientNet-Lite0 "
                   f"(python -m webapp weights fetch, then bundle again, adds ResNet-18)")
 
