@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -189,3 +190,21 @@ def png_declaring(width: int, height: int) -> bytes:
     data[16:24] = struct.pack(">II", width, height)
     data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
     return bytes(data)
+
+
+@pytest.fixture
+def read_only_view(tmp_path):
+    """``(folder, view)``: a folder, and a read-only bind mount of it (both paths), unmounted after the test."""
+    folder, view = tmp_path / "warm", tmp_path / "read-only"
+    folder.mkdir()
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(folder), str(view)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here (root and the right to mount needed): {mounted.stderr.strip()}")
+    try:
+        ro = subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True, text=True)
+        if ro.returncode != 0:
+            pytest.skip(f"cannot remount read-only here: {ro.stderr.strip()}")
+        yield folder, view
+    finally:
+        subprocess.run(["umount", str(view)], capture_output=True)

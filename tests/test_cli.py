@@ -771,6 +771,16 @@ def test_weights_fetch_says_at_once_that_dest_is_not_a_folder(tmp_path, no_class
     assert capsys.readouterr().err == f"error: --dest: {path}: Not a directory\n"
 
 
+def test_weights_fetch_says_at_once_that_dest_is_read_only(read_only_view, tmp_path, no_classifier_env, capsys):
+    """Found by a fresh-user tryout (tryout26): a --dest on a read-only mount was found only after the download
+    (minutes on a slow link), as "cannot write". Now one line before any connection (nothing listens at the URL)."""
+    _, view = read_only_view
+    url = f"http://127.0.0.1:{free_port()}/resnet18-f37072fd.pth"
+    for dest in (view, view / "sub"):
+        assert cli.main(["weights", "fetch", "--dest", str(dest), "--url", url, "--timeout", "2"]) == 1
+        assert capsys.readouterr().err == f"error: --dest: {dest}: Read-only file system\n"
+
+
 @pytest.fixture
 def file_server(tmp_path):
     """A local HTTP server for ``tmp_path/served``: a stand-in for download.pytorch.org."""

@@ -16,24 +16,6 @@ from conftest import small_png
 from serving import Server
 
 
-@pytest.fixture
-def read_only_view(tmp_path):
-    """``(folder, view)``: a folder, and a read-only bind mount of it (both paths), unmounted after the test."""
-    folder, view = tmp_path / "warm", tmp_path / "read-only"
-    folder.mkdir()
-    view.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(folder), str(view)], capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot bind-mount here (root and the right to mount needed): {mounted.stderr.strip()}")
-    try:
-        ro = subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], capture_output=True, text=True)
-        if ro.returncode != 0:
-            pytest.skip(f"cannot remount read-only here: {ro.stderr.strip()}")
-        yield folder, view
-    finally:
-        subprocess.run(["umount", str(view)], capture_output=True)
-
-
 @pytest.mark.server
 @pytest.mark.extended  # two server starts and a mount, a deployment's rare path: with `-m extended`
 def test_a_warm_cache_on_a_read_only_mount_is_used_as_it_is(read_only_view, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import tempfile
 import textwrap
 import urllib.parse
 from pathlib import Path
@@ -103,11 +104,12 @@ def _dest_folder(dest: Path) -> list[Path]:
     with the OS's reason, not after minutes as a network problem); returns the folders made for it, deepest
     first, for ``_remove`` should nothing be saved.
 
-    :raises OSError: ``dest`` is not a folder (ENOTDIR) or cannot be looked at or made.
+    :raises OSError: ``dest`` is not a folder (ENOTDIR), cannot be looked at or made, or not written in (EROFS).
     """
     what = kind(dest)
-    if what == "folder":
-        return []
+    if what == "folder":  # one it may write in: a read-only mount was found only after the download (tryout26)
+        with tempfile.TemporaryFile(dir=dest):  # raises EROFS, EACCES (not as root), EDQUOT...
+            return []
     if what is not None:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(dest))
     missing = []
