@@ -51,6 +51,10 @@ for f in wheels/* weights/*; do  # a file slipped in beside the listed ones is r
     [ -e "$f" ] || continue
     grep -q "  $f\$" MANIFEST.sha256 || die "$f is not in MANIFEST.sha256 (added after the kit was made). Nothing was installed."
 done
+for w in weights/*; do  # step 4 checks each against the sha256 prefix in its name: one without cannot be checked
+    [ -e "$w" ] || continue
+    printf '%s\n' "${w##*/}" | grep -q -- '-[0-9a-f]\{8,\}\.pth$' || die "weights file $w has no sha256 prefix in its name (torchvision names it resnet18-f37072fd.pth): it cannot be checked, and the service looks for that name. Nothing was installed."
+done
 
 # 2. The right Python and platform, named, before pip would refuse wheel by wheel.
 get() { sed -n "s/^$1=//p" TARGET; }

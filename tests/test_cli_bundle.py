@@ -286,6 +286,20 @@ def test_install_stops_on_a_tampered_weights_file_naming_it(kit_copy):
 
 
 @SMALL_KIT
+@pytest.mark.parametrize("name", ["resnet18.pth", "resnet18-f3707.pth", "resnet18-F37072FD.pth"])
+def test_install_stops_on_a_weights_file_without_a_sha256_prefix_in_its_name(kit_copy, name):
+    """Its check compared the file's sha256 with the prefix in its name: none, and every sum passed (tryout26); the
+    service looks for torchvision's name (resnet18-f37072fd.pth) in the hub, so it would not have found it either."""
+    weights = kit_copy / "weights" / name
+    weights.parent.mkdir()
+    weights.write_bytes(b"not the weights")
+    _remanifest(kit_copy)  # listed: the manifest check passes it
+    proc = _install(kit_copy, "--no-warm")
+    assert proc.returncode == 1 and f"weights file weights/{name} has no sha256 prefix in its name" in proc.stderr
+    assert "Nothing was installed" in proc.stderr and not (kit_copy / "venv").exists()
+
+
+@SMALL_KIT
 def test_install_stops_on_a_file_slipped_into_wheels(kit_copy):
     shutil.copy(next((kit_copy / "wheels").glob("tqdm-*.whl")), kit_copy / "wheels" / "tqdm-9.9.9-py3-none-any.whl")
     proc = _install(kit_copy, "--no-warm")

@@ -262,8 +262,10 @@ def _build(args: argparse.Namespace, out: Path, weights: Path | None, found: str
     err(f"  {len(files)} files into src/; install.sh, Containerfile, deploy/")
 
     err("[3/5] ResNet-18 weights ...")  # found (and hash-checked) before the download
-    if weights is not None:
-        _copy(weights, out / "weights" / weights.name)
+    if weights is not None:  # under torchvision's name (its sha256 checked): where the hub looks, what install.sh checks
+        from ..models import RESNET18_URL, hub_checkpoint_path
+
+        _copy(weights, out / "weights" / hub_checkpoint_path(RESNET18_URL).name)
     err(f"  {found}")
 
     err("[4/5] hashing: requirements.lock, MANIFEST.sha256 ...")
