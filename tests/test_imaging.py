@@ -1101,10 +1101,12 @@ def _grey_tiff(samples: np.ndarray, bits: int, sample_format: int) -> bytes:
     (32, 2, 2**31 - 1, 2**31 - 1), (32, 1, 2**32 - 1, 2**32 - 1),  # full range (unsigned: over 2**31 too)
     (32, 2, 1_000_000, 1_000_000),  # a 20-bit sensor's data: from 0 to its maximum
     (32, 2, 65535, 65535), (32, 1, 40000, 65535),  # 16-bit data in a 32-bit file (Pillow writes mode I so)
+    (32, 2, 255, 255), (32, 2, 200, 255), (32, 1, 255, 255),  # 8-bit data so (a photo's convert("I"): tryout27)
     (16, 2, 32767, 32767), (16, 1, 65535, 65535)])
 def test_integer_greys_are_scaled_from_the_range_they_use(bits, sample_format, top, white):
-    """A 32-bit integer TIFF was read as 16-bit: every sample over 65535 clipped white. 16-bit data in a 32-bit
-    file stays 16-bit; wider data is scaled from 0 to its maximum; negatives are black."""
+    """A 32-bit integer TIFF was read as 16-bit: every sample over 65535 clipped white, and 8-bit data (a photo
+    converted to mode I by Pillow, saved) came out near black, a 200 with a blank picture's labels. 8-bit and
+    16-bit data in a 32-bit file keep their range; wider data is scaled from 0 to its maximum; negatives are black."""
     levels = np.array([0, 0.25, 0.5, 0.75, 1.0])
     samples = np.repeat(np.rint(levels * top)[None, :], 4, axis=0)
     if sample_format == 2:
@@ -1114,6 +1116,15 @@ def test_integer_greys_are_scaled_from_the_range_they_use(bits, sample_format, t
     want = np.rint(np.rint(levels * top) * 255 / white).astype(int).tolist()
     assert got[1, :, 0].tolist() == want, (bits, sample_format, got[1, :, 0])
     assert got[0, 0, 0] == 0
+
+
+def test_a_photo_saved_as_a_32_bit_grey_tiff_by_pillow_is_the_same_grey_picture():
+    """tryout27: dog.jpg through Pillow's convert("I") and saved as TIFF was a 200 with "matchstick" (a blank
+    picture's labels); the same pixels as a float TIFF or an 8-bit grey gave German shepherd. Same picture now."""
+    photo = Image.open(shared_image("dog.jpg"))
+    grey = photo.convert("L")
+    as_int = decode(encode(photo.convert("I"), "TIFF"), max_pixels=BIG).image
+    assert np.array_equal(pixels(as_int), pixels(grey.convert("RGB")))
 
 
 @pytest.mark.parametrize("top, white", [(1.0, 1.0), (200.0, 255.0), (255.0, 255.0), (4095.0, 4095.0),

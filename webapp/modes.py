@@ -119,8 +119,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
     Alpha (RGBA, LA, PA, P or RGB/L/I;16 with a transparency key) is composited on white; 16-bit
     grayscale (I;16*, I) is scaled by 1/257 so mid-grey stays mid-grey (signed 16-bit from 0..32767); a
-    32-bit integer TIFF as 16-bit where its samples fit (what Pillow writes for a mode-I image), else from
-    0 to its maximum (samples over 65535 were clipped white); negatives are black;
+    32-bit integer TIFF (what Pillow writes for a mode-I image) as 8-bit or 16-bit where its samples fit, else
+    from 0 to its maximum (samples over 65535 were clipped white); negatives are black;
     float (F, which declares no range) from [0, 1] or [0, 255] where its maximum fits, else from [0, maximum]
     (a 32-bit float TIFF of 16-bit data was clipped white); 1, L, P, CMYK,
     YCbCr, ... use Pillow's conversion (CMYK JPEGs are normalised to plain CMYK in ``decode`` first).
@@ -137,7 +137,8 @@ def to_rgb(img: Image.Image) -> Image.Image:
                 return band.astype(np.int64) & 0xFFFFFFFF if bits == 32 and not signed else band.astype(np.int64)
 
             peak = max((int(wide(band).max()) for band in _bands(img) if band.size), default=0)
-            white = 32767 if bits == 16 else 65535 if peak <= 65535 else peak
+            # 8-bit data (Pillow's convert("I") of a photo, saved) was read as 16-bit: near black (tryout27)
+            white = 32767 if bits == 16 else 255 if peak <= 255 else 65535 if peak <= 65535 else peak
             return _to_l(img, lambda band: np.rint(np.clip(wide(band), 0, white) * (255 / white)).astype(np.uint8))
         # rint(v / 257) clipped to 0..255, as (v + 128) // 257 on v clipped to 0..65535 (equal: 257 is odd,
         # so v / 257 is never a half), a band of rows at a time: a whole-image float64 copy cost ~1.6 GB
