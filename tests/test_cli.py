@@ -539,9 +539,13 @@ def test_symlinked_folders_in_a_folder_are_walked_and_a_loop_ends(tmp_path):
     (walked / "linked").symlink_to(data / "sub")  # a folder of photos kept elsewhere
     (walked / "linked" / "loop").symlink_to(walked)  # data/sub/loop -> walked: a loop through the link
     (walked / "self").symlink_to(".")  # a link to the folder itself
+    (walked / "up").symlink_to("..")  # a link to the folder above the one given (tryout27: its tree was walked)
+    (walked / "root").symlink_to("/")
     items, skipped = files.collect_files([str(walked)])
     assert [shown for shown, _, _ in items] == [str(walked / "b.png"), str(walked / "linked" / "a.png")]
     assert skipped == [] and all(error is None for _, _, error in items)
+    items, _ = files.collect_files([str(walked / "linked")])  # given through a link: its target's parents count
+    assert [shown for shown, _, _ in items] == [str(walked / "linked" / "a.png"), str(walked / "linked" / "loop" / "b.png")]
 
 
 def test_a_photo_named_as_a_format_not_read_is_read_where_its_bytes_are_one(tmp_path):

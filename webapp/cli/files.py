@@ -58,7 +58,8 @@ def read_anyway(path: Path) -> bool:
 def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[Item], list[Skipped]]:
     """Expand files and folders into ``[(shown path, path, error)]`` in a stable order, and the files skipped.
 
-    Folders are walked recursively (symlinked ones too, but for a link back to a folder above: a loop), sorted, and
+    Folders are walked recursively (symlinked ones too, but for a link back to a folder above, or above the folder
+    given: a loop), sorted, and
     yield image file names only, no hidden files, unless ``all_files``. A path named on the command
     line is always tried. What cannot be had becomes an error entry (``unreadable``'s words): a missing
     path, something that is not a regular file (a broken link, a FIFO, a device: never opened), an
@@ -91,7 +92,9 @@ def collect_files(paths: list[str], *, all_files: bool = False) -> tuple[list[It
             def cannot_list(exc: OSError, top: Path = path) -> None:  # called where the walk reaches it: in order
                 items.append((str(exc.filename or top), None, f"cannot read the folder: {exc.strerror or exc}"))
 
-            above: dict[str, frozenset] = {}  # folder -> the folders above it, as (device, inode)
+            # folder -> the folders above it, as (device, inode); the given folder's own parents too: a link to
+            # one of them ("ln -s .. loop", a link to /) walked the tree the folder is in (tryout27)
+            above: dict[str, frozenset] = {os.fspath(path): frozenset(map(_inode, Path(os.path.realpath(path)).parents))}
             for folder, dirs, names in os.walk(path, onerror=cannot_list, followlinks=True):
                 # Symlinked folders are walked as any (tryout24: they were left out without a word), except one
                 # that links back to a folder above it (a loop: all it holds is listed already).
