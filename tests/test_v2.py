@@ -225,6 +225,37 @@ def test_topk_request_parameter(triton, reference):
     assert [b.decode() for b in result.as_numpy("labels")[0][:3]] == [p["label"] for p in reference["eagle.jpg"]]
 
 
+def test_a_request_parameter_the_server_does_not_read_is_refused_through_tritonclient(triton, reference):
+    """A misspelt request parameter ("top_k") answered 3 labels without a word, where the same name on an output
+    was a 400 (tryout27). tritonclient's own priority and timeout are taken (hints)."""
+    dog = [triton_input(photo_bytes("dog.jpg"))]
+    msg = triton_error(lambda: triton.infer("classifier", dog, outputs=triton_outputs(), parameters={"top_k": 5}),
+                       "400")
+    assert msg == ("bad_request: the request has parameter \"top_k\", which this server does not read there: it takes "
+                   "topk, binary_data_output, content_type, priority, timeout; top_k is spelt \"topk\" here"), msg
+    msg = triton_error(lambda: triton.infer("classifier", dog, sequence_id=7), "400")
+    assert "\"sequence_id\"" in msg and "stateless" in msg, msg
+    result = triton.infer("classifier", dog, outputs=triton_outputs(), priority=1, timeout=5_000_000)
+    assert [b.decode() for b in result.as_numpy("labels")[0]] == [p["label"] for p in reference["dog.jpg"]]
+
+
+def test_unpadded_and_url_safe_base64_are_read_over_http(srv, reference):
+    """Go's RawStdEncoding and Rust's NO_PAD send base64 without '=', others the URL-safe alphabet: a 415 told such
+    a client to "send base64 in a /v2 JSON request", which it did (tryout27). Both give the padded one's answer."""
+    eagle = shared_image("eagle.jpg").read_bytes()
+    want = [p["label"] for p in reference["eagle.jpg"]]
+    std = base64.b64encode(eagle).decode()
+    assert std.endswith("="), "eagle.jpg's length must need padding for this test to mean anything"
+    for text in (std.rstrip("="), base64.urlsafe_b64encode(eagle).decode(), base64.urlsafe_b64encode(eagle).decode()
+                 .rstrip("=")):
+        for params in ({}, {"content_type": "base64"}):
+            doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1], "data": [text], "parameters": params}]}
+            answer = post_infer(srv, doc)
+            assert answer.status_code == 200, answer.text
+            labels = next(o for o in answer.json()["outputs"] if o["name"] == "labels")["data"]
+            assert labels == want, (labels, text[-4:], params)
+
+
 def test_gzip_request_body(triton, reference):
     result = triton.infer("classifier", [triton_input(photo_bytes("giraffe.jpg"))], outputs=triton_outputs(),
                           request_compression_algorithm="gzip")

@@ -67,6 +67,32 @@ def test_json_elements(text, content_type, expected):
     assert codec.json_element(text, 0, content_type) == expected
 
 
+@pytest.mark.parametrize("content_type", [None, "base64"])
+def test_unpadded_or_url_safe_base64_of_a_photo_is_read(content_type):
+    """Unpadded (Go's RawStdEncoding, Rust's NO_PAD) and URL-safe base64 of a photo decode to it (tryout27: a 415 or
+    a 400 'Incorrect padding'); text that does not decode to a photo keeps its reading (UTF-8 text, or a 400)."""
+    photo = next(PNG + b"\x00" * k for k in range(3) if (len(PNG) + k) % 3)  # a length that needs padding
+    for text in (base64.b64encode(photo).decode().rstrip("="), base64.urlsafe_b64encode(photo).decode(),
+                 base64.urlsafe_b64encode(photo).decode().rstrip("=")):
+        assert codec.json_element(text, 0, content_type) == photo
+    hex_text = photo.hex()[:len(photo.hex()) // 4 * 4 - 2]  # base64's alphabet, unpadded: not a photo, so text
+    if content_type is None:
+        assert codec.json_element(hex_text, 0, None) == hex_text.encode()
+    else:
+        with pytest.raises(BadRequest, match="not valid base64"):
+            codec.json_element("iVBORw0+Gg-_", 0, content_type)  # '+' beside '-': one alphabet or the other
+
+
+def test_request_parameters_other_than_the_ones_read_are_400():
+    body = json_request([PNG], parameters={"top_k": 5})
+    assert refused(BadRequest, body) == ("the request has parameter \"top_k\", which this server does not read there: it "
+                                         "takes topk, binary_data_output, content_type, priority, timeout; top_k is "
+                                         "spelt \"topk\" here")
+    assert "an output's parameter" in refused(BadRequest, json_request([PNG], parameters={"classification": 5}))
+    req = codec.parse_request(json_request([PNG], parameters={"priority": 1, "timeout": 100, "topk": 4}), None, **LIMITS)
+    assert req.topk == 4
+
+
 def test_declared_base64_that_is_not_is_400():
     with pytest.raises(BadRequest, match=r"element 2 of input 'image' is not valid base64"):
         codec.json_element("not base64!", 2, "base64")

@@ -99,7 +99,7 @@ def how_mangled(data: bytes) -> tuple[str, bool] | None:
         what, fmt = text
         path = _path(fmt)
         return (f"it is {what} of {_a(fmt)}, not the {fmt}'s bytes: send the bytes themselves (curl --data-binary "
-                f"@{path} or -F file=@{path}); base64 goes in a /v2 JSON request, without a data: prefix"), False
+                f"@{path} or -F file=@{path}); base64 goes in a /v2 JSON request"), False
     for start, (fmt, said) in _STARTS.items():
         if data.startswith(start):
             return f"{_a(fmt)} changed on the way: it was {said}; {_send(fmt)}", True

@@ -22,6 +22,7 @@ import struct
 
 from . import mangled
 from .errors import BadRequest, NoFile, NotAnImage, TooLarge
+from .formats import claimed_format
 
 INPUT = "image"
 HEADER = "Inference-Header-Content-Length"
@@ -182,9 +183,28 @@ class Text(bytes):
     """A ``data`` element's bytes read as its UTF-8 text, where it was not base64: its errors say so."""
 
 
+_URL_SAFE = str.maketrans("-_", "+/")
+
+
+def _relaxed_base64(text: str) -> bytes | None:
+    """Base64 without its ``=`` padding (Go's ``RawStdEncoding``, Rust's ``*_NO_PAD``) or in the URL-safe alphabet
+    (``-_``, RFC 4648 5), where what it decodes to starts as a photo does (``formats.claimed_format``): the bytes a
+    standard encoder's text gives. Both were refused with a 415 telling the client to send base64 in a /v2 JSON
+    request, which it did (tryout27). None otherwise: hex or other text keeps its own reading and its own words."""
+    body = text.rstrip("=")
+    if not body or len(body) % 4 == 1 or not body.isascii() or not body.replace("-", "").replace("_", "").isalnum() \
+            and not body.replace("+", "").replace("/", "").isalnum():  # one alphabet or the other, not both
+        return None
+    try:
+        data = base64.b64decode(body.translate(_URL_SAFE) + "=" * (-len(body) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return data if claimed_format(data) else None
+
+
 def json_element(text: str, index: int, content_type: str | None) -> bytes:
     """One JSON ``data`` element -> the photo's bytes: base64 where ``content_type`` is ``base64`` (a
-    ``data:...;base64,`` prefix and whitespace allowed); its UTF-8 bytes where it is one of ``TEXT_TYPES``;
+    ``data:...;base64,`` prefix and whitespace allowed; unpadded or URL-safe where it decodes to a photo); its UTF-8 bytes where it is one of ``TEXT_TYPES``;
     without one, base64 if the text is valid base64, else its UTF-8 bytes (a ``Text``).
 
     :raises BadRequest: declared base64 that is not (400).
@@ -208,6 +228,8 @@ def json_element(text: str, index: int, content_type: str | None) -> bytes:
     try:
         return base64.b64decode(cleaned, validate=True)
     except (binascii.Error, ValueError) as exc:
+        if (photo := _relaxed_base64(cleaned)) is not None:
+            return photo
         if content_type == BASE64:
             raise BadRequest(f"element {index} of input '{INPUT}' is not valid base64 ({exc})") from None
         return Text(text.encode("utf-8", "surrogatepass"))
