@@ -83,6 +83,16 @@ def test_unpadded_or_url_safe_base64_of_a_photo_is_read(content_type):
             codec.json_element("iVBORw0+Gg-_", 0, content_type)  # '+' beside '-': one alphabet or the other
 
 
+def test_a_binary_element_without_its_length_says_how_elements_are_framed():
+    """A photo's bytes sent as binary tensor data without the 4-byte length before it (a hand-rolled client's slip)
+    said only "element 0 says 3,774,863,615 bytes, 141,882 are left" (tryout27): now how an element is framed."""
+    head = json.dumps({"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1],
+                                   "parameters": {"binary_data_size": len(PNG)}}]}).encode()
+    msg = refused(BadRequest, head + PNG, str(len(head)))
+    assert msg.endswith("are left; each BYTES element is a 4-byte little-endian length, then that many bytes "
+                        "(b'\\x89PNG' read as one: a photo without it?)"), msg
+
+
 def test_request_parameters_other_than_the_ones_read_are_400():
     body = json_request([PNG], parameters={"top_k": 5})
     assert refused(BadRequest, body) == ("the request has parameter \"top_k\", which this server does not read there: it "
@@ -191,7 +201,8 @@ def test_binary_data_that_does_not_match_its_shape_is_400():
     doc = {"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1],
                        "parameters": {"binary_data_size": len(data)}}]}
     body, head = binary_request([], doc, extra=data)
-    assert refused(BadRequest, body, head) == "input 'image': element 0 says 999 bytes, 3 are left"
+    assert refused(BadRequest, body, head) == ("input 'image': element 0 says 999 bytes, 3 are left; each BYTES "
+                                               "element is a 4-byte little-endian length, then that many bytes")
     doc["inputs"][0]["parameters"]["binary_data_size"] = 5
     body, head = binary_request([], doc, extra=data)
     assert refused(BadRequest, body, head).startswith("input 'image' binary_data_size is 5 bytes; 7 follow")

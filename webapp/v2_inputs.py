@@ -155,9 +155,11 @@ def bytes_elements(data: bytes, count: int) -> list[bytes]:
         if pos + 4 > len(data):
             raise BadRequest(f"input '{INPUT}': element {len(out)} has a cut 4-byte length")
         (size,) = struct.unpack_from("<I", data, pos)
-        if pos + 4 + size > len(data):
+        if pos + 4 + size > len(data):  # a photo's own first bytes read as a length: say the format (tryout27)
+            head = f" ({data[pos:pos + 4]!r} read as one: a photo without it?)" if claimed_format(data[pos:]) else ""
             raise BadRequest(f"input '{INPUT}': element {len(out)} says {size:,} bytes, {len(data) - pos - 4:,} "
-                             f"are left")
+                             f"are left; each BYTES element is a 4-byte little-endian length, then that many "
+                             f"bytes{head}")
         out.append(data[pos + 4:pos + 4 + size])
         pos += 4 + size
     if len(out) != count:
