@@ -215,6 +215,25 @@ def test_what_gunicorn_refuses_has_a_request_id_and_never_resets_a_body_still_co
     assert json.loads(body)["error"]["status"] == status
 
 
+@pytest.mark.parametrize("request_text", [
+    "POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: abc\r\n\r\n",
+    "POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nConnection: close\r\nExpect: 200-ok\r\nContent-Length: 9\r\n\r\n",
+], ids=["bad-content-length", "expect-200-ok"])
+def test_what_gunicorn_refuses_ends_the_connection_at_once_for_a_client_reading_to_its_end(srv, request_text):
+    """tryout27: a client that sent no body and reads until the connection ends (``Connection: close``) got its
+    400/417 and then waited 2 s (the bounded drain of a body that never came) for the end. The answer's side is
+    closed as soon as it is written; the drain still reads what a client uploading anyway sends."""
+    with connect(srv) as sock:
+        sock.sendall(request_text.encode())
+        sock.settimeout(5.0)
+        t0, raw = time.monotonic(), b""
+        while chunk := sock.recv(65536):
+            raw += chunk
+        took = time.monotonic() - t0
+    assert raw.startswith((b"HTTP/1.1 400 ", b"HTTP/1.1 417 ")) and raw.endswith(b"}"), raw[:200]
+    assert took < 1.0, f"the connection ended {took:.2f} s after the request"
+
+
 _PNG_CHUNK = b"%x\r\n" % len(small_png()) + small_png()
 
 

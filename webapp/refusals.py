@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 from contextlib import contextmanager
 from datetime import timedelta
 from http import HTTPStatus
@@ -176,8 +177,9 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
     before the app saw it. A Content-Length that is not a number of bytes, is repeated, or comes with
     ``Transfer-Encoding: chunked`` says what Content-Length must be, in words. Every answer carries an
     ``X-Request-ID``, as the app's do, and with ``ACCESS_LOG=json`` its access line (duration unknown: null), as
-    every request has one. Then what the client still sends is read and dropped, bounded
-    (``bodies.drain_socket``), so that closing does not reset the connection under an answer not yet read."""
+    every request has one. Then the answer's side is closed (a client reading to the end has it at once) and what
+    the client still sends is read and dropped, bounded (``bodies.drain_socket``), so that closing does not reset
+    the connection under an answer not yet read."""
     message = _in_words(mesg)
     path, request_id, method, remote, agent, glog, protocol = _REFUSED.get(id(sock), (None,) * 7)
     request_id = request_id or request_id_from(None)
@@ -206,4 +208,8 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
         access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
                                              duration_ms=None, size=len(body), remote_addr=remote, query="",
                                              user_agent=agent), separators=(",", ":")))
+    try:  # half-close (RFC 9112 9.6), as GuardedInput.drain does: a client that reads to the end of the connection
+        sock.shutdown(socket.SHUT_WR)  # gets it now, not after the drain's 2 s (tryout27), and closes its side
+    except OSError:
+        pass
     drain_socket(sock)
