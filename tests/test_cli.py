@@ -645,6 +645,29 @@ def test_classify_table_reports_every_file_and_goes_on_past_a_broken_one(photos,
     assert f"{len(rows)} files: {len(rows) - 1} classified, 1 failed" in out.stderr
 
 
+def test_local_classify_says_what_to_do_with_a_file_not_how_to_upload_it(tmp_path, no_classifier_env, monkeypatch,
+                                                                          capsys):
+    """tryout27: a base64 text file given to local classify was told "send the bytes themselves (curl
+    --data-binary ...); base64 goes in a /v2 JSON request": an upload's advice, to someone with a file here."""
+    import base64
+
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
+    dog = (SHARED_IMAGES / "dog.jpg").read_bytes()
+    (tmp_path / "b64.jpg").write_bytes(base64.b64encode(dog))
+    (tmp_path / "hex.jpg").write_bytes(dog.hex().encode())
+    (tmp_path / "stripped.jpg").write_bytes(dog.replace(b"\r", b"").replace(b"\n", b""))  # as curl -d sends it
+    code = cli.main(["classify", *QUICK, "--format", "json", *(str(tmp_path / n) for n in
+                                                              ("b64.jpg", "hex.jpg", "stripped.jpg"))])
+    errors = [r["error"] for r in json.loads(capsys.readouterr().out)]
+    assert code == 1 and [e["code"] for e in errors] == ["unsupported_media_type", "unsupported_media_type",
+                                                         "undecodable_image"], errors
+    assert errors[0]["message"] == ("it is base64 text of a JPEG, not the JPEG's bytes: decode it to the photo's "
+                                    "bytes first (base64 -d FILE > photo.jpg), then classify photo.jpg")
+    assert "(xxd -r -p FILE > photo.jpg)" in errors[1]["message"]
+    assert errors[2]["message"].endswith("; get the file again, copied as bytes (a binary transfer, not as text)")
+    assert not any("curl -F" in e["message"] or "--data-binary" in e["message"] for e in errors), errors
+
+
 def test_classify_json_in_process(photos, tmp_path, no_classifier_env, monkeypatch, capsys):
     monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path))
     dog = SHARED_IMAGES / "dog.jpg"

@@ -108,6 +108,22 @@ def how_mangled(data: bytes) -> tuple[str, bool] | None:
     return None
 
 
+def for_a_file(said: str, data: bytes) -> str:
+    """``how_mangled``'s words ``said`` about ``data``, made for a file read here (``classify`` without a server), not
+    an upload: its advice on sending (curl, requests, /v2) replaced by what to do with the file (tryout27: local
+    classify told the user to use curl). Any other ``said`` is returned as it is."""
+    found = how_mangled(data)
+    if found is None or said != found[0]:
+        return said
+    if found[1]:  # the bytes were changed: only a copy made as bytes has the photo
+        return said.split("; send ")[0] + "; get the file again, copied as bytes (a binary transfer, not as text)"
+    what, fmt = _text_of(data)
+    path = _path(fmt)
+    how = {"hex text": f"xxd -r -p FILE > {path}", "a data: URL": f"cut -d, -f2 FILE | base64 -d > {path}"}.get(
+        what, f"base64 -d FILE > {path}")
+    return f"{said.split(': send ')[0]}: decode it to the photo's bytes first ({how}), then classify {path}"
+
+
 def _line_breaks_changed(data: bytes) -> str | None:
     """The words for JPEG bytes ``data`` (the whole file, or its coded data) whose CR and LF bytes a text copy
     changed: none at all in over 4 KiB, or 8 LFs or more each after a CR; None otherwise."""

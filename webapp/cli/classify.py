@@ -191,6 +191,7 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
 
     from tqdm import tqdm
 
+    from .. import mangled
     from ..contract import Upload
     from ..errors import ServiceError, StartupError
     from ..service import Classifier
@@ -219,11 +220,12 @@ def _classify(args: argparse.Namespace, s, items: list, skipped: int) -> int:
     jobs = min(args.jobs or 2 * s.MAX_BATCH_SIZE, s.QUEUE_SIZE)
 
     def one(path: Path) -> dict:
+        data = b""
         try:
             data = read_limited(path, s.MAX_UPLOAD_BYTES)
             answer = classifier.classify([Upload(path.name, data)], topk=topk)
-        except ServiceError as exc:
-            message = exc.message.removeprefix(f"{path.name}: ")
+        except ServiceError as exc:  # words about a file here, not an upload (no curl advice)
+            message = mangled.for_a_file(exc.message.removeprefix(f"{path.name}: "), data)
             return {"error": _error(exc.code, message)}
         except OSError as exc:
             return {"error": _error("read_error", f"cannot read the file: {exc.strerror or exc}")}
