@@ -756,7 +756,11 @@ def test_weights_verify(tmp_path, capsys, monkeypatch):
         cli.main(["weights", "verify", str(good), "--sha256", good.name[6:8]])
     assert ei.value.code == 2 and "give 8 to 64 hex digits" in capsys.readouterr().err
     assert cli.main(["weights", "verify", str(tmp_path / "absent.pth")]) == 1
-    capsys.readouterr()
+    assert capsys.readouterr().err == f"error: {tmp_path / 'absent.pth'}: no such file\n"
+    (tmp_path / "link.pth").symlink_to(tmp_path / "absent.pth")
+    assert cli.main(["weights", "verify", str(tmp_path / "link.pth")]) == 1
+    assert capsys.readouterr().err == f"error: {tmp_path / 'link.pth'}: is a link to {tmp_path / 'absent.pth'}, which " \
+                                      "does not exist\n"
     assert cli.main(["weights", "verify", str(tmp_path / f"{LONG}.pth")]) == 1  # one line, no traceback
     assert capsys.readouterr().err == f"error: {tmp_path / LONG}.pth: File name too long\n"
     assert cli.main(["weights", "fetch", "--dest", str(tmp_path / LONG), "--url", "http://127.0.0.1:9/x.pth"]) == 1

@@ -11,7 +11,7 @@ import urllib.parse
 from pathlib import Path
 
 from .. import settings as settings_mod
-from ..paths import Unusable, expand, kind, reason
+from ..paths import Unusable, expand, kind, not_a_file, reason
 from .common import EXIT_FAILED, EXIT_OK, err
 from .options import HelpFormatter, folder_arg, hex_prefix, path_arg, setting_arg
 
@@ -156,8 +156,8 @@ def cmd_weights_verify(args: argparse.Namespace) -> int:
         what = kind(path)
     except Unusable as exc:  # a name too long, a folder on the way not searchable: the OS's reason
         what, why = None, exc.strerror
-    else:
-        why = "no such file" if what is None else "not a regular file"
+    else:  # what is there instead, in words: a folder, a dangling or looping link (not "no such file")
+        why = "no such file" if not_a_file(path) == "does not exist" else not_a_file(path)
     if what != "file":
         err(f"error: {path}: {why}")
         return EXIT_FAILED
