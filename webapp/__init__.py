@@ -72,6 +72,7 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     from .access import init_access
     from .logs import init_logs
     from .metrics import init_metrics
+    from .v2_codec import body_limit
 
     app.register_blueprint(api.bp)
     app.register_blueprint(ui.bp)
@@ -81,7 +82,8 @@ def create_app(config: dict | None = None, *, classifier=None) -> Flask:
     init_metrics(app, settings)  # GET /metrics, if METRICS is on
     init_errors(app, settings)  # one handler: JSON for the API, the page for the UI
     # Under gunicorn: refusals answered before the body, an idle timeout on bodies, drains after answers.
-    app.wsgi_app = guard_bodies(app.wsgi_app, idle_s=settings.BODY_TIMEOUT_S, max_bytes=settings.MAX_UPLOAD_BYTES)
+    app.wsgi_app = guard_bodies(app.wsgi_app, idle_s=settings.BODY_TIMEOUT_S, max_bytes=settings.MAX_UPLOAD_BYTES,
+                                largest_body=body_limit(settings.MAX_UPLOAD_BYTES))  # /v2's: base64
     if settings.TRUSTED_PROXIES:  # Werkzeug's ProxyFix: REMOTE_ADDR (which gunicorn's access log shows too), scheme
         from werkzeug.middleware.proxy_fix import ProxyFix  # and host from the headers the last n proxies appended
 

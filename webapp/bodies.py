@@ -22,7 +22,7 @@ A WSGI middleware around the Flask app (``guard_bodies``), active where gunicorn
   as that line is read (``_bounded``), as a Content-Length over it is.
 - A refused request whose body was not read to its end is answered at once, with the connection
   closed after the answer. Only then is what is left of the body read and discarded, bounded in
-  bytes and seconds (``DRAIN_BYTES``, ``DRAIN_SECONDS``), so a client still sending reads the
+  bytes and seconds (``drain_bytes``, ``DRAIN_SECONDS``), so a client still sending reads the
   answer instead of a connection reset, and one that stalls cannot hold the worker. Where the
   connection closes, that drain reads the socket itself, 256 KiB a read, discarded in the kernel
   (``MSG_TRUNC``) on Linux: through gunicorn's reader (8 KiB a read, copied) a refused 3 MB upload
@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 # After the answer to a refused request: read at most this much more of its body, for at most this long.
 DRAIN_BYTES = 16 * 1024 * 1024
+# The bound in force: at least the largest body a route takes, and a quarter more (``guard_bodies``). A proxy that
+# buffers uploads (nginx, as the README sets it up: client_max_body_size 43m) writes the body whole after an
+# early answer; a drain ending at 16 MiB closed under it, and nginx answered its HTML 502 in place of the
+# service's 413, 401 or 415 for 1 upload in 4 of 20-40 MB (tryout28). The seconds still bound a slow client.
+drain_bytes = DRAIN_BYTES
 DRAIN_SECONDS = 2.0
 DRAIN_CHUNK = 256 * 1024  # bytes per read of a drain from the socket
 # Linux TCP discards what a MSG_TRUNC read asks for instead of copying it (tcp(7), since 2.4): the
@@ -174,7 +179,7 @@ class GuardedInput:
     def __iter__(self):
         return iter(self.readline, b"")
 
-    def drain(self, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_SECONDS) -> bool:
+    def drain(self, max_bytes: int | None = None, max_seconds: float = DRAIN_SECONDS) -> bool:
         """Read and discard what is left, bounded; True if the body was read to its end or the client closed.
 
         Where the connection closes after the answer (``closing``), straight from the socket in
@@ -182,6 +187,7 @@ class GuardedInput:
         few KiB it may hold already are not counted, so the drain ends at the client's close, as HTTP
         clients close once they read a ``Connection: close`` answer); elsewhere through gunicorn's reader."""
         self.pending_continue = False  # a refused request never gets "100 Continue"
+        max_bytes = drain_bytes if max_bytes is None else max_bytes
         if self.ended:
             return True
         if self.closing:
@@ -208,13 +214,13 @@ class GuardedInput:
         return self.ended
 
 
-def drain_socket(sock, max_bytes: int = DRAIN_BYTES, max_seconds: float = DRAIN_SECONDS) -> tuple[bool, int]:
+def drain_socket(sock, max_bytes: int | None = None, max_seconds: float = DRAIN_SECONDS) -> tuple[bool, int]:
     """Read and drop what a client still sends on ``sock`` after its refusal was written, until it closes, at
     most ``max_bytes`` bytes and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads; returns (whether it closed, bytes
     read). For a refused body whose connection closes (``GuardedInput.drain``) and gunicorn's own refusals
     (``refusals.write_json_error``): closing a socket with unread bytes resets the connection, and a client
     still uploading may lose the answer it has not read yet. Never raises."""
-    read, flags = 0, _MSG_TRUNC
+    read, flags, max_bytes = 0, _MSG_TRUNC, drain_bytes if max_bytes is None else max_bytes
     try:
         with time_limit(max_seconds):
             while read < max_bytes:
@@ -311,9 +317,12 @@ class _Answered:
                 self.body.close()
 
 
-def guard_bodies(wsgi_app, *, idle_s: float, max_bytes: int | None = None):
+def guard_bodies(wsgi_app, *, idle_s: float, max_bytes: int | None = None, largest_body: int = 0):
     """Wrap ``wsgi_app`` (a WSGI callable) as the module docstring says (``idle_s``: the body timeout, s; ``max_bytes``:
-    the upload limit, which one chunk of a chunked body may not declare more than); returns the new WSGI callable."""
+    the upload limit, which one chunk of a chunked body may not declare more than; ``largest_body``: the largest
+    body any route takes, bytes, which sets ``drain_bytes``); returns the new WSGI callable."""
+    global drain_bytes
+    drain_bytes = max(DRAIN_BYTES, largest_body * 5 // 4)
 
     def app(environ, start_response):
         sock = environ.get("gunicorn.socket")
