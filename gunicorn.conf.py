@@ -94,6 +94,7 @@ loglevel = _s.LOG_LEVEL
 accesslog = "-" if _s.ACCESS_LOG == "text" else None
 errorlog = "-"
 access_log_format = '%(h)s %(t)s "%(r)s" %(s)s %(b)s %(M)sms %({x-request-id}o)s'
+logger_class = "webapp.redact.AccessLogger"  # a token sent in the URL (?token=...) logged as [hidden]
 
 # -- metrics ---------------------------------------------------------------------------------------
 # prometheus-client's multiprocess mode: every worker writes its values to files in this folder and

@@ -182,6 +182,9 @@ def test_gunicorn_text_access_line_of_a_refused_request(tmp_path):
             lower = sock.recv(65536)
         ok = requests.post(srv.url + "/api/v1/predict", data=PNG, headers={"Content-Type": "image/png",
                                                                            "X-Request-ID": "text-ok"}, timeout=30)
+        # a credential put in the URL by mistake (tryout28: written in clear to the access log)
+        leak = requests.post(srv.url + "/api/v1/predict?topk=2&access_token=s3cret-tok", data=PNG, timeout=30,
+                             headers={"Content-Type": "image/png", "X-Request-ID": "text-leak"})
     finally:
         code = srv.stop()
     out = srv.output()
@@ -189,6 +192,8 @@ def test_gunicorn_text_access_line_of_a_refused_request(tmp_path):
     size = len(raw.split(b"\r\n\r\n", 1)[1])
     assert re.search(rf'"POST /api/v1/predict HTTP/1.1" 400 {size} \d+ms text-bad$', out, re.M), out[-3000:]
     assert re.search(rf'"POST /api/v1/predict HTTP/1.1" 200 {len(ok.content)} \d+ms text-ok$', out, re.M)
+    assert leak.status_code == 200 and "s3cret" not in out, out[-3000:]
+    assert re.search(r'"POST /api/v1/predict\?topk=2&access_token=\[hidden\] HTTP/1.1" 200 \d+ \d+ms text-leak$', out, re.M)
     # No line from gunicorn where it had no request object (tryout24): one is written, with the client's id if sent.
     assert expect.startswith(b"HTTP/1.1 417 ") and b"X-Request-ID: text-417\r\n" in expect, expect
     size = len(expect.split(b"\r\n\r\n", 1)[1])
@@ -212,6 +217,9 @@ def test_gunicorn_json_access_log(tmp_path):
         bad = requests.post(srv.url + "/api/v1/predict?topk=x", data=PNG, headers={"Content-Type": "image/png"},
                             timeout=30)
         assert bad.status_code == 400 and UUID_HEX.fullmatch(bad.headers["X-Request-ID"])
+        leak = requests.post(srv.url + "/api/v1/predict?api_key=s3cret-key", data=PNG, timeout=30,
+                             headers={"Content-Type": "image/png", "X-Request-ID": "json-leak"})
+        assert leak.status_code == 200
         assert requests.get(srv.url + "/metrics", timeout=10).status_code == 404
         # gunicorn refuses it before the app sees it: it had no access line at all (tryout23)
         raw = _refused_by_gunicorn(srv.port, "gunicorn-bad")
@@ -234,4 +242,5 @@ def test_gunicorn_json_access_log(tmp_path):
     assert good["remote_addr"] == "127.0.0.1" and good["duration_ms"] > 0
     refused = by_id[bad.headers["X-Request-ID"]]
     assert refused["status"] == 400 and refused["query"] == "topk=x"
+    assert by_id["json-leak"]["query"] == "api_key=[hidden]" and "s3cret" not in out  # tryout28
     assert not re.search(r'"POST /api/v1/predict[^"]*" \d{3}', out), "gunicorn's text access line is still on"

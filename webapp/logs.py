@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from flask import Flask, g, has_request_context, request
 
 from .contract import REQUEST_ID_HEADER, request_id_from  # noqa: F401 (the rule lives there: torch- and Flask-free)
+from .redact import hide_query_secrets
 
 ACCESS_LOGGER = "webapp.access"
 
@@ -95,8 +96,8 @@ def access_fields(*, request_id: str | None, method: str, path: str, status: int
         "duration_ms": None if duration_ms is None else round(duration_ms, 2), "bytes": size,
         "remote_addr": remote_addr, "pid": os.getpid(),
     }
-    if query:
-        record["query"] = query[:1024]
+    if query:  # a credential sent in the URL by mistake (?token=...) is not written in clear (webapp/redact.py)
+        record["query"] = hide_query_secrets(query)[:1024]
     if user_agent:
         record["user_agent"] = user_agent[:512]
     return record

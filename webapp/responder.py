@@ -57,6 +57,7 @@ from .concurrency import Primitives, fork_safe
 from .contract import REQUEST_ID_HEADER, request_id_from
 from .errors import NotReady, error_body
 from .listen import refuse_new_connections
+from .redact import hide_uri_secrets
 
 RETRY_AFTER_S = 5
 MESSAGE = ("the service is starting: no worker has its model ready yet (a first start compiles it, about a minute "
@@ -374,7 +375,7 @@ def master_answers(gunicorn_log, settings) -> Callable[[dict], None]:
         with fork_guard:
             if settings.ACCESS_LOG == "text":
                 gunicorn_log.access_log.info('%s %s "%s" %s %s %dms %s', rec["remote_addr"],
-                                             time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), rec["request_line"],  # %(t)s
+                                             time.strftime("[%d/%b/%Y:%H:%M:%S %z]"), hide_uri_secrets(rec["request_line"]),
                                              rec["status"], rec["bytes"], rec["duration_ms"], rec["request_id"])
             elif settings.ACCESS_LOG == "json":
                 from .logs import access_fields, configure_access_logger  # (Flask: not at this module's import)
