@@ -107,6 +107,7 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
         huge = post(port, b"\x89PNG" + bytes(44 * 2**20), source="127.0.0.5")
         assert huge[0] == 413 and huge[1]["Content-Type"] == "application/json", huge
         assert huge[2]["error"]["code"] == "too_large" and "proxy limit" in huge[2]["error"]["message"], huge
+        assert re.fullmatch(r"[0-9a-f]{32}", huge[1].get("X-Request-ID", "")), huge[1]  # as every answer (tryout28)
         # /v2 takes base64 up to 4/3 of the limit + 64 KiB: a 40 MiB body reaches the service, not nginx's 413 page
         # (client_max_body_size was 33m; tryout18). 30 MiB of zeros: no photo, the protocol's JSON 415.
         v2 = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "parameters": {
