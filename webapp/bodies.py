@@ -216,7 +216,7 @@ class GuardedInput:
 
 def drain_socket(sock, max_bytes: int | None = None, max_seconds: float = DRAIN_SECONDS) -> tuple[bool, int]:
     """Read and drop what a client still sends on ``sock`` after its refusal was written, until it closes, at
-    most ``max_bytes`` bytes and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads; returns (whether it closed, bytes
+    most ``max_bytes`` bytes (default ``drain_bytes``) and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads; returns (whether it closed, bytes
     read). For a refused body whose connection closes (``GuardedInput.drain``) and gunicorn's own refusals
     (``refusals.write_json_error``): closing a socket with unread bytes resets the connection, and a client
     still uploading may lose the answer it has not read yet. Never raises."""

@@ -213,9 +213,9 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     Returns ``(path, tried)``: ``path`` is None when no file could be had; ``tried`` says, for
     the log and the error message, what was looked at and why it failed.
 
-    :raises StartupError: when a file exists but is unreadable or fails its hash check (a damaged
-        or tampered file is refused, never silently replaced), or ``WEIGHTS`` names a missing file or one
-        that cannot be looked at (a name too long...: the OS's reason).
+    :raises StartupError: a file that is unreadable or fails its hash check (a damaged or tampered file is refused,
+        never silently replaced); ``WEIGHTS`` naming anything but a file (``paths.not_a_file``'s words: missing, a
+        folder, a dangling link, a name too long...); something other than a file in the hub cache, where it goes.
     """
     url = url or RESNET18_URL
     tried: list[str] = []

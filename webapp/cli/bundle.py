@@ -136,7 +136,8 @@ def find_weights() -> tuple[Path | None, str]:
     :raises StartupError: a file is there but fails its sha256 check (a kit never carries a bad one), a
         place cannot be looked at (``CLASSIFIER_WEIGHTS`` with a name too long...), or ``CLASSIFIER_WEIGHTS``
         names no file (the service refuses to start on it too; a kit without the weights asked for would
-        serve the offline model where ResNet-18 was wanted).
+        serve the offline model where ResNet-18 was wanted), or the hub cache holds something other than a file
+        where the file goes (a folder, a dangling link), as the service refuses it.
     """
     from ..errors import StartupError
     from ..models import RESNET18_URL, check_weights_file, hub_checkpoint_path
