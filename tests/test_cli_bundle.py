@@ -180,6 +180,7 @@ def test_ctrl_c_during_the_download_leaves_nothing_in_the_way_of_a_second_try(tm
     import signal
     import socket
 
+    from serving import as_a_terminal_job
     from webapp.cli.common import EXIT_INTERRUPTED
 
     req, out = tmp_path / "req.txt", tmp_path / "kit"
@@ -188,7 +189,8 @@ def test_ctrl_c_during_the_download_leaves_nothing_in_the_way_of_a_second_try(tm
         url = f"http://127.0.0.1:{silent.getsockname()[1]}/simple"
         proc = subprocess.Popen([sys.executable, "-m", "webapp", "bundle", "--out", str(out), "--requirements",
                                  str(req), "--index-url", url], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env={**os.environ, "TORCH_HOME": str(tmp_path / "none")})
+                                start_new_session=True, env={**os.environ, "TORCH_HOME": str(tmp_path / "none")},
+                                preexec_fn=as_a_terminal_job)  # SIGINT arrives ignored in a CI's background job
         try:
             lines = []
             while not any(line.startswith("[1/5]") for line in lines):
