@@ -43,7 +43,7 @@ def _check_flags() -> None:
         return  # not gunicorn's command line (a tool reading this file)
     problem, workers = lifecycle.gunicorn_flags_problem(sys.argv[1:])
     if problem:
-        lifecycle.exit_now(lifecycle.EXIT_CONFIG, problem)
+        lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {problem}")
     if workers is not None:
         _flags["workers"] = workers
 
@@ -125,7 +125,8 @@ def _clear_metrics_dir() -> str | None:
 def on_starting(server):
     """In the master, before it listens: one line and exit 5 if it cannot listen; the start-up channel."""
     if server.cfg.workers < 1:  # -w 0 from GUNICORN_CMD_ARGS (the command line's is refused as it is read)
-        lifecycle.exit_now(lifecycle.EXIT_CONFIG, lifecycle.no_workers_problem(server.cfg.workers))
+        problem = lifecycle.no_workers_problem(server.cfg.workers)
+        lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: {problem}")
     # gunicorn's -b (or GUNICORN_CMD_ARGS, serve -- -b) wins over the setting: said where one was set (over the
     # default, which nobody chose, it was a warning about nothing: tryout26)
     if server.cfg.bind != bind and settings.PREFIX + "BIND" in os.environ:

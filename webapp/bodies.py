@@ -191,10 +191,6 @@ class GuardedInput:
         if self.ended:
             return True
         if self.closing:
-            try:  # half-close (RFC 9112 9.6): a client that reads to the end of the connection gets it now,
-                self.sock.shutdown(socket.SHUT_WR)  # and closes its side, which ends the drain
-            except OSError:
-                pass
             cap = max_bytes if self.left is None else min(max_bytes, self.left)
             closed, read = drain_socket(self.sock, cap, max_seconds)
             return closed or (self.left is not None and read >= self.left)
@@ -215,12 +211,16 @@ class GuardedInput:
 
 
 def drain_socket(sock, max_bytes: int | None = None, max_seconds: float = DRAIN_SECONDS) -> tuple[bool, int]:
-    """Read and drop what a client still sends on ``sock`` after its refusal was written, until it closes, at
-    most ``max_bytes`` bytes (default ``drain_bytes``) and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads; returns (whether it closed, bytes
-    read). For a refused body whose connection closes (``GuardedInput.drain``) and gunicorn's own refusals
-    (``refusals.write_json_error``): closing a socket with unread bytes resets the connection, and a client
-    still uploading may lose the answer it has not read yet. Never raises."""
+    """Half-close ``sock`` after its refusal was written, then read and drop what the client still sends, until it
+    closes, at most ``max_bytes`` bytes (default ``drain_bytes``) and ``max_seconds`` s, in ``DRAIN_CHUNK`` reads;
+    returns (whether it closed, bytes read). For a refused body whose connection closes (``GuardedInput.drain``)
+    and gunicorn's own refusals (``refusals.write_json_error``): closing a socket with unread bytes resets the
+    connection, and a client still uploading may lose the answer it has not read yet. Never raises."""
     read, flags, max_bytes = 0, _MSG_TRUNC, drain_bytes if max_bytes is None else max_bytes
+    try:  # half-close (RFC 9112 9.6): a client that reads to the end of the connection has the answer now, not
+        sock.shutdown(socket.SHUT_WR)  # after the drain (2 s for gunicorn's refusals: tryout27), and closes its side
+    except OSError:
+        pass
     try:
         with time_limit(max_seconds):
             while read < max_bytes:

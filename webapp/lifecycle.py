@@ -351,9 +351,9 @@ def exit_now(status: int, line: str | None = None) -> None:
 
 def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
     """gunicorn's command-line arguments ``argv`` (after its program name) tried with gunicorn's own parser and
-    validators, on a Config of their own: (the configuration error to exit 2 with, or None; the ``-w`` count
-    given, or None). gunicorn applies its flags after reading gunicorn.conf.py and exits 1 on a value it refuses
-    (``--timeout -5``); ``-w 0`` starts a master that never starts a worker (tryout25). ``serve --dry-run`` asks
+    validators, on a Config of their own: (the problem to exit 2 with, said as a configuration error, or None;
+    the ``-w`` count given, or None). gunicorn applies its flags after reading gunicorn.conf.py and exits 1 on a
+    value it refuses (``--timeout -5``); ``-w 0`` starts a master that never starts a worker (tryout25). ``serve --dry-run`` asks
     the same (it said exit 0 where the real start exits 2). A flag argparse cannot parse at all (``--bogus``,
     ``-w abc``) raises ``SystemExit(2)`` from argparse, with its usage line on stderr, as gunicorn itself does."""
     from gunicorn.config import Config
@@ -366,7 +366,7 @@ def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
             trial.set(name.lower(), value)
         except Exception as exc:  # gunicorn's validators raise ValueError/TypeError with its own words
             flag = next((f for f in trial.settings[name].cli or () if f.startswith("--")), name)
-            return f"configuration error: gunicorn {flag} {value}: {exc}", None
+            return f"gunicorn {flag} {value}: {exc}", None
         if name == "workers":
             workers = trial.workers
             if workers < 1:
@@ -375,7 +375,7 @@ def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
 
 
 def no_workers_problem(workers: int) -> str:
-    """The configuration error for gunicorn's ``-w`` below 1: a master that never starts a worker, every
-    request 503 for ever (tryout25)."""
-    return (f"configuration error: gunicorn -w {workers} starts no worker, so nothing would ever answer; give -w 1 "
+    """The problem with gunicorn's ``-w`` below 1 (said as a configuration error): a master that never starts a
+    worker, every request 503 for ever (tryout25)."""
+    return (f"gunicorn -w {workers} starts no worker, so nothing would ever answer; give -w 1 "
             f"or more, or leave -w out (the plan picks the count: CLASSIFIER_WORKERS=0)")

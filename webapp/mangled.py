@@ -54,6 +54,19 @@ def _mapped(magic: bytes) -> dict[bytes, str]:
 _STARTS = {start: (fmt, said) for fmt, magic in _MAGIC.items() for start, said in _mapped(magic).items()}
 
 
+def lenient_base64(text: bytes) -> bytes | None:
+    """``text`` decoded as base64 in either alphabet (standard, or URL-safe ``-_``: RFC 4648 5; not both), its ``=``
+    padding optional (Go's ``RawStdEncoding``, Rust's ``*_NO_PAD``); None where it is not base64 so."""
+    body = text.rstrip(b"=")
+    if not _BASE64.fullmatch(text) or len(body) % 4 == 1:
+        return None
+    try:
+        return base64.b64decode(body + b"=" * (-len(body) % 4), altchars=b"-_" if b"-" in body or b"_" in body
+                                else None, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
 def _text_of(data: bytes) -> tuple[str, str] | None:
     """(what text, the format inside) where ``data`` is base64 or hex text of a photo, or a ``data:`` URL."""
     body = data.strip()
@@ -62,11 +75,7 @@ def _text_of(data: bytes) -> tuple[str, str] | None:
         body = body[url.end():]
     packed = re.sub(rb"\s+", b"", body)  # base64 wrapped at 76 columns (MIME, `base64` without -w0)
     if _BASE64.fullmatch(packed):
-        try:
-            head = base64.b64decode(packed[:64] + b"=" * (-len(packed[:64]) % 4), altchars=b"-_" if b"-" in packed
-                                    or b"_" in packed else None)
-        except (binascii.Error, ValueError):
-            head = b""
+        head = lenient_base64(packed[:64]) or b""
         if fmt := claimed_format(head):
             return ("a data: URL" if url else "base64 text"), fmt
     if not url and _HEX.fullmatch(packed) and (fmt := claimed_format(bytes.fromhex(packed[:64].decode()))):

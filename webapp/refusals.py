@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
 from contextlib import contextmanager
 from datetime import timedelta
 from http import HTTPStatus
@@ -208,8 +207,4 @@ def write_json_error(sock, status_int: int, reason: str, mesg: str) -> None:
         access.info(json.dumps(access_fields(request_id=request_id, method=method, path=path, status=status_int,
                                              duration_ms=None, size=len(body), remote_addr=remote, query="",
                                              user_agent=agent), separators=(",", ":")))
-    try:  # half-close (RFC 9112 9.6), as GuardedInput.drain does: a client that reads to the end of the connection
-        sock.shutdown(socket.SHUT_WR)  # gets it now, not after the drain's 2 s (tryout27), and closes its side
-    except OSError:
-        pass
-    drain_socket(sock)
+    drain_socket(sock)  # half-closes first

@@ -57,10 +57,8 @@ def _float(text: str) -> float:  # ASCII: float() reads any script's digits ("١
     return value
 
 
-def _str(text: str) -> str:  # spaces alone are a slip, not "empty" (CLASSIFIER_WEIGHTS=' ' fell back unsaid: tryout26)
-    if not (value := str(text).strip()) and str(text):
-        raise _Reason("only spaces (a slip?); unset it for the default")
-    return value
+def _str(text: str) -> str:  # spaces alone are refused before any parser (Setting.convert)
+    return str(text).strip()
 
 
 class _Reason(ValueError):
@@ -147,8 +145,10 @@ class Setting:
         :raises SettingsError: naming ``source`` (the env var or config key), the value and the rule.
         """
         try:
-            if isinstance(raw, str):  # spaces alone are a slip for every setting (RATE_LIMIT=' ' was "off")
-                value = self.parse(raw) if raw.strip() or not raw or self.parse is _token else _str(raw)
+            if isinstance(raw, str) and raw and not raw.strip() and self.parse is not _token:  # a slip, not "empty":
+                raise _Reason("only spaces (a slip?); unset it for the default")  # WEIGHTS=' ' fell back unsaid
+            if isinstance(raw, str):
+                value = self.parse(raw)
             elif self.parse is _bool:
                 if not isinstance(raw, bool):
                     raise ValueError("expected a boolean")

@@ -185,23 +185,13 @@ class Text(bytes):
     """A ``data`` element's bytes read as its UTF-8 text, where it was not base64: its errors say so."""
 
 
-_URL_SAFE = str.maketrans("-_", "+/")
-
-
 def _relaxed_base64(text: str) -> bytes | None:
-    """Base64 without its ``=`` padding (Go's ``RawStdEncoding``, Rust's ``*_NO_PAD``) or in the URL-safe alphabet
-    (``-_``, RFC 4648 5), where what it decodes to starts as a photo does (``formats.claimed_format``): the bytes a
-    standard encoder's text gives. Both were refused with a 415 telling the client to send base64 in a /v2 JSON
-    request, which it did (tryout27). None otherwise: hex or other text keeps its own reading and its own words."""
-    body = text.rstrip("=")
-    if not body or len(body) % 4 == 1 or not body.isascii() or not body.replace("-", "").replace("_", "").isalnum() \
-            and not body.replace("+", "").replace("/", "").isalnum():  # one alphabet or the other, not both
-        return None
-    try:
-        data = base64.b64decode(body.translate(_URL_SAFE) + "=" * (-len(body) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    return data if claimed_format(data) else None
+    """Base64 without its ``=`` padding or in the URL-safe alphabet (``mangled.lenient_base64``), where what it
+    decodes to starts as a photo does (``formats.claimed_format``). Both were refused with a 415 telling the client
+    to send base64 in a /v2 JSON request, which it did (tryout27). None otherwise: hex or other text keeps its own
+    reading and its own words."""
+    data = mangled.lenient_base64(text.encode()) if text.isascii() else None
+    return data if data and claimed_format(data) else None
 
 
 def json_element(text: str, index: int, content_type: str | None) -> bytes:

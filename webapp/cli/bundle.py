@@ -29,7 +29,7 @@ import sysconfig
 from pathlib import Path
 
 from .. import settings as settings_mod
-from ..paths import Unusable, expand, kind, not_a_file, reason
+from ..paths import expand, kind, not_a_file, reason
 from . import kit
 from .common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, ROOT, err
 from .options import path_arg
@@ -145,18 +145,16 @@ def find_weights() -> tuple[Path | None, str]:
     s = settings_mod.load()
     candidates = ([expand(s.WEIGHTS)] if s.WEIGHTS else []) + [hub_checkpoint_path(RESNET18_URL)]
     for path in candidates:
-        try:
-            present = kind(path) == "file"
-        except Unusable as exc:  # a path setting with a name too long...: a bad setting, in one line
-            raise StartupError(f"{path}: {exc.strerror}") from None
-        if present:
+        if not (why := not_a_file(path)):  # a file
             check_weights_file(path, RESNET18_URL)
             return path, f"{path}, sha256 checked"
+        if why.startswith(cannot := "cannot be looked at: "):  # a name too long...: a bad setting, in one line
+            raise StartupError(f"{path}: {why.removeprefix(cannot)}")
         if s.WEIGHTS and path == candidates[0]:  # what is there instead: missing, a folder, a dangling link...
-            raise StartupError(f"CLASSIFIER_WEIGHTS={s.WEIGHTS} {not_a_file(path)}. Put a copy of "
+            raise StartupError(f"CLASSIFIER_WEIGHTS={s.WEIGHTS} {why}. Put a copy of "
                                f"{RESNET18_URL} there, or unset CLASSIFIER_WEIGHTS to bundle without it.")
-        if not not_a_file(path).startswith("does not exist"):  # the hub cache's: as the service refuses it
-            raise StartupError(f"the torch hub cache's {path} {not_a_file(path)}: put the file there in its place")
+        if not why.startswith("does not exist"):  # the hub cache's: as the service refuses it
+            raise StartupError(f"the torch hub cache's {path} {why}: put the file there in its place")
     return None, (f"none at {', '.join(map(str, candidates))}: the kit serves the offline EfficientNet-Lite0 "
                   f"(python -m webapp weights fetch, then bundle again, adds ResNet-18)")
 

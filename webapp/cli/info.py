@@ -115,9 +115,10 @@ def _weights_line(f: dict) -> str:
         return f"{f['path']} (cannot be looked at: {f['problem']})"
     if not f["exists"]:  # a folder where the file should be is said so: "absent" sent users looking for it
         what = {"folder": "a folder", "other": "not a regular file"}.get(f.get("kind"))
-        if what or (f.get("why") or "does not exist") == "does not exist":
-            return f"{f['path']} ({what}, not a weights file)" if what else f"{f['path']} (absent)"
-        return f"{f['path']} ({f['why']})"  # a dangling or looping link, a file on the way: what is there
+        if what:
+            return f"{f['path']} ({what}, not a weights file)"
+        # missing, else what is there: a dangling or looping link, a file on the way
+        return f"{f['path']} ({'absent' if f.get('why', 'does not exist') == 'does not exist' else f['why']})"
     return f"{f['path']} (present, sha256 {'ok' if f['hash_ok'] else 'MISMATCH: damaged or wrong file'})"
 
 

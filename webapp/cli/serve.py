@@ -91,7 +91,7 @@ def cmd_serve(args: argparse.Namespace, extra: list[str]) -> int:
             workers = cpu.plan(cpu.usable_cores(), workers=s.WORKERS, threads=s.THREADS).workers
         problem = problem or caches.cache_dir_problem(s) or cpu.memory_problem(workers, cpu.available_mb())
         if problem:
-            err(problem if problem.startswith("configuration error") else f"configuration error: {problem}")
+            err(f"configuration error: {problem}")
             return EXIT_USAGE
         _print_environ(env)
         print(f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])}")

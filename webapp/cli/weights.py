@@ -157,7 +157,7 @@ def cmd_weights_verify(args: argparse.Namespace) -> int:
     except Unusable as exc:  # a name too long, a folder on the way not searchable: the OS's reason
         what, why = None, exc.strerror
     else:  # what is there instead, in words: a folder, a dangling or looping link (not "no such file")
-        why = "no such file" if not_a_file(path) == "does not exist" else not_a_file(path)
+        why = "no such file" if (said := not_a_file(path)) == "does not exist" else said
     if what != "file":
         err(f"error: {path}: {why}")
         return EXIT_FAILED
