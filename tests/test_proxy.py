@@ -1,7 +1,7 @@
 """Behind a reverse proxy (``CLASSIFIER_TRUSTED_PROXIES``): the README's nginx location, run in a real nginx in
 front of a real gunicorn. Each client behind the proxy gets its own rate-limit budget and its own address in
-the access log (all of them were the proxy's), a client's own X-Forwarded-For is not believed, the request id
-nginx makes is the one the service logs and echoes, and an over-limit upload gets the service's JSON 413
+the access log (all of them were the proxy's), a client's own X-Forwarded-For is not believed, a client's own
+sane request id (else the one nginx makes) is the one the service logs and echoes, and an over-limit upload gets the service's JSON 413
 (not nginx's page)."""
 
 from __future__ import annotations
@@ -39,8 +39,26 @@ def readme_location(upstream_port: int) -> str:
     return block[1].replace("127.0.0.1:8000", f"127.0.0.1:{upstream_port}")
 
 
+def readme_http() -> str:
+    """The README's nginx ``http``-level block (the ``map`` that keeps a client's sane ``X-Request-ID``)."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- nginx http: checked by tests/test_proxy\.py -->\n```nginx\n(.*?)```", text, re.S)
+    assert block, "the README's nginx map block is gone"
+    return block[1]
+
+
+def test_the_readme_nginx_map_keeps_the_ids_the_service_keeps():
+    """The map's pattern is the service's own rule for a client's id (``contract._SANE_ID``): a narrower one would
+    replace ids the service keeps, a wider one pass ids the service replaces (two ids for one request in the logs)."""
+    from webapp.contract import _SANE_ID
+
+    pattern = re.search(r'"~\^(.*)\$"', readme_http())
+    assert pattern and pattern[1] == _SANE_ID.pattern, (pattern, _SANE_ID.pattern)
+
+
 def start_nginx(tmp, port: int, location: str) -> subprocess.Popen:
-    """nginx in the foreground on 127.0.0.1:``port`` with ``location``, its files under ``tmp``."""
+    """nginx in the foreground on 127.0.0.1:``port`` with ``location`` (and the README's ``map``), its files
+    under ``tmp``."""
     conf = tmp / "nginx.conf"
     user = "user root;\n" if os.geteuid() == 0 else ""  # its workers read the bodies it keeps under tmp (0700)
     conf.write_text(f"""{user}worker_processes 1;
@@ -54,6 +72,7 @@ http {{
     fastcgi_temp_path {tmp}/fastcgi;
     uwsgi_temp_path {tmp}/uwsgi;
     scgi_temp_path {tmp}/scgi;
+{readme_http()}
     server {{
         listen 127.0.0.1:{port};
 {location}
@@ -108,6 +127,13 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
         assert huge[0] == 413 and huge[1]["Content-Type"] == "application/json", huge
         assert huge[2]["error"]["code"] == "too_large" and "proxy limit" in huge[2]["error"]["message"], huge
         assert re.fullmatch(r"[0-9a-f]{32}", huge[1].get("X-Request-ID", "")), huge[1]  # as every answer (tryout28)
+        # a client's own sane id passes nginx, on the service's answers and on nginx's own 413 alike
+        own = post(port, PNG, source="127.0.0.6", **{"X-Request-ID": "batch-7/photo:3@cam~1"})
+        huge_own = post(port, b"\x89PNG" + bytes(44 * 2**20), source="127.0.0.7", **{"X-Request-ID": "upload-42"})
+        assert own[0] == 200 and own[1]["X-Request-ID"] == "batch-7/photo:3@cam~1", own[1]
+        assert huge_own[0] == 413 and huge_own[1]["X-Request-ID"] == "upload-42", huge_own[1]
+        insane = post(port, PNG, source="127.0.0.8", **{"X-Request-ID": "two words"})  # the service would replace it
+        assert insane[0] == 200 and re.fullmatch(r"[0-9a-f]{32}", insane[1]["X-Request-ID"]), insane[1]
         # /v2 takes base64 up to 4/3 of the limit + 64 KiB: a 40 MiB body reaches the service, not nginx's 413 page
         # (client_max_body_size was 33m; tryout18). 30 MiB of zeros: no photo, the protocol's JSON 415.
         v2 = json.dumps({"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES", "parameters": {
@@ -133,7 +159,8 @@ def test_the_readme_nginx_location_in_front_of_the_service(tmp_path):
     ids = [h["X-Request-ID"] for _, h, _ in (*first, spoofed, other, too_big)]
     assert all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids), ids  # nginx's ids
     assert [logged[i] for i in ids] == ["127.0.0.1"] * 4 + ["127.0.0.2", "127.0.0.3"], logged
-    assert (tmp_path / "access.log").read_text().count("POST /api/v1/predict") == 7  # the last never reached us
+    assert logged["batch-7/photo:3@cam~1"] == "127.0.0.6" and logged[insane[1]["X-Request-ID"]] == "127.0.0.8"
+    assert (tmp_path / "access.log").read_text().count("POST /api/v1/predict") == 10  # its own 413s too
 
 
 @pytest.mark.server
