@@ -70,17 +70,23 @@ def test_catalog_and_settings_import_no_torch():
 @pytest.mark.parametrize("model", [m.name for m in catalog.MODELS])
 def test_a_weights_file_another_model_does_not_read_is_said(model):
     """CLASSIFIER_WEIGHTS beside a model that brings its own weights was ignored without a word."""
-    def load(**overrides):
-        return settings.load(environ={}, overrides={"MODEL": model, "DOWNLOAD": False, **overrides})
+    def load(**env):
+        return settings.load(environ={"CLASSIFIER_MODEL": model, "CLASSIFIER_DOWNLOAD": "0", **env})
 
     assert catalog.unused_weights(load()) is None  # not set: nothing to say
-    said = catalog.unused_weights(load(WEIGHTS="/srv/w.pth"))
+    said = catalog.unused_weights(load(CLASSIFIER_WEIGHTS="/srv/w.pth"))
     if model == "resnet18":
         assert said is None
         return
     assert said == (f"CLASSIFIER_WEIGHTS=/srv/w.pth is not used: it is read for CLASSIFIER_MODEL=resnet18 only, and "
-                    f"CLASSIFIER_MODEL={model} serves its own weights; unset it, or set CLASSIFIER_MODEL=resnet18")
-    assert said in models.explain_resolution(load(WEIGHTS="/srv/w.pth"))["would_serve"]  # python -m webapp info
+                    f"CLASSIFIER_MODEL={model} serves its own weights; unset CLASSIFIER_WEIGHTS, or set "
+                    f"CLASSIFIER_MODEL=resnet18")
+    assert said in models.explain_resolution(load(CLASSIFIER_WEIGHTS="/srv/w.pth"))["would_serve"]  # webapp info
+    # classify's flags named as flags (they were named as the variables the user never set)
+    flags = settings.load({}, {"MODEL": model, "WEIGHTS": "/srv/w.pth"}, {"MODEL": "--model", "WEIGHTS": "--weights"})
+    assert catalog.unused_weights(flags) == (
+        f"--weights=/srv/w.pth is not used: it is read for --model=resnet18 only, and --model={model} serves its own "
+        f"weights; leave out --weights, or set --model=resnet18")
 
 
 def test_outside_gunicorn_building_the_model_says_the_weights_are_not_used(monkeypatch, caplog):

@@ -279,14 +279,16 @@ def test_classify_refuses_a_bad_rate_limit_setting_in_one_line(environ):
                                         ("a" * 300, "cannot be created: File name too long")])
 @pytest.mark.parametrize("how", ["option", "variable"])
 def test_classify_with_a_cache_dir_that_cannot_be_made_is_one_line_and_exit_2(tmp_path, where, why, how):
-    """Even --no-compile makes the cache folder (the precision record): pathlib's traceback and exit 1 before."""
+    """Even --no-compile makes the cache folder (the precision record): pathlib's traceback and exit 1 before. The
+    folder is named as the user gave it: ``--cache-dir`` was named CLASSIFIER_CACHE_DIR, never set."""
     (tmp_path / "a-file").write_text("not a folder")
     folder = where if where.startswith("/") else str(tmp_path / where)
     given = ("--cache-dir", folder) if how == "option" else ()
     env = clean_env(**({} if how == "option" else {"CLASSIFIER_CACHE_DIR": folder}))
     out = run_cli("classify", *QUICK, *given, str(SHARED_IMAGES / "dog.jpg"), env=env, timeout=60)
     assert out.returncode == 2, out.stderr
-    assert out.stderr == f"configuration error: CLASSIFIER_CACHE_DIR={folder} {why}\n"
+    named = "--cache-dir" if how == "option" else "CLASSIFIER_CACHE_DIR"
+    assert out.stderr == f"configuration error: {named}={folder} {why}\n"
 
 
 def test_classify_with_no_image_files_is_a_usage_error_before_loading_a_model(no_classifier_env, tmp_path, capsys):
@@ -926,6 +928,22 @@ def test_a_weights_setting_that_cannot_be_looked_at_stops_the_start_in_one_line(
     with pytest.raises(StartupError, match=f"^CLASSIFIER_WEIGHTS={tmp_path / LONG}.pth cannot be looked at: File "
                                            "name too long$"):
         resolve_resnet18_weights(settings.load({"CLASSIFIER_WEIGHTS": f"{tmp_path / LONG}.pth"}))
+
+
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_classify_names_a_missing_weights_file_as_the_user_gave_it(how, no_classifier_env, monkeypatch, tmp_path,
+                                                                   capsys):
+    """``classify --weights missing.pth`` said "CLASSIFIER_WEIGHTS=... or unset CLASSIFIER_WEIGHTS", a variable the
+    user never set (found in tryout26's follow-up); the flag is named, and the advice is to leave it out."""
+    missing = tmp_path / "missing.pth"
+    given = ["--weights", str(missing)] if how == "option" else []
+    if how == "variable":
+        monkeypatch.setenv("CLASSIFIER_WEIGHTS", str(missing))
+    assert cli.main(["classify", "--model", "resnet18", "--no-compile", *given, str(SHARED_IMAGES / "dog.jpg")]) == 2
+    named, drop = ("--weights", "leave out") if how == "option" else ("CLASSIFIER_WEIGHTS", "unset")
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: cannot start the model: {named}={missing} does not exist. Put a copy of "
+        f"https://download.pytorch.org/models/resnet18-f37072fd.pth there, or {drop} {named}.")
 
 
 def test_info_says_what_the_offline_fallback_runs_at(no_classifier_env, monkeypatch, capsys):

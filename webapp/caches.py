@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .paths import expand, look, reason
-from .settings import PREFIX, SettingsError
+from .settings import PREFIX, SettingsError, given_as
 
 
 def cache_dir(values: Mapping[str, Any]) -> Path:
@@ -48,8 +48,8 @@ def make_cache_dir(values: Mapping[str, Any], *, read_only_ok: bool = False) -> 
         it exists and is not a folder, this process cannot write in it (unless ``read_only_ok``), or its
         ``inductor`` is not a folder.
     """
-    path = cache_dir(values)
-    what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
+    path, named = cache_dir(values), given_as(values, "CACHE_DIR")
+    what = f"{named}={path}" if values["CACHE_DIR"] else f"{named} (empty: the default {path})"
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -70,8 +70,8 @@ def cache_dir_problem(values: Mapping[str, Any]) -> str | None:
     """What ``make_cache_dir(values, read_only_ok=True)`` would refuse, found without making anything (``serve
     --dry-run`` passed a folder the start then refused: tryout26), or None: the folder, or the nearest folder
     above it that exists, must be one, and a missing one's nearest existing folder writable."""
-    path = cache_dir(values)
-    what = f"{PREFIX}CACHE_DIR={path}" if values["CACHE_DIR"] else f"{PREFIX}CACHE_DIR (empty: the default {path})"
+    path, named = cache_dir(values), given_as(values, "CACHE_DIR")
+    what = f"{named}={path}" if values["CACHE_DIR"] else f"{named} (empty: the default {path})"
     below = path
     while (found := look(below))[0] is None and found[1] is None and below.parent != below:
         below = below.parent  # missing: the start makes it and its parents in the nearest existing folder
@@ -92,7 +92,7 @@ def where_space_ran_out(reason: str, values: Mapping[str, Any]) -> str:
     if os.strerror(errno.ENOSPC) not in reason:
         return reason
     where = []
-    for what, path in ((f"{PREFIX}CACHE_DIR", cache_dir(values)), ("TMPDIR", Path(tempfile.gettempdir()))):
+    for what, path in ((given_as(values, "CACHE_DIR"), cache_dir(values)), ("TMPDIR", Path(tempfile.gettempdir()))):
         try:
             st = os.statvfs(path)
         except OSError:

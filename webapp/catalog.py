@@ -123,5 +123,7 @@ def unused_weights(settings) -> str | None:
     outside gunicorn, ``python -m webapp info`` under "will serve"."""
     if not settings.WEIGHTS or settings.MODEL == "resnet18":
         return None
-    return (f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} is not used: it is read for CLASSIFIER_MODEL=resnet18 only, and "
-            f"CLASSIFIER_MODEL={settings.MODEL} serves its own weights; unset it, or set CLASSIFIER_MODEL=resnet18")
+    # named as the user set them (settings.given_as, which imports this module): classify's flags as flags
+    w, m = (getattr(settings, "sources", {}).get(name, f"CLASSIFIER_{name}") for name in ("WEIGHTS", "MODEL"))
+    return (f"{w}={settings.WEIGHTS} is not used: it is read for {m}=resnet18 only, and {m}={settings.MODEL} serves "
+            f"its own weights; {'unset' if w.startswith('CLASSIFIER_') else 'leave out'} {w}, or set {m}=resnet18")

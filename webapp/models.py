@@ -37,6 +37,7 @@ from torchvision.transforms import InterpolationMode
 from . import catalog
 from .errors import StartupError
 from .paths import expand, look, not_a_file
+from .settings import PREFIX, given_as
 
 log = logging.getLogger(__name__)
 
@@ -140,10 +141,8 @@ def check_weights_file(path: Path, url: str) -> None:
         raise StartupError(f"weights file {path} cannot be read: {exc.strerror or exc}; make it readable by the "
                            f"user the service runs as, or replace it with a fresh copy of {url}.") from None
     if not actual.startswith(prefix):
-        raise StartupError(
-            f"weights file {path} is damaged or not the expected file: its sha256 is {actual[:16]}..., "
-            f"expected a hash starting {prefix}. Replace it with a fresh copy of {url}."
-        )
+        raise StartupError(f"weights file {path} is damaged or not the expected file: its sha256 is {actual[:16]}..., "
+                           f"expected a hash starting {prefix}. Replace it with a fresh copy of {url}.")
 
 
 def hub_checkpoint_path(url: str) -> Path:
@@ -222,8 +221,9 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     if settings.WEIGHTS:
         path = expand(settings.WEIGHTS)
         if why := not_a_file(path):  # a name too long, a folder, a dangling link: what is there, in one line
-            fix = "" if why.startswith("cannot") else f". Put a copy of {url} there, or unset CLASSIFIER_WEIGHTS."
-            raise StartupError(f"CLASSIFIER_WEIGHTS={settings.WEIGHTS} {why}{fix}")
+            named = given_as(settings, "WEIGHTS")  # as set: classify's --weights was named CLASSIFIER_WEIGHTS
+            fix = f". Put a copy of {url} there, or {'unset' if named.startswith(PREFIX) else 'leave out'} {named}."
+            raise StartupError(f"{named}={settings.WEIGHTS} {why}{'' if why.startswith('cannot') else fix}")
         check_weights_file(path, url)
         return path, tried
     cached = hub_checkpoint_path(url)

@@ -320,10 +320,10 @@ BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
 
 class Settings(Mapping[str, Any]):
-    """Checked, typed settings: ``settings.MAX_BATCH_SIZE`` or ``settings["MAX_BATCH_SIZE"]``."""
+    """Checked, typed settings: ``s.MAX_BATCH_SIZE`` or ``s["MAX_BATCH_SIZE"]``; ``sources``: see ``given_as``."""
 
-    def __init__(self, values: Mapping[str, Any]):
-        self._values = dict(values)
+    def __init__(self, values: Mapping[str, Any], sources: Mapping[str, str] | None = None):
+        self._values, self.sources = dict(values), dict(sources or {})
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -331,17 +331,16 @@ class Settings(Mapping[str, Any]):
         except KeyError:
             raise AttributeError(name) from None
 
-    def __getitem__(self, name: str) -> Any:
-        return self._values[name]
+    def __getitem__(self, name: str) -> Any: return self._values[name]
+    def __iter__(self): return iter(self._values)
+    def __len__(self) -> int: return len(self._values)
+    def __repr__(self) -> str: return f"Settings({self._values!r})"
 
-    def __iter__(self):
-        return iter(self._values)
 
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __repr__(self) -> str:
-        return f"Settings({self._values!r})"
+def given_as(values: Mapping[str, Any], name: str) -> str:
+    """How the user set setting ``name``, for messages: the flag it came from (``--weights``: ``load``'s ``names``),
+    else its variable (``CLASSIFIER_WEIGHTS``; so for a default, a config key, and any plain mapping ``values``)."""
+    return getattr(values, "sources", {}).get(name, PREFIX + name)
 
 
 def did_you_mean(key: str, prefix: str = "") -> str:
@@ -353,8 +352,9 @@ def did_you_mean(key: str, prefix: str = "") -> str:
     return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
-def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None) -> Settings:
-    """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys).
+def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None,
+         names: Mapping[str, str] | None = None) -> Settings:
+    """Read every setting: default, then ``CLASSIFIER_*`` env var, then ``overrides`` (config keys; flags: ``names``).
 
     :raises SettingsError: for an unknown ``CLASSIFIER_*`` variable or config key (a typo must not be silently
         ignored), a value outside the table's rule, or a conflicting pair (``RATE_LIMIT`` with an empty
@@ -380,7 +380,7 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
         if s.name in overrides:
             value = s.convert(overrides[s.name], s.name)
         values[s.name] = value
-    src = {name: name if name in overrides else PREFIX + name for name in BY_NAME}  # as the user wrote it
+    src = {name: (names or {}).get(name, name) if name in overrides else PREFIX + name for name in BY_NAME}
     if values["RATE_LIMIT"] and not values["RATE_LIMIT_STORAGE"]:  # a limit needs somewhere to count
         raise SettingsError(f"{src['RATE_LIMIT_STORAGE']}='' is not valid; allowed: {BY_NAME['RATE_LIMIT_STORAGE'].rule()}")
     if values["CLUSTER_REPLICAS"] == 0 and (low := values["CLUSTER_MIN_REPLICAS"]) > values["CLUSTER_MAX_REPLICAS"]:
@@ -388,7 +388,7 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
                             f"{values['CLUSTER_MAX_REPLICAS']} (autoscaling: CLASSIFIER_CLUSTER_REPLICAS=0)")
     if values["PAGE_LOGIN"] and not values["API_TOKEN"]:  # no token to ask for: not a page left open unsaid
         raise SettingsError(f"{src['PAGE_LOGIN']} needs {src['API_TOKEN']}: the page asks for that token")
-    return Settings(values)
+    return Settings(values, {name: how for name, how in (names or {}).items() if name in overrides})
 
 
 def markdown_table() -> str:

@@ -37,6 +37,7 @@ from .models import LoadedModel, encode, load_model
 from .paths import reason
 from .quiet import quiet_third_party
 from .records import recorded_precision
+from .settings import given_as
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def given_photos(settings) -> list[Path]:
     try:
         return calibration_files(settings.CALIBRATION_DIR)
     except OSError as exc:
-        raise StartupError(f"CLASSIFIER_CALIBRATION_DIR={settings.CALIBRATION_DIR} cannot be read: "
+        raise StartupError(f"{given_as(settings, 'CALIBRATION_DIR')}={settings.CALIBRATION_DIR} cannot be read: "
                            f"{reason(exc)}") from None
 
 

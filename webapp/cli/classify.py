@@ -23,8 +23,8 @@ from .common import CLASSIFY_EXIT_STATUS, EXIT_FAILED, EXIT_OK, EXIT_USAGE, err,
 from ..paths import expand, kind, said
 from .files import (IMAGE_SUFFIXES, collect_files, error_code, no_image_files, read_limited, report_skipped,
                     skipped_note, unreadable)
-from .options import (EMPTY_PATH, HelpFormatter, add_setting_options, address_arg, given_settings, positive_int,
-                      settings_epilog)
+from .options import (EMPTY_PATH, HelpFormatter, add_setting_options, address_arg, flag_names, given_settings,
+                      positive_int, settings_epilog)
 from .output import ResultStream, public
 from .remote import add_arguments as add_remote_arguments
 from .remote import classify_remote
@@ -150,7 +150,7 @@ def cmd_classify(args: argparse.Namespace) -> int:
         raise settings_mod.SettingsError(f"{settings_mod.PREFIX}TOP_K='' is not valid (empty: a shell variable not "
                                          "set? unset it for the server's default); allowed: "
                                          f"{settings_mod.BY_NAME['TOP_K'].rule()}")
-    s = settings_mod.load(os.environ, given_settings(args))
+    s = settings_mod.load(os.environ, given := given_settings(args), flag_names(given))
     args.paths = read_paths(args.paths, sys.stdin)
     if not args.paths:
         err("error: no paths (stdin was empty)")

@@ -97,6 +97,11 @@ def given_settings(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+def flag_names(given: dict[str, object]) -> dict[str, str]:
+    """``{name: its flag}`` for the settings in ``given``: how errors name them (``settings.given_as``)."""
+    return {name: option_name(settings_mod.BY_NAME[name]) for name in given}
+
+
 def as_environ(given: dict[str, object]) -> dict[str, str]:
     """``{name: value}`` -> ``{CLASSIFIER_NAME: text}`` (booleans as 1/0)."""
     return {PREFIX + name: ("1" if value else "0") if isinstance(value, bool) else str(value)

@@ -41,7 +41,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIPE, EXIT_USAGE, err, plural, silence_stdout
 from .files import collect_files, error_code, no_image_files, report_skipped, skipped_note
-from .options import given_settings
+from .options import flag_names, given_settings
 from .output import ResultStream, public
 from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it)
 from .retries import backoff, described, error as _error, out_of_tries, parsed, reason as _reason, refusal as _refusal
@@ -294,7 +294,7 @@ def classify_remote(args: argparse.Namespace) -> int:
     if problem:
         err(f"error: {problem}")
         return EXIT_USAGE
-    s = settings_mod.load(os.environ, given)
+    s = settings_mod.load(os.environ, given, flag_names(given))
     # The same settings given as variables cannot be refused (one shell may also start a local server), but are
     # not ignored unsaid either (tryout17: the options were refused, the variables silently did nothing).
     unused = [settings_mod.PREFIX + x.name for x in settings_mod.SETTINGS
