@@ -239,6 +239,20 @@ def test_a_request_parameter_the_server_does_not_read_is_refused_through_tritonc
     assert [b.decode() for b in result.as_numpy("labels")[0]] == [p["label"] for p in reference["dog.jpg"]]
 
 
+def test_a_protocol_parameter_in_the_query_string_is_refused_through_tritonclient(triton, reference):
+    """``/v2/.../infer?topk=5`` answered 3 labels without a word (the query was never read: found in tryout27's
+    follow-up): a protocol parameter there is a 400 saying where it goes; a query parameter that is none of the
+    protocol's (tritonclient's ``query_params`` carry a proxy's or gateway's) is left alone."""
+    dog = [triton_input(photo_bytes("dog.jpg"))]
+    for name in ("topk", "top_k", "binary_data_output"):
+        msg = triton_error(lambda: triton.infer("classifier", dog, outputs=triton_outputs(), query_params={name: 5}),
+                           "400")
+        assert msg == (f"bad_request: {name} is not read from the query string here: the protocol's parameters go in "
+                       "the request's JSON, e.g. {\"parameters\": {\"topk\": 5}, \"inputs\": [...]}"), msg
+    result = triton.infer("classifier", dog, outputs=triton_outputs(), query_params={"api-version": "2"})
+    assert [b.decode() for b in result.as_numpy("labels")[0]] == [p["label"] for p in reference["dog.jpg"]]
+
+
 def test_unpadded_and_url_safe_base64_are_read_over_http(srv, reference):
     """Go's RawStdEncoding and Rust's NO_PAD send base64 without '=', others the URL-safe alphabet: a 415 told such
     a client to "send base64 in a /v2 JSON request", which it did (tryout27). Both give the padded one's answer."""

@@ -181,11 +181,11 @@ _ELSEWHERE = {"topk": _TOPK, "top_k": _TOPK, "binary_data_output": "a request pa
 REQUEST_PARAMETERS = ("topk", "binary_data_output", "content_type", "priority", "timeout")
 _ON_AN_OUTPUT = f"an output's parameter (\"outputs\": [{{\"name\": \"{CLASSIFIABLE}\", \"parameters\": {{...}}}}])"
 _STATELESS = "for sequence batching, which this stateless model has none of: leave it out"
-_REQUEST_ELSEWHERE = {"top_k": "spelt \"topk\" here", "topK": "spelt \"topk\" here", "binary_data": _ON_AN_OUTPUT +
-                      "; binary_data_output is the request's, for every output", "classification": _ON_AN_OUTPUT,
-                      "class_count": f"tritonclient's name for \"classification\", {_ON_AN_OUTPUT}",
-                      "binary_data_size": "an input's parameter", "sequence_id": _STATELESS,
-                      "sequence_start": _STATELESS, "sequence_end": _STATELESS}
+REQUEST_ELSEWHERE = {"top_k": "spelt \"topk\" here", "topK": "spelt \"topk\" here", "binary_data": _ON_AN_OUTPUT +
+                     "; binary_data_output is the request's, for every output", "classification": _ON_AN_OUTPUT,
+                     "class_count": f"tritonclient's name for \"classification\", {_ON_AN_OUTPUT}",
+                     "binary_data_size": "an input's parameter", "sequence_id": _STATELESS,
+                     "sequence_start": _STATELESS, "sequence_end": _STATELESS}
 
 
 def _outputs(doc: dict, *, binary_default: bool, categories: int) -> list[Wanted]:
@@ -236,7 +236,7 @@ def parse_request(body: bytes, header_length: str | None, *, default_topk: int, 
         # A lone surrogate (\ud800) is JSON but not text: echoed back, strict clients refuse the answer (tryout21).
         raise BadRequest(f"'id' must be text: it holds a lone UTF-16 surrogate ({json.dumps(req_id)[:40]})")
     params = as_object(doc.get("parameters"), "the request's parameters")
-    no_other_parameters(params, "the request", REQUEST_PARAMETERS, _REQUEST_ELSEWHERE)
+    no_other_parameters(params, "the request", REQUEST_PARAMETERS, REQUEST_ELSEWHERE)
     topk = default_topk
     if "topk" in params:
         raw = params["topk"]
