@@ -1028,3 +1028,43 @@ def test_sigusr2_re_exec_of_serve_starts_a_new_master(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # both masters and their workers: one process group
         proc.wait(timeout=60)
+
+
+@pytest.mark.server
+def test_a_sigkilled_masters_workers_finish_the_requests_in_flight(tmp_path):
+    """A master SIGKILLed (the OOM killer, ``kill -9``) with an upload in flight: its worker stopped as on SIGTERM
+    (``children.signal_on_parent_death``), then its next heartbeat saw the parent gone and gunicorn's
+    ``sys.exit(0)`` dropped the request (a reset for the client: found in tryout26, left then). Now it is a
+    graceful stop to the end: the request in flight is answered, no new connection is taken, the worker leaves."""
+    srv, _ = launch(tmp_path, "orphan", WORKERS=1, ACCESS_LOG="off")
+    body, worker = small_png(), None
+    try:
+        srv.wait_ready(workers=1)
+        worker = srv.worker_pids()[0]
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+        sock.sendall(b"POST /api/v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/png\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+        time.sleep(0.5)  # the worker is reading its body
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(10)
+        time.sleep(1.0)  # several heartbeats of the orphaned worker
+        sock.sendall(body[10:])
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+            if b"\r\n\r\n" in answer and answer.count(b"}") and answer.rstrip().endswith(b"}"):
+                break
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 200 "), (answer[:300], srv.output()[-2000:])
+        assert b'"predictions"' in answer, answer[:500]
+        deadline = time.monotonic() + 15
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = os.path.exists(f"/proc/{worker}") and "zombie" not in Path(f"/proc/{worker}/status").read_text()
+        assert not alive, srv.output()[-2000:]
+        with pytest.raises(OSError):  # nothing listens any more
+            socket.create_connection(("127.0.0.1", srv.port), timeout=2).close()
+    finally:
+        if worker is not None and os.path.exists(f"/proc/{worker}"):
+            os.kill(worker, signal.SIGKILL)
+        srv.stop()

@@ -170,6 +170,15 @@ class Worker(GeventWorker):
         bodies.stop_time_left = self.stop_time_left  # while stopping: answers say Connection: close, drains end early
         super().run()
 
+    def notify(self):
+        """gunicorn's heartbeat, but a master gone (SIGKILLed: the OOM killer, ``kill -9``) is a graceful stop, as
+        its SIGTERM would be (``children.signal_on_parent_death`` sends this worker one), to the end: gunicorn's
+        ``sys.exit(0)`` here, at the first heartbeat of that stop, reset the requests in flight."""
+        super(GeventWorker, self).notify()  # the heartbeat file: GeventWorker's own first step, without its exit
+        if self.ppid != os.getppid() and self.alive:
+            self.log.info("Parent changed, stopping gracefully: %s", self)
+            self.handle_exit(signal.SIGTERM, None)
+
     def handle(self, listener, client, addr):
         """gunicorn's, with this connection's client socket known to ``timeout_ctx`` (same greenlet)."""
         self._clients[gevent.getcurrent()] = client
