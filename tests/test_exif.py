@@ -42,6 +42,15 @@ def test_turn_matches_pillows_exif_transpose_on_intact_exif(value):
     assert np.array_equal(ours, pillows)
 
 
+def test_a_png_exif_chunk_that_holds_the_jpeg_prefix_itself_still_turns():
+    """An ``eXIf`` chunk that starts with ``Exif\\0\\0`` (the JPEG prefix, against the PNG spec) is read through,
+    as Pillow's ``getexif`` and the page's ``strip.js`` read it: the API classified it sideways (tryout29)."""
+    data = stored_sideways(landscape(), b"Exif\x00\x00" + block([orientation()]), "PNG")
+    assert b"eXIfExif\x00\x00" in data  # Pillow took one prefix off: the chunk holds the other
+    assert Image.open(io.BytesIO(data)).getexif().get(0x0112) == 6
+    assert np.array_equal(decoded(data), np.asarray(landscape()))
+
+
 @pytest.mark.parametrize("name", sorted(DAMAGED) + sorted(DAMAGED_GPS))
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
 def test_damage_elsewhere_keeps_the_orientation(name, fmt):

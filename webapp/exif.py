@@ -60,10 +60,14 @@ def orientation_from_block(raw: bytes) -> int | None:
     """The Orientation value (1..8) in a raw EXIF block, or None when absent, damaged or out of range.
 
     ``raw`` is the TIFF structure, with or without JPEG's ``Exif\\0\\0`` prefix (Pillow's
-    ``img.info["exif"]`` for JPEG, PNG's ``eXIf`` and WebP). Never raises.
+    ``img.info["exif"]`` for JPEG, PNG's ``eXIf`` and WebP), or with two: Pillow puts one before a PNG's
+    ``eXIf`` chunk, and some writers put one in the chunk itself (against the PNG spec, but Pillow's own
+    ``getexif`` and the page's ``strip.js`` read through it: with one taken off, the API classified such a photo
+    sideways where the page turned it: tryout29). Never raises.
     """
-    if raw.startswith(b"Exif\x00\x00"):
-        raw = raw[6:]
+    for _ in range(2):
+        if raw.startswith(b"Exif\x00\x00"):
+            raw = raw[6:]
     if len(raw) < 8 or raw[:2] not in (b"II", b"MM"):
         return None
     order = "<" if raw[:2] == b"II" else ">"
