@@ -224,10 +224,12 @@ async function classify(item) {
       break;
     }
     if (resp.status === 401) return submitPlainForm();   // API token set: the page itself stays open
-    if (item.sent.blob !== item.file && (resp.status === 400 || resp.status === 415)) {
-      // The server refused the scaled copy: send the photo without its metadata, as if it had never been scaled;
-      // refused that too, the file itself (the optimisations never lose a photo).
-      const next = original ? item.sent.bare : item.file;
+    if (item.sent.blob !== item.sent.bare && (resp.status === 400 || resp.status === 415)) {
+      // The server refused a copy (scaled, or at its own size): send the photo as if it had never been copied,
+      // without its metadata where strip.js takes it out, else the file itself (the optimisations never lose a
+      // photo). The photo without its metadata refused is the server's answer: its image data is the file's, byte
+      // for byte, and the file itself sent after it went up with the GPS position the page promises to keep back.
+      const next = item.sent.bare;
       item.sent = { ...item.sent, blob: next, original: null, why: "refused", kept: next === item.file };
       item.card.dataset.sent = "refused";
       continue;

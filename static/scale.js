@@ -16,7 +16,8 @@
 // (HEIC outside Safari, TIFF...), this browser would decode it otherwise than the server (an animation, a CMYK
 // JPEG), the server would refuse it (a JPEG cut short or damaged: its 400 is the answer curl gets), the photo is
 // at or below the size already, the copy is no smaller, or anything fails on the way: the optimisation never
-// loses a photo.
+// loses a photo. Where the original would go with metadata strip.js cannot take out (an AVIF), the copy goes
+// instead, at the photo's own size where it is small already.
 
 import { FILTERS, resize, resizedSize } from "./resample.js";
 import { withoutMetadata } from "./strip.js";
@@ -351,7 +352,8 @@ async function orientationOf(file, format) {
  * unknown | undecodable | small | incomplete (a JPEG perhaps cut short: the server judges it) | damaged (a JPEG
  * with a zero DC quantizer, or copied as text: the server refuses it) | animated | cmyk (decoded otherwise here than by the server: no
  * preview) | oriented (not a JPEG, with an EXIF orientation: the server turns it) | larger (the copy would be no
- * smaller) | failed; `kept`
+ * smaller) | private (small already, in a format strip.js does not take: a lossless copy at its own size) | failed;
+ * `kept`
  * true where the file goes as it is, with whatever metadata it holds (a format or a structure strip.js does not
  * take, scaling off); `bare` the file as it goes where not scaled (what the page sends if the server refuses the
  * copy). Never rejects.
@@ -362,9 +364,24 @@ export async function prepare(file, send) {
     // Decodable here, and scaling on: the photo goes without its metadata. The file itself goes where the server
     // must judge it as it is (not decodable here, perhaps cut short or damaged: its answer names what is wrong) and
     // under ?scale=0 (a diagnostic).
-    const { blob, kept } = ["off", "undecodable", "unknown", "incomplete", "damaged"].includes(why)
+    // A JPEG perhaps cut short goes without its metadata too: strip.js keeps its scans byte for byte, so the server
+    // judges the same photo (a whole one with a grey edge, or a cut one, went up with its GPS position: tryout29).
+    const { blob, kept } = ["off", "undecodable", "unknown", "damaged"].includes(why)
       ? { blob: file, kept: true } : await withoutMetadata(file, format);
     return { blob, original: null, thumb, why, kept, bare: blob };
+  };
+  // What would go with its metadata although this browser decoded it (a format or a structure strip.js does not
+  // take: AVIF, BMP...) goes as a lossless copy of the decode at its own size instead, where that decode is upright
+  // as the server's (a JPEG's EXIF orientation and an AVIF's container rotation are applied by both; a WebP's EXIF
+  // one by the server only): an AVIF small already went up whole, GPS position and camera included (tryout29).
+  const privately = async (sent) => {
+    if (!sent.kept || !(["JPEG", "AVIF"].includes(format) || (await orientationOf(file, format)) === 1)) return sent;
+    try {
+      const { blob } = await lossless(pixels(bmp, bmp.width, bmp.height), bmp.width, bmp.height);
+      return { ...sent, blob, why: "private", kept: false };
+    } catch {
+      return sent;
+    }
   };
   let bmp;
   try {
@@ -386,9 +403,9 @@ export async function prepare(file, send) {
       : animated(bytes, format) ? "animated" : null;
     if (judged === "animated" || judged === "cmyk") return plain(judged);
     if (judged) return plain(judged, await thumbFrom(bmp));
-    if (Math.min(width, height) <= send.short) return plain("small", await thumbFrom(bmp));
+    if (Math.min(width, height) <= send.short) return privately(await plain("small", await thumbFrom(bmp)));
     if (format === "JPEG" && greyEdge(bmp, width, height)) {
-      return plain("incomplete", await thumbFrom(bmp));   // perhaps cut short: the server judges the file itself
+      return plain("incomplete", await thumbFrom(bmp));   // perhaps cut short: the server judges its scans as they are
     }
     // Browsers apply the EXIF orientation of a JPEG when they decode it; of a WebP, Chromium does not (a
     // sideways copy: keeshond, not German shepherd, where the server turns it upright). Any other format
@@ -400,7 +417,7 @@ export async function prepare(file, send) {
     const { blob, canvas: copy } = await lossless(rgba, w, h);
     const thumb = await thumbFrom(copy);
     const bare = await plain("larger", thumb);
-    if (blob.size >= bare.blob.size) return bare;
+    if (blob.size >= bare.blob.size && !bare.kept) return bare;   // larger, but without the file's metadata
     return { blob, thumb, why: "scaled", original: { width, height, format, bytes: file.size }, kept: false,
       bare: bare.blob };
   } catch {
