@@ -675,6 +675,36 @@ def test_a_server_that_takes_uploads_and_never_answers_ends_the_run_soon(tmp_pat
     assert all("gave no answer within 1 s" in e["message"] for e in errors)
 
 
+def test_a_server_gone_for_good_ends_the_files_not_yet_sent_soon(tmp_path, monkeypatch, capsys):
+    """tryout30: the server stopped 8 s into 3,000 files, and each file left waited out its 8 tries and ~45 s of
+    pauses before its connection_error: hours, where the bar said 27 minutes. Once a file's tries all met no server
+    while nothing answered any other file, the files not yet sent end unsent, saying so."""
+    from webapp import cli
+
+    monkeypatch.setattr(retries, "MAX_TRIES", 3)
+    for i in range(8):
+        Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / f"{i}.png")
+    stub = Stub([])
+    answered = []
+    stub.RequestHandlerClass.do_POST = lambda self, post=stub.RequestHandlerClass.do_POST: (
+        post(self), answered.append(1), len(answered) == 2 and threading.Thread(target=lambda: (stub.shutdown(), stub.server_close())).start())
+    try:
+        start = time.monotonic()
+        status = cli.main(["classify", "-q", "-f", "json", "--jobs", "1", str(tmp_path), "--server", stub.url])
+        took = time.monotonic() - start
+    finally:
+        stub.server_close()
+    rows = json.loads(capsys.readouterr().out)
+    errors = [r["error"] for r in rows if r["error"]]
+    # (a third upload may be answered on its kept-alive connection as the stub stops)
+    assert status == 1 and len(errors) >= 5 and {e["code"] for e in errors} == {"connection_error"}, rows
+    tried = [e for e in errors if not e["message"].startswith("not sent: ")]
+    assert len(tried) == 1 and "gave up after 3 tries" in tried[0]["message"], errors  # one file waited, not six
+    assert all(re.fullmatch(rf"not sent: the server at {re.escape(stub.url)} answered nothing for \d+ s \(.+\)",
+                            e["message"]) for e in errors if e not in tried), errors
+    assert took < 10, took
+
+
 def test_a_missing_token_is_said_once_and_no_more_files_are_sent(tmp_path, capsys):
     """tryout17: without the token each of 10,000 photos would be read, scaled, uploaded and refused with its own
     401. After the first 401 the files not yet sent end unsent, with the server's words."""

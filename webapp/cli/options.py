@@ -198,3 +198,43 @@ def address_arg(text: str) -> str:
         raise argparse.ArgumentTypeError("an empty address (a shell variable that is not set?); leave --address out "
                                          "to join $RAY_ADDRESS or start a local Ray")
     return text.strip()
+
+
+def url_problem(url: str) -> str | None:
+    """What makes ``url`` unfit for ``--server`` (a usage error, said before anything is sent), or None.
+
+    Not http:// or https:// (``""`` too: ``--server "$URL"`` with URL unset), a port out of range or not a
+    number, a host missing or malformed (``http://[::1``): urllib.parse's and urllib3's own URL parsing, the
+    latter being what connects; a query or fragment (``http://host:8000?x=1``: the API's paths are appended
+    to the URL, so they would end up inside it); the API's own path (``.../api/v1/predict``), appended again
+    (a 404 said as "not a photo classifier"): the URL without it is said. Raises nothing.
+    """
+    import urllib.parse
+
+    import urllib3
+
+    if not url.lower().startswith(("http://", "https://")):  # a scheme is case-insensitive (RFC 3986 3.1)
+        return f"--server must be an http:// or https:// URL, got {url!r}"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port  # raises for a port out of range or not a number
+    except ValueError as exc:
+        what = "bad port" if "port" in str(exc).lower() else "bad host"
+        return f"--server {url!r} is not a valid URL: {what} ({str(exc)[:1].lower()}{str(exc)[1:]})"
+    if not parts.hostname:
+        return f"--server {url!r} is not a valid URL: it names no host"
+    if "?" in url or "#" in url:  # the API paths are appended to the URL: a query or fragment would swallow them
+        return (f"--server {url!r} is not a server's URL: it has a query (?...) or fragment (#...); give "
+                f"http://host:port, with a path prefix where a proxy puts one")
+    if port == 0:
+        return f"--server {url!r} is not a valid URL: bad port (port 0 is not one a server listens on)"
+    api = re.search(r"/api/v1(/[a-z]*)?/*$", parts.path)  # the API's own path, which is appended to the URL
+    if api:
+        return (f"--server {url!r} ends in the API's path {api.group(0).rstrip('/')!r}, which classify adds itself; "
+                f"give {url[:len(url) - len(parts.path)] + parts.path[:api.start()]!r}")
+    try:
+        urllib3.util.parse_url(url)
+    except urllib3.exceptions.LocationParseError as exc:
+        reason = str(exc).removeprefix("Failed to parse: ")
+        return f"--server {url!r} is not a valid URL: bad host ({reason[:1].lower()}{reason[1:]})"
+    return None

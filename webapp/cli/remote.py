@@ -21,7 +21,8 @@ server's ``POST /api/v1/predict``. What makes it fit for a big folder and a busy
   and message, or ``connection_error`` / ``read_error``, with how many tries it took). An upload that gets
   no answer within ``READ_TIMEOUT_S`` is ``no_answer``, not tried again, and the files not yet sent are
   ``no_answer`` too, unsent: the server is stuck. After a 401 (the token missing or wrong) the files not yet
-  sent are ``unauthorized``, unsent. At the start, ``GET /api/v1/models`` waits out a 429 as a file does, a
+  sent are ``unauthorized``, unsent; after a file's tries all met no server while nothing answered any other file
+  (the server gone), ``connection_error``, unsent. At the start, ``GET /api/v1/models`` waits out a 429 as a file does, a
   starting server for ``START_WAIT_S``, saying so; a server that cannot be reached, stays starting, or says
   nothing for ``PROBE_READ_TIMEOUT_S`` is one error line and exit 1.
 
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -41,7 +41,7 @@ from pathlib import Path
 from .. import settings as settings_mod
 from .common import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_PIPE, EXIT_USAGE, err, plural, silence_stdout
 from .files import collect_files, error_code, no_image_files, report_skipped, skipped_note
-from .options import flag_names, given_settings
+from .options import flag_names, given_settings, url_problem
 from .output import ResultStream, public
 from . import retries as _retries  # (MAX_TRIES read at each use: tests lower it)
 from .retries import backoff, described, error as _error, out_of_tries, parsed, reason as _reason, refusal as _refusal
@@ -76,46 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "needs are scaled down locally first)")
 
 
-def url_problem(url: str) -> str | None:
-    """What makes ``url`` unfit for ``--server`` (a usage error, said before anything is sent), or None.
-
-    Not http:// or https:// (``""`` too: ``--server "$URL"`` with URL unset), a port out of range or not a
-    number, a host missing or malformed (``http://[::1``): urllib.parse's and urllib3's own URL parsing, the
-    latter being what connects; a query or fragment (``http://host:8000?x=1``: the API's paths are appended
-    to the URL, so they would end up inside it); the API's own path (``.../api/v1/predict``), appended again
-    (a 404 said as "not a photo classifier"): the URL without it is said. Raises nothing.
-    """
-    import urllib.parse
-
-    import urllib3
-
-    if not url.lower().startswith(("http://", "https://")):  # a scheme is case-insensitive (RFC 3986 3.1)
-        return f"--server must be an http:// or https:// URL, got {url!r}"
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port  # raises for a port out of range or not a number
-    except ValueError as exc:
-        what = "bad port" if "port" in str(exc).lower() else "bad host"
-        return f"--server {url!r} is not a valid URL: {what} ({str(exc)[:1].lower()}{str(exc)[1:]})"
-    if not parts.hostname:
-        return f"--server {url!r} is not a valid URL: it names no host"
-    if "?" in url or "#" in url:  # the API paths are appended to the URL: a query or fragment would swallow them
-        return (f"--server {url!r} is not a server's URL: it has a query (?...) or fragment (#...); give "
-                f"http://host:port, with a path prefix where a proxy puts one")
-    if port == 0:
-        return f"--server {url!r} is not a valid URL: bad port (port 0 is not one a server listens on)"
-    api = re.search(r"/api/v1(/[a-z]*)?/*$", parts.path)  # the API's own path, which is appended to the URL
-    if api:
-        return (f"--server {url!r} ends in the API's path {api.group(0).rstrip('/')!r}, which classify adds itself; "
-                f"give {url[:len(url) - len(parts.path)] + parts.path[:api.start()]!r}")
-    try:
-        urllib3.util.parse_url(url)
-    except urllib3.exceptions.LocationParseError as exc:
-        reason = str(exc).removeprefix("Failed to parse: ")
-        return f"--server {url!r} is not a valid URL: bad host ({reason[:1].lower()}{reason[1:]})"
-    return None
-
-
 class Unreachable(Exception):
     """The server cannot be asked at all (refused, no such host, not our API); the message says which."""
 
@@ -130,8 +90,10 @@ class Client:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = urllib3.PoolManager(num_pools=1, maxsize=jobs, block=True, retries=False)
         # (code, why) once sending more is pointless: an upload got no answer within READ_TIMEOUT_S (the server is
-        # stuck), or a 401 (no token, or a wrong one: every file would get the same); the files not yet sent end so
+        # stuck), a 401 (no token, or a wrong one: every file would get the same), or a file's tries all met no
+        # server while no answer came for any other (gone); the files not yet sent end so
         self.stopped: tuple[str, str] | None = None
+        self.answered_at = time.monotonic()  # when the server last answered anything (monotonic s)
 
     def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None,
                 read_timeout_s: float | None = None):
@@ -229,7 +191,7 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
     body, info = scaled(data, short_side, resample, max_pixels) if short_side and held else (data, None)
     if limit.bytes is not None and (size := len(body) if held else body.size) > limit.bytes:
         return {"error": _error("too_large", too_large(size, limit, scaled=body is not data)), "retries": 0}
-    waited, tries = 0.0, 0
+    waited, tries, first_failed = 0.0, 0, None
     while True:
         if client.stopped:
             return {"error": _error(client.stopped[0], f"not sent: {client.stopped[1]}"), "retries": max(tries - 1, 0)}
@@ -247,8 +209,9 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                     "retries": tries - 1}
         except urllib3.exceptions.HTTPError as exc:  # refused, reset: the server may be restarting
             failure = _error("connection_error", f"no answer from {client.url}: {_reason(exc)}")
-            wait = backoff(tries)
+            wait, first_failed, why_not = backoff(tries), first_failed or time.monotonic(), _reason(exc)
         else:
+            client.answered_at, first_failed = time.monotonic(), None
             doc = parsed(resp)
             if resp.status == 200 and "results" in doc:
                 r = doc["results"][0]
@@ -267,6 +230,10 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
             return {"error": failure, "retries": tries - 1}
         if out_of_tries(tries, waited, wait):
             failure["message"] += f" (gave up after {tries} tries, {waited:.0f} s of waiting)"
+            if first_failed and client.answered_at < first_failed:  # nothing answered any file all that time: gone,
+                # and each file left would wait as long again (3,000 files: hours, the bar said minutes; tryout30)
+                client.stopped = ("connection_error", f"the server at {client.url} answered nothing for "
+                                  f"{time.monotonic() - first_failed:.0f} s ({why_not})")
             return {"error": failure, "retries": tries - 1}
         time.sleep(wait)
         waited += wait
