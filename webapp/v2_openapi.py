@@ -254,7 +254,13 @@ def paths(settings, *, token: bool) -> dict[str, Any]:
                         "responses": {"200": ok, **_errors(*errs)}}}
 
     ready = _json("V2Ready", "Ready: warmed up and self-tested (the `/readyz` rule).")
-    not_ready = {"503": _json("V2Ready", "Not ready (`ready: false`).")}
+    # Not ready: a worker's `ready: false`, or, while no worker serves (starting, stopping), the master's `not_ready`
+    # error with Retry-After, which a client made from the document refused as a V2Ready without `ready` (tryout30).
+    not_ready = {"503": {"description": "Not ready: a worker's `{\"ready\": false}` (`V2Ready`); while no worker serves "
+                                        "(starting, stopping) the master's `not_ready` (`V2Error`, with Retry-After).",
+                         "headers": {**_ID_HEADER, "Retry-After": {"$ref": "#/components/headers/RetryAfter"}},
+                         "content": {"application/json": {"schema": {"anyOf": [
+                             {"$ref": "#/components/schemas/V2Ready"}, {"$ref": "#/components/schemas/V2Error"}]}}}}}
     meta = _json("V2ModelMetadata", "The model's versions, platform and tensors (`-1`: a variable dimension).")
     out = {
         "/v2": get("v2ServerMetadata", "Server metadata and the extensions supported", [],
