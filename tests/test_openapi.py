@@ -418,3 +418,25 @@ def test_the_masters_liveness_answers_fit_the_documents():
     with pytest.raises(jsonschema.ValidationError):  # a worker's shape is not taken for the master's, nor the reverse
         jsonschema.validate({"status": "starting", "ready": False}, {**spec["paths"]["/healthz"]["get"]["responses"][
             "200"]["content"]["application/json"]["schema"], "components": spec["components"]})
+
+
+def test_the_topk_query_parameter_has_no_default_so_a_generated_clients_form_field_is_read():
+    """The query parameter ``topk`` had ``default: 3``: a client generated from the document (openapi-python-client)
+    sent ``?topk=3`` on every call, and the query wins over the form, so its form ``topk=5`` answered 3 labels
+    (tryout30). The server's default is the form field's now; ``classify --server`` reads it there, or from the
+    query parameter's default in an older server's document."""
+    from webapp import settings
+    from webapp.cli.uploading import published_topk
+
+    spec = build_spec(settings.load({"CLASSIFIER_TOP_K": "4"}))
+    op = spec["paths"]["/api/v1/predict"]["post"]
+    query = next(p for p in op["parameters"] if p.get("name") == "topk")
+    assert "default" not in query["schema"] and "(default 4)" in query["description"]
+    assert op["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]["topk"]["default"] == 4
+    assert published_topk(spec) == 4
+    older = json.loads(json.dumps(spec))
+    del older["paths"]["/api/v1/predict"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"][
+        "properties"]["topk"]["default"]
+    next(p for p in older["paths"]["/api/v1/predict"]["post"]["parameters"] if p.get("name") == "topk")[
+        "schema"]["default"] = 6
+    assert published_topk(older) == 6 and published_topk({}) is None

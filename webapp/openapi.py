@@ -283,7 +283,9 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     errors = tuple(sorted({400, 405, 408, 411, 413, 415, 429, 500, 503, 504} | ({401} if token else set())))
     most = v2_openapi.most_files(settings)
     image_body = {"type": "string", "format": "binary"}
-    topk = {"type": "integer", "minimum": 1, "maximum": 10, "default": settings.TOP_K}
+    # No default on the query parameter: client generators send a parameter's default on every call, and the query
+    # wins over the form, so a generated client's form `topk` was never read (tryout30). The form field has it.
+    topk = {"type": "integer", "minimum": 1, "maximum": 10}
     predict = {
         "operationId": "predict", "x-max-upload-bytes": settings.MAX_UPLOAD_BYTES,  # read by classify --server
         "summary": "Classify one or several images",
@@ -308,8 +310,8 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
                 "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
                     "file": {"type": "array", "items": image_body, "minItems": 1, "maxItems": most,
                              "description": "The image(s): one part per file."},
-                    "topk": {**topk, "description": "Labels per image, as the page's form sends it; the query "
-                                                    "parameter `topk` wins where both are given."},
+                    "topk": {**topk, "default": settings.TOP_K, "description": "Labels per image, as the page's "
+                             "form sends it; the query parameter `topk` wins where both are given."},
                     **_original_fields(most)}}},
                 "image/*": {"schema": image_body},
                 "application/octet-stream": {"schema": image_body},

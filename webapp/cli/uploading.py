@@ -44,10 +44,13 @@ def published_limit(doc: dict) -> int | None:
 
 def published_topk(doc: dict) -> int | None:
     """The labels per photo a server gives when not asked (its ``TOP_K``), from its ``/openapi.json`` (``doc``,
-    parsed): the predict operation's ``topk`` query parameter's default; None where absent. Raises nothing."""
+    parsed): the predict operation's multipart ``topk`` field's default, or (a server from before 2026-12-07) its
+    ``topk`` query parameter's; None where absent. Raises nothing."""
     try:
-        params = doc["paths"]["/api/v1/predict"]["post"]["parameters"]
-        value = next(p["schema"]["default"] for p in params if p.get("name") == "topk" and p.get("in") == "query")
+        op = doc["paths"]["/api/v1/predict"]["post"]
+        form = op["requestBody"]["content"]["multipart/form-data"]["schema"]["properties"]["topk"]
+        value = form.get("default") or next(p["schema"]["default"] for p in op["parameters"]
+                                            if p.get("name") == "topk" and p.get("in") == "query")
     except (KeyError, TypeError, AttributeError, StopIteration):
         return None
     return value if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 10 else None
