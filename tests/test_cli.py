@@ -515,7 +515,7 @@ def test_classify_reports_a_folders_unreadable_entries_and_never_opens_a_fifo(tm
     assert out.stderr.rstrip().endswith("skipped in folders: 1 other file (--all-files tries them)"), out.stderr
 
 
-def test_paths_are_shown_as_given_never_resolved(tmp_path):
+def test_paths_are_shown_as_given_never_resolved(tmp_path, monkeypatch):
     """One rule for the table, JSON, CSV and --cluster's rows: the path as given (a symlink stays itself)."""
     real = tmp_path / "real"
     (real / "sub").mkdir(parents=True)
@@ -526,6 +526,12 @@ def test_paths_are_shown_as_given_never_resolved(tmp_path):
     assert items == [(str(tmp_path / "one.png"), tmp_path / "one.png", None)]
     items, _ = files.collect_files([f"{tmp_path}/link/"])
     assert [shown for shown, _, _ in items] == [str(tmp_path / "link" / "sub" / "x.png")]
+    # never normalised: `classify .` named ./-x.png as -x.png, and ./../real as ../real (tryout30)
+    (real / "-x.png").write_bytes(b"x")
+    monkeypatch.chdir(real)
+    for given, want in ((".", "./-x.png"), ("./../real", "./../real/-x.png"), ("sub//", "sub//x.png")):
+        items, _ = files.collect_files([given])
+        assert want in [shown for shown, _, _ in items], (given, items)
 
 
 def test_symlinked_folders_in_a_folder_are_walked_and_a_loop_ends(tmp_path):

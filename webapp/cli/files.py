@@ -32,8 +32,9 @@ Skipped = tuple[str, "str | None"]  # (path as shown, why: set for a photo in a 
 def shown_path(arg: str, inside: Path | None = None) -> str:
     """How a file is named in every output (the table, JSON, CSV, and ``--cluster``'s Parquet rows): the
     path as given on the command line (or stdin), joined with the file's place inside a given folder.
-    Never resolved: a symlink is named as itself."""
-    return str(Path(arg) / inside) if inside is not None else arg
+    Never resolved: a symlink is named as itself; never normalised: pathlib dropped a folder given as ``.`` or a
+    leading ``./`` (``classify .`` named ``./-x.jpg`` as ``-x.jpg``, an option's look: tryout30)."""
+    return os.path.join(arg, inside) if inside is not None else arg
 
 
 def why_skipped(path: Path) -> str | None:
