@@ -1103,6 +1103,35 @@ def test_output_is_valid_unicode_for_a_name_that_is_not_utf8(fmt):
         assert len(text.splitlines()) == 3 and "/photos/two\\nlines.jpg" in text and "caf\\xe9" in text
 
 
+@pytest.mark.parametrize("fmt", ["json", "csv", "table"])
+def test_a_byte_written_as_xnn_never_reads_as_another_files_name(fmt):
+    """A file named with the byte FF and one named with the four characters ``\\xff`` were printed alike, each
+    with its own answer (tryout30). Where a name gets such escapes, or holds one of its own, its backslashes are
+    doubled: every name reads back to one file. A backslash in any other name stays as it is."""
+    import io as _io
+
+    from webapp.cli.output import ResultStream
+
+    names = [os.fsdecode(b"bad\xffname.jpg"), "bad\\xffname.jpg", "two\nlines\\.jpg", "two\\nlines\\.jpg",
+             "C:\\Users\\pic.jpg"]
+    out = _io.StringIO()
+    results = [{"path": n, "predictions": [{"label": "kite", "index": 21, "probability": 0.5}], "error": None}
+               for n in names]
+    stream = ResultStream(fmt, 3, names, out)
+    assert all(stream.put(i, r) for i, r in enumerate(results)) and stream.close()
+    text = out.getvalue()
+    if fmt == "json":
+        shown = [r["path"] for r in json.loads(text)]
+    elif fmt == "csv":
+        shown = [r["path"] for r in csv.DictReader(_io.StringIO(text))]
+    else:
+        shown = [line.split("  ")[0].rstrip() for line in text.splitlines()[1:]]
+    newline = "two\\nlines" if fmt == "table" else "two\nlines"  # JSON and CSV hold the character itself
+    assert shown == ["bad\\xffname.jpg", "bad\\\\xffname.jpg", newline + "\\\\.jpg", "two\\\\nlines\\\\.jpg",
+                     "C:\\Users\\pic.jpg"], shown
+    assert len(set(shown)) == len(names), shown
+
+
 def test_csv_cells_a_spreadsheet_would_run_as_formulas_are_text():
     """Found by a fresh-user tryout: a file named ``=cmd().jpg`` was a CSV cell starting with ``=``, which a
     spreadsheet runs as a formula. Such cells get OWASP's leading ``'``; JSON keeps the name as it is."""

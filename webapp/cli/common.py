@@ -7,6 +7,7 @@ that wires them (no import cycle).
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -34,6 +35,21 @@ CLASSIFY_EXIT_STATUS = {
 def exit_status_table(meanings: dict[int, str]) -> str:
     """``{status: meaning}`` as the README's markdown table."""
     return "\n".join(["| exit status | meaning |", "|---|---|", *(f"| {k} | {v} |" for k, v in meanings.items())])
+
+
+# The starts of what unicode_text and printable write for a byte or a control character: \xff, \u2028, \n...
+_ESCAPE_LIKE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|[ntr])")
+
+
+def file_name(name: str) -> str:
+    """A file's name for the results (table, JSON, CSV; then ``unicode_text`` or ``printable``): where those would
+    write ``\\xNN`` into it (a byte that is not UTF-8, a control character) or it holds such an escape of its own, its
+    backslashes doubled, so that ``\\xff`` in a result is only ever the byte: a file named with the byte FF and one
+    named with those four characters printed alike, each with another answer (tryout30). Any other name is as it is
+    (a backslash in it too: the path still opens the file)."""
+    if _ESCAPE_LIKE.search(name) or not name.isprintable():  # (a byte kept as a surrogate is not printable)
+        return name.replace("\\", "\\\\")
+    return name
 
 
 def unicode_text(text: str) -> str:

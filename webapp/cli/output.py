@@ -7,7 +7,7 @@ import io
 import json
 import sys
 
-from .common import err, printable, silence_stdout, unicode_text
+from .common import err, file_name, printable, silence_stdout, unicode_text
 
 _unicode, _printable = unicode_text, printable  # (the names this module has used)
 
@@ -44,7 +44,7 @@ class ResultStream:
         self.held: dict[int, dict] = {}
         self.next = 0
         self.ok = True
-        self.width = min(max([len("path"), *(len(_printable(p)) for p in paths)]), 60)
+        self.width = min(max([len("path"), *(len(_printable(file_name(p))) for p in paths)]), 60)
         self._write(self._header())
 
     def _stream(self):
@@ -62,11 +62,11 @@ class ResultStream:
             # A file name that is not UTF-8 (bytes Python keeps as lone surrogates, "\udce9") would be JSON that
             # strict readers (serde_json, Go's decoder) refuse or mangle: its bytes are written \xe9 instead.
             # Each element as json.dump(list, indent=1) writes it: one more space before every line.
-            text = json.dumps({**r, "path": _unicode(r["path"])}, indent=1).replace("\n", "\n ")
+            text = json.dumps({**r, "path": _unicode(file_name(r["path"]))}, indent=1).replace("\n", "\n ")
             return ("\n " if self.next == 0 else ",\n ") + text
         if self.fmt == "csv":
             buf = io.StringIO()
-            path = _cell(_unicode(r["path"]))  # not UTF-8: \xNN, as in JSON (UTF-8 CSV readers refused it)
+            path = _cell(_unicode(file_name(r["path"])))  # not UTF-8: \xNN, as in JSON (UTF-8 CSV readers refused it)
             error = _cell(f"{r['error']['message']} ({r['error']['code']})") if r["error"] else ""
             # Lines end in "\n", so the csv module quotes a field with "\n" but not one with "\r", which readers
             # (csv, pandas) take for a line end: a file named "cr\rret.jpg" split its row in two (tryout25).
@@ -79,7 +79,7 @@ class ResultStream:
             return buf.getvalue()
         text = _error_text(r["error"]) if r["error"] else "  ".join(
             f"{p['label']} {100 * p['probability']:.1f}%" for p in r["predictions"])
-        return f"{_printable(r['path']):<{self.width}}  {text}\n"
+        return f"{_printable(file_name(r['path'])):<{self.width}}  {text}\n"
 
     def _write(self, text: str) -> None:
         if not self.ok or not text:
