@@ -283,9 +283,7 @@ def build_spec(settings, *, metrics: bool | None = None) -> dict:
     errors = tuple(sorted({400, 405, 408, 411, 413, 415, 429, 500, 503, 504} | ({401} if token else set())))
     most = v2_openapi.most_files(settings)
     image_body = {"type": "string", "format": "binary"}
-    # No default on the query parameter: client generators send a parameter's default on every call, and the query
-    # wins over the form, so a generated client's form `topk` was never read (tryout30). The form field has it.
-    topk = {"type": "integer", "minimum": 1, "maximum": 10}
+    topk = {"type": "integer", "minimum": 1, "maximum": 10}  # the default on the form field only: tryout30
     predict = {
         "operationId": "predict", "x-max-upload-bytes": settings.MAX_UPLOAD_BYTES,  # read by classify --server
         "summary": "Classify one or several images",
