@@ -293,6 +293,36 @@ async function lossless(rgba, w, h) {
   throw new Error("no lossless encoder");
 }
 
+// A 2x1 lossless WebP whose EXIF Orientation is 6: decoded 1x2 where this browser turns a WebP as its EXIF says
+// (Chromium does not: a WebP's preview showed sideways beside its upright labels: tryout29).
+const TURNED_WEBP = "UklGRlIAAABXRUJQVlA4WAoAAAAIAAAAAQAAAAAAVlA4TBEAAAAvAQAAAA8Q87//8x8OMqL/AQBFWElGGgAAAE1NACoAAAAIAAEBEgADAAAAAQAGAAAAAAAA";
+let turnsWebp = null;
+async function browserTurnsWebp() {
+  if (turnsWebp === null) {
+    try {
+      const bytes = Uint8Array.from(atob(TURNED_WEBP), (c) => c.charCodeAt(0));
+      const bmp = await createImageBitmap(new Blob([bytes], { type: "image/webp" }));
+      turnsWebp = bmp.width === 1;
+      bmp.close();
+    } catch {
+      turnsWebp = true;   // cannot tell: leave the preview as the browser draws it
+    }
+  }
+  return turnsWebp;
+}
+
+// `src` (stored as EXIF orientation `o`, 1-8, says) drawn upright on a canvas: the transform of each orientation.
+function upright(src, o) {
+  const w = src.width, h = src.height, swap = o >= 5;
+  const c = canvas(swap ? h : w, swap ? w : h);
+  const ctx = c.getContext("2d");
+  const m = { 2: [-1, 0, 0, 1, w, 0], 3: [-1, 0, 0, -1, w, h], 4: [1, 0, 0, -1, 0, h], 5: [0, 1, 1, 0, 0, 0],
+    6: [0, 1, -1, 0, h, 0], 7: [0, -1, -1, 0, h, w], 8: [0, -1, 1, 0, 0, w] }[o];
+  if (m) ctx.setTransform(...m);
+  ctx.drawImage(src, 0, 0);
+  return c;
+}
+
 async function thumbnail(src) {
   const s = Math.min(1, THUMB_PX / Math.max(src.width, src.height));
   const c = draw(src, Math.max(1, Math.round(src.width * s)), Math.max(1, Math.round(src.height * s)));
@@ -391,9 +421,12 @@ export async function prepare(file, send) {
     return plain(format ? "undecodable" : "unknown");   // the server may still read it, or says why not
   }
   try {
-    const thumbFrom = async (src) => thumbnail(src).catch(() => null);
-    if (!scalingOn) return plain("off", await thumbFrom(bmp));
-    if (!format || !send) return plain("unknown", await thumbFrom(bmp));
+    // The preview upright, where this browser drew a WebP as stored (its EXIF orientation unapplied)
+    const turn = format && format !== "JPEG" ? await orientationOf(file, format) : 1;
+    const view = turn !== 1 && format === "WEBP" && !(await browserTurnsWebp()) ? upright(bmp, turn) : bmp;
+    const thumbFrom = async (src = view) => thumbnail(src).catch(() => null);
+    if (!scalingOn) return plain("off", await thumbFrom());
+    if (!format || !send) return plain("unknown", await thumbFrom());
     const { width, height } = bmp;
     // What the browser decodes otherwise than the server (an animation's first frame, a CMYK JPEG's inks) goes as
     // it is, with no preview (this decode is not what the server classifies); what the server refuses goes as the
@@ -402,15 +435,15 @@ export async function prepare(file, send) {
     const judged = format === "JPEG" ? (copiedAsText(bytes) ? "damaged" : jpegAsItIs(bytes))
       : animated(bytes, format) ? "animated" : null;
     if (judged === "animated" || judged === "cmyk") return plain(judged);
-    if (judged) return plain(judged, await thumbFrom(bmp));
-    if (Math.min(width, height) <= send.short) return privately(await plain("small", await thumbFrom(bmp)));
+    if (judged) return plain(judged, await thumbFrom());
+    if (Math.min(width, height) <= send.short) return privately(await plain("small", await thumbFrom()));
     if (format === "JPEG" && greyEdge(bmp, width, height)) {
-      return plain("incomplete", await thumbFrom(bmp));   // perhaps cut short: the server judges its scans as they are
+      return plain("incomplete", await thumbFrom());   // perhaps cut short: the server judges its scans as they are
     }
     // Browsers apply the EXIF orientation of a JPEG when they decode it; of a WebP, Chromium does not (a
     // sideways copy: keeshond, not German shepherd, where the server turns it upright). Any other format
     // that carries one goes as it is, for the server to turn.
-    if (format !== "JPEG" && (await orientationOf(file, format)) !== 1) return plain("oriented", await thumbFrom(bmp));
+    if (turn !== 1) return plain("oriented", await thumbFrom());
     const [x, y, vw, vh] = serverView(width, height);
     const [w, h] = resizedSize(vw, vh, send.short);
     const rgba = resize(pixels(bmp, vw, vh, x, y), vw, vh, w, h, send.resample);

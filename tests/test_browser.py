@@ -31,6 +31,7 @@ from torchvision.transforms import v2
 from werkzeug.formparser import parse_form_data
 from werkzeug.test import EnvironBuilder
 
+from bench.exif_blocks import STORE
 from bench.load import multipart_body
 from bench.servers import http_json
 from conftest import SHARED_IMAGES, encode, shared_image
@@ -1073,6 +1074,38 @@ def test_a_webp_with_an_exif_orientation_goes_up_as_it_is_for_the_server_to_turn
             assert card.get_attribute("data-sent") == how
             assert shown[0] == api_answer(server, name, data)["predictions"][0]["label"]
         assert rec.sent()["oriented.webp"][1] == oriented
+    finally:
+        tab.close()
+
+
+def test_a_webp_with_an_exif_orientation_is_previewed_upright(server, browser):
+    """Its labels were the upright photo's, but its preview was the browser's decode as stored: sideways, mirrored
+    or upside down beside them (orientations 2-8; tryout29). Each preview is the upright photo now."""
+    dog = Image.open(shared_image("dog.jpg")).convert("RGB")
+    small = np.asarray(dog.resize((96, 72)), dtype=float)
+    files, sizes, how = [], {}, {}
+    for (value, store), size in [*((item, (192, 144)) for item in sorted(STORE.items())), ((6, STORE[6]), (400, 300))]:
+        exif = Image.Exif()
+        exif[0x0112] = value
+        buf = io.BytesIO()
+        dog.resize(size).transpose(store).save(buf, "WEBP", lossless=True, exif=exif.tobytes())
+        name = f"o{value}-{size[0]}.webp"
+        files.append({"name": name, "mimeType": "image/webp", "buffer": buf.getvalue()})
+        sizes[name], how[name] = size if size[0] <= 320 else (320, 240), "small" if size[1] <= 256 else "oriented"
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    try:
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=files)
+        for f in files:
+            card = page.locator(f".result:has-text('{f['name']}')")
+            wait_for_labels(page, card, DOG_EN)
+            assert card.get_attribute("data-sent") == how[f["name"]]  # small ones and larger ones alike
+            src = card.locator("img.thumb").get_attribute("src")
+            with Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))) as shown:
+                assert shown.size == sizes[f["name"]], (f["name"], shown.size)
+                diff = np.abs(np.asarray(shown.convert("RGB").resize((96, 72)), dtype=float) - small).mean()
+            assert diff < 12, (f["name"], diff)  # the upright photo (a JPEG preview of it); any turn is ~60
     finally:
         tab.close()
 
