@@ -67,7 +67,7 @@ function h(tag, props = {}, ...children) {
 // -- taking photos in -------------------------------------------------------------------------
 function add(files) {
   files = [...files].filter((f) => f instanceof File);
-  if (!files.length) return;
+  if (!files.length || form.hidden) return;   // hidden: the page's sign-in failed (a drop or paste sends nothing)
   results.hidden = false;
   clearButton.hidden = false;
   const fresh = files.map((file, i) => ({

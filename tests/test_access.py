@@ -295,6 +295,11 @@ def test_page_login_asks_for_the_token_as_basic_auths_password(make_app):
 
     refused = client.get("/", headers={"Accept": "text/html"})
     assert refused.status_code == 401 and refused.mimetype == "text/html"
+    # no upload form that looks as if it worked, under "Could not classify that": how to sign in (tryout29)
+    html = refused.get_data(as_text=True)
+    assert "Sign-in needed" in html and "reload the page and give the token as the password" in html
+    assert re.search(r"<form [^>]*enctype=\"multipart/form-data\" hidden>", html) and ">Could not classify that</h2>" not in html
+    assert "需要登录" in client.get("/?lang=zh", headers=basic("x", "wrong")).get_data(as_text=True)
     assert refused.headers["WWW-Authenticate"] == 'Basic realm="classifier", charset="UTF-8"'
     assert client.get("/", headers=basic("anyone", "wrong")).status_code == 401
     assert client.get("/", headers={"Authorization": "Basic !!not-base64"}).status_code == 401

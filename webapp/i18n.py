@@ -80,6 +80,9 @@ STRINGS: dict[str, dict[str, str]] = {
         "timing_label": "Time taken:",
         "error_title": "Could not classify that",
         "error_title_no_page": "No such page",
+        "login_title": "Sign-in needed",
+        "login_text": "This page needs the server's access token: reload the page and give the token as the "
+                      "password (any user name).",
         "err_no_file": "No photo was received: the file is empty (0 bytes), or none was chosen.",
         "err_length_required": "The browser sent the photo without saying its size: try another browser.",
         "err_too_large": "Too large: this photo (or this many photos at once) is more than the server accepts.",
@@ -153,6 +156,8 @@ STRINGS: dict[str, dict[str, str]] = {
         "timing_label": "耗时：",
         "error_title": "无法识别",
         "error_title_no_page": "没有这个页面",
+        "login_title": "需要登录",
+        "login_text": "此页面需要服务器的访问令牌：请重新加载页面，并输入令牌作为密码（用户名任意）。",
         "err_no_file": "没有收到照片：文件是空的（0 字节），或者没有选择文件。",
         "err_length_required": "浏览器发送照片时没有说明其大小：请换一个浏览器再试。",
         "err_too_large": "文件太大：这张照片（或一次上传的照片数量）超出了服务器的限制。",
