@@ -142,9 +142,13 @@ document.addEventListener("paste", (e) => {
 // -- classifying -------------------------------------------------------------------------------
 // Photos picked (or tried again) while others still run join their batch: the status line (a live region)
 // and aria-busy count every photo in flight, and the summary covers them all, not only the latest pick.
-function joinBatch(items) {
-  const running = state.batch?.items.some((it) => !it.answer && !it.error);
-  state.batch = running ? { items: [...state.batch.items.filter((it) => !items.includes(it)), ...items] } : { items };
+// A photo tried again after its batch ended joins that batch's photos still failed: the line said "Photo classified."
+// beside another card still failed (tryout29).
+function joinBatch(items, { retrying = false } = {}) {
+  const before = state.batch?.items ?? [];
+  const running = before.some((it) => !it.answer && !it.error);
+  const kept = running ? before : retrying ? before.filter((it) => it.error) : [];
+  state.batch = { items: [...kept.filter((it) => !items.includes(it)), ...items] };
 }
 
 // A failed card's "Try again" (busy, starting, timed out, unreachable: not a file the server cannot read).
@@ -152,7 +156,7 @@ const THE_FILES_OWN = ["no_file", "unsupported_media_type", "too_large", "undeco
 function retry(item) {
   item.error = null;
   item.waiting = null;
-  joinBatch([item]);
+  joinBatch([item], { retrying: true });
   render(item);
   item.card.tabIndex = -1;   // the button is gone with the failure: keep the keyboard on this card, not <body>
   item.card.focus();

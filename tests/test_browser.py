@@ -378,6 +378,38 @@ def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_on
         tab.close()
 
 
+def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server, browser):
+    """Two photos picked one after the other failed (the server down), the first tried again: the line said "Photo
+    classified." beside the other card, still failed (tryout29). It counts both until both are done."""
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    down = [True]
+
+    def maybe_down(route):
+        if not down[0]:
+            return route.continue_()
+        route.fulfill(status=504, content_type="application/json", body=json.dumps(
+            {"error": {"code": "timeout", "message": "no result within 30 s", "status": 504}}))
+
+    try:
+        page.route("**/api/v1/predict*", maybe_down)
+        page.goto(server.url + "/")
+        for n, name in enumerate(("dog.jpg", "eagle.jpg"), 1):  # two picks: two batches, each ended failed
+            page.set_input_files("#file", str(shared_image(name)))
+            sync_api.expect(page.locator(".result button.retry")).to_have_count(n)
+            sync_api.expect(page.locator("#status")).to_have_text("The photo could not be classified.")
+        down[0] = False
+        page.locator(".result:has-text('dog.jpg') button.retry").click()
+        sync_api.expect(page.locator(".result .predictions")).to_have_count(1)
+        sync_api.expect(page.locator("#status")).to_have_text("1 of 2 photos classified.")
+        page.locator(".result button.retry").click()
+        sync_api.expect(page.locator(".result .predictions")).to_have_count(2)
+        sync_api.expect(page.locator("#status")).to_have_text("2 of 2 photos classified.")
+        assert [e for e in tab.errors if "status of 504" not in e] == []
+    finally:
+        tab.close()
+
+
 @pytest.mark.extended  # a proxy's own error pages, rare (~8 s): with `-m extended`
 def test_a_proxys_own_answers_are_said_as_such_and_its_gateway_errors_retried(server, browser):
     """Behind a proxy, its own pages reach the page: a 502 HTML page said "Something went wrong on the server (it is
