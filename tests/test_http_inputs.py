@@ -483,6 +483,8 @@ def test_parts_with_bare_lf_line_ends_are_read(srv):
     (b"folder/pic.png", "pic.png"),  # a POSIX path: its last component too (RFC 7578 section 4.2)
     (b"../../etc/pic.png", "pic.png"),
     (b"folder/", "upload"),  # nothing left: the name every nameless photo gets
+    (b'a\\"b.png', 'a"b.png'),  # a quote escaped as curl escapes it: not a path (was '"b.png': tryout30)
+    (b'C:\\x\\say \\"hi\\".png', 'say "hi".png'),
 ])
 def test_paths_are_echoed_as_their_last_component(srv, sent, echoed):
     body = _multipart(b"XyZ", sent, small_png())

@@ -207,10 +207,10 @@ def _part_name(part) -> str | None:
     """A multipart file's name as the client sent it, Windows paths' backslashes kept.
 
     Some Windows clients send ``filename="C:\\Users\\x\\pic.jpg"`` with bare backslashes, which the
-    quoted-string rules Werkzeug applies read as escapes (``C:Usersxpic.jpg``); the raw header still has them.
-    """
+    quoted-string rules Werkzeug applies read as escapes (``C:Usersxpic.jpg``); the raw header still has them. A
+    backslash before ``"`` escapes it (as curl sends one), no separator: ``a\\"b.jpg`` was ``"b.jpg`` (tryout30)."""
     raw = _FILENAME.search(part.headers.get("Content-Disposition", ""))
-    return raw.group(1) if raw and "\\" in raw.group(1) else part.filename
+    return raw.group(1).replace('\\"', '"') if raw and "\\" in raw.group(1) else part.filename
 
 
 def _part_bytes(part) -> bytes:
