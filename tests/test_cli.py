@@ -196,6 +196,19 @@ def test_dry_run_refuses_a_cache_folder_the_start_refuses_and_makes_none(no_clas
     assert f"cannot be created: Permission denied (in {tmp_path})" in capsys.readouterr().err
 
 
+def test_settings_flags_a_cache_folder_the_start_refuses(no_classifier_env, monkeypatch, tmp_path, capsys):
+    """``settings`` said exit 0 for a cache folder every start refuses (``serve --dry-run`` and ``info`` asked;
+    found in tryout26, left then): flagged as the start would say it, exit 2, nothing made."""
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / "file" / "sub"))
+    assert cli.main(["settings"]) == 2
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"INVALID: CLASSIFIER_CACHE_DIR={tmp_path / 'file' / 'sub'} cannot be created: {tmp_path / 'file'} is not a "
+        "folder; the service refuses to start with it")
+    monkeypatch.setenv("CLASSIFIER_CACHE_DIR", str(tmp_path / "new" / "deeper"))
+    assert cli.main(["settings"]) == 0 and not (tmp_path / "new").exists()
+
+
 def test_dry_run_counts_gunicorn_w_against_memory(no_classifier_env, monkeypatch, capsys):
     """gunicorn's -w wins over the plan in the real start, so the memory check counts it in --dry-run too."""
     from webapp import cpu

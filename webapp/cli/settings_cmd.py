@@ -27,8 +27,9 @@ def cmd_settings(args: argparse.Namespace) -> int:
     """``settings``: print each setting's variable, value in effect (secrets masked) and help.
 
     ``--markdown``: the README's table instead. Returns EXIT_OK, or EXIT_USAGE when a variable
-    holds an invalid value, values are invalid together (``settings.load``'s checks across settings)
-    or a ``CLASSIFIER_*`` variable names no setting (the service would refuse to start).
+    holds an invalid value, values are invalid together (``settings.load``'s checks across settings),
+    a ``CLASSIFIER_*`` variable names no setting, or the cache folder cannot be made or written
+    (``caches.cache_dir_problem``): the service would refuse to start.
     """
     if args.markdown:
         print(settings_mod.markdown_table())
@@ -55,8 +56,14 @@ def cmd_settings(args: argparse.Namespace) -> int:
         print(f"{key}: UNKNOWN setting{guess}; the service refuses to start with it")
     if not bad:  # each value is fine alone; together (a rate limit with no storage), as the service loads them?
         try:
-            settings_mod.load(os.environ)
+            values = settings_mod.load(os.environ)
         except SettingsError as exc:
             bad += 1
             print(f"INVALID together: {exc}")
+        else:  # the cache folder as every start makes it (serve --dry-run and info ask the same; this did not)
+            from ..caches import cache_dir_problem
+
+            if problem := cache_dir_problem(values):
+                bad += 1
+                print(f"INVALID: {problem}; the service refuses to start with it")
     return EXIT_USAGE if bad else EXIT_OK
