@@ -200,6 +200,7 @@ def when_ready(server):
     lifecycle.replay_held_signals(server)
     reloads.keep_serving_through_reloads(server)
     _say_what_a_stop_cuts(server)
+    sdnotify.tell_stops(server)
     state = lifecycle.master()
     where = ", ".join(f"unix:{a}" if isinstance(a, str) else f"[{a[0]}]:{a[1]}" if ":" in a[0] else f"{a[0]}:{a[1]}"
                       for a in server.cfg.address)  # for systemctl status: as a bind is written, not a repr

@@ -669,8 +669,11 @@ def test_systemd_hears_ready_once_a_worker_serves_not_as_the_master_boots(tmp_pa
             assert status == 200, f"READY=1 came while the server still answered {status}: {heard}"
         # the address as a bind is written (it was a Python repr, "[('127.0.0.1', 8501)]": tryout23)
         assert heard and heard[0] == f"READY=1\nSTATUS=serving on 127.0.0.1:{srv.port}", (heard, srv.output()[-3000:])
+        srv.stop_cleanly()  # and STOPPING=1 as the stop begins (only READY=1 was sent: tryout26)
+        sock.settimeout(5)
+        assert sock.recv(4096).decode() == "STOPPING=1\nSTATUS=stopping: finishing the requests in flight"
     finally:
-        srv.stop_cleanly()
+        srv.stop()
         sock.close()
 
 

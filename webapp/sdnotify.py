@@ -38,3 +38,18 @@ def notify_systemd(state: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def tell_stops(server) -> None:
+    """In the master (``when_ready``): ``STOPPING=1`` to systemd as a stop begins (gunicorn's ``Arbiter.stop``, which
+    SIGTERM, SIGINT and SIGQUIT reach), before the workers finish their requests in flight (up to graceful_timeout):
+    ``systemctl status`` says the unit is stopping, also for a stop systemd did not ask for (``kill``, a failed
+    start); only ``READY=1`` was sent (found in tryout26, left then). Not ``RELOADING=1``: systemd would then wait for
+    a ``READY=1`` each reload."""
+    stop = server.stop
+
+    def stopping(graceful: bool = True) -> None:
+        notify_systemd("STOPPING=1\nSTATUS=stopping: finishing the requests in flight")
+        stop(graceful)
+
+    server.stop = stopping
