@@ -394,9 +394,10 @@ export async function prepare(file, send) {
     // Decodable here, and scaling on: the photo goes without its metadata. The file itself goes where the server
     // must judge it as it is (not decodable here, perhaps cut short or damaged: its answer names what is wrong) and
     // under ?scale=0 (a diagnostic).
-    // A JPEG perhaps cut short goes without its metadata too: strip.js keeps its scans byte for byte, so the server
-    // judges the same photo (a whole one with a grey edge, or a cut one, went up with its GPS position: tryout29).
-    const { blob, kept } = ["off", "undecodable", "unknown", "damaged"].includes(why)
+    // A JPEG perhaps cut short, or one this browser cannot decode (cut without its end marker), goes without its
+    // metadata too: strip.js keeps its scans byte for byte, so the server judges the same photo (such photos went up
+    // with their GPS position: tryout29, tryout31). A JPEG copied as text goes as it is: its damage is the answer.
+    const { blob, kept } = ["off", "unknown", "damaged"].includes(why)
       ? { blob: file, kept: true } : await withoutMetadata(file, format);
     return { blob, original: null, thumb, why, kept, bare: blob };
   };
@@ -436,7 +437,8 @@ export async function prepare(file, send) {
       : animated(bytes, format) ? "animated" : null;
     if (judged === "animated" || judged === "cmyk") return plain(judged);
     if (judged) return plain(judged, await thumbFrom());
-    if (Math.min(width, height) <= send.short) return privately(await plain("small", await thumbFrom()));
+    // (awaited here: the decode is closed as this returns, and the copy is made of it)
+    if (Math.min(width, height) <= send.short) return await privately(await plain("small", await thumbFrom()));
     if (format === "JPEG" && greyEdge(bmp, width, height)) {
       return plain("incomplete", await thumbFrom());   // perhaps cut short: the server judges its scans as they are
     }

@@ -5,8 +5,8 @@
 // profile; the EXIF orientation, which the server applies, is kept as a minimal EXIF of that one tag.
 // JPEG: only the photo itself (an MPF file's first image: a phone's gain map or depth map, a Motion Photo's
 // video and vendors' trailers after it go too; the server classifies the first image only). PNG: eXIf and text
-// chunks. WebP: its EXIF and XMP chunks. Any other format, or a file whose structure does not parse, goes as it
-// is ("kept": its metadata with it), for the server to judge.
+// chunks. WebP: its EXIF and XMP chunks. GIF: comments and application extensions (XMP). Any other format, or a
+// file whose structure does not parse, goes as it is ("kept": its metadata with it), for the server to judge.
 
 const JPEG_KEEP = new Set([0xe0, 0xe2, 0xee]);   // APP0 (JFIF), APP2 (ICC_PROFILE; not MPF), APP14 (Adobe)
 const PNG_DROP = new Set(["eXIf", "tEXt", "zTXt", "iTXt", "tIME"]);
@@ -162,13 +162,46 @@ function webp(b) {
   return parts;
 }
 
+// GIF: its comments and application extensions but the loop count's (NETSCAPE2.0, ANIMEXTS1.0): XMP, ICC, an
+// editor's own (a GIF with XMP and a comment went up with them: tryout31). Frames, their timing and disposal stay.
+function gif(b) {
+  const table = (flags) => (flags & 0x80 ? 3 * (1 << ((flags & 7) + 1)) : 0);   // a colour table's bytes
+  const subBlocks = (at) => {   // past the data sub-blocks from `at` and their terminator
+    while (at < b.length && b[at] !== 0) at += b[at] + 1;
+    return at + 1;
+  };
+  if (b.length < 13) return null;
+  let pos = 13 + table(b[10]);
+  const parts = [b.subarray(0, pos)];
+  while (pos < b.length) {
+    const kind = b[pos];
+    if (kind === 0x3b) return [...parts, b.subarray(pos, pos + 1)];   // the trailer
+    let end;
+    if (kind === 0x21) {   // an extension: its label, then data sub-blocks
+      end = subBlocks(pos + 2);
+      const app = b[pos + 1] === 0xff && b[pos + 2] === 11 ? ascii(b, pos + 3, pos + 14) : null;
+      if (b[pos + 1] === 0xf9 || b[pos + 1] === 0x01 || app === "NETSCAPE2.0" || app === "ANIMEXTS1.0") {
+        parts.push(b.subarray(pos, end));
+      }
+    } else if (kind === 0x2c) {   // a frame: its descriptor, local colour table, LZW code size, data sub-blocks
+      end = subBlocks(pos + 10 + table(b[pos + 9]) + 1);
+      parts.push(b.subarray(pos, end));
+    } else {
+      return null;
+    }
+    if (end > b.length) return null;   // cut short: it goes as it is, for the server to judge
+    pos = end;
+  }
+  return null;
+}
+
 /**
  * `file` (of `format`, sniff()'s name) without its metadata, its EXIF orientation kept: resolves to { blob, kept }
  * where `kept` is true when the file went as it is, metadata and all (a format not handled here, a structure that
  * does not parse). Never rejects.
  */
 export async function withoutMetadata(file, format) {
-  const strip = { JPEG: jpeg, PNG: png, WEBP: webp }[format];
+  const strip = { JPEG: jpeg, PNG: png, WEBP: webp, GIF: gif }[format];
   if (!strip) return { blob: file, kept: true };
   try {
     const parts = strip(new Uint8Array(await file.arrayBuffer()));
