@@ -142,12 +142,12 @@ document.addEventListener("paste", (e) => {
 // -- classifying -------------------------------------------------------------------------------
 // Photos picked (or tried again) while others still run join their batch: the status line (a live region)
 // and aria-busy count every photo in flight, and the summary covers them all, not only the latest pick.
-// A photo tried again after its batch ended joins that batch's photos still failed: the line said "Photo classified."
-// beside another card still failed (tryout29).
-function joinBatch(items, { retrying = false } = {}) {
+// A new batch counts every card on the page still failed too: the line said "Photo classified." beside failed cards
+// of an earlier batch (tryout29, tryout31).
+function joinBatch(items) {
   const before = state.batch?.items ?? [];
   const running = before.some((it) => !it.answer && !it.error);
-  const kept = running ? before : retrying ? before.filter((it) => it.error) : [];
+  const kept = running ? before : state.items.filter((it) => it.error);
   state.batch = { items: [...kept.filter((it) => !items.includes(it)), ...items] };
 }
 
@@ -156,7 +156,7 @@ const THE_FILES_OWN = ["no_file", "unsupported_media_type", "too_large", "undeco
 function retry(item) {
   item.error = null;
   item.waiting = null;
-  joinBatch([item], { retrying: true });
+  joinBatch([item]);
   render(item);
   item.card.tabIndex = -1;   // the button is gone with the failure: keep the keyboard on this card, not <body>
   item.card.focus();

@@ -380,7 +380,8 @@ def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_on
 
 def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server, browser):
     """Two photos picked one after the other failed (the server down), the first tried again: the line said "Photo
-    classified." beside the other card, still failed (tryout29). It counts both until both are done."""
+    classified." beside the other card, still failed (tryout29), and so after a later pick (tryout31). A batch
+    counts every card still failed on the page."""
     tab = Page(browser, locale="en-US")
     page = tab.page
     down = [True]
@@ -397,14 +398,18 @@ def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server
         for n, name in enumerate(("dog.jpg", "eagle.jpg"), 1):  # two picks: two batches, each ended failed
             page.set_input_files("#file", str(shared_image(name)))
             sync_api.expect(page.locator(".result button.retry")).to_have_count(n)
-            sync_api.expect(page.locator("#status")).to_have_text("The photo could not be classified.")
+            sync_api.expect(page.locator("#status")).to_have_text(
+                "The photo could not be classified." if n == 1 else "0 of 2 photos classified.")
         down[0] = False
-        page.locator(".result:has-text('dog.jpg') button.retry").click()
+        page.set_input_files("#file", str(shared_image("giraffe.jpg")))  # a new pick counts the failed cards too
         sync_api.expect(page.locator(".result .predictions")).to_have_count(1)
-        sync_api.expect(page.locator("#status")).to_have_text("1 of 2 photos classified.")
-        page.locator(".result button.retry").click()
+        sync_api.expect(page.locator("#status")).to_have_text("1 of 3 photos classified.")  # (tryout31)
+        page.locator(".result:has-text('dog.jpg') button.retry").click()
         sync_api.expect(page.locator(".result .predictions")).to_have_count(2)
-        sync_api.expect(page.locator("#status")).to_have_text("2 of 2 photos classified.")
+        sync_api.expect(page.locator("#status")).to_have_text("2 of 3 photos classified.")
+        page.locator(".result button.retry").click()
+        sync_api.expect(page.locator(".result .predictions")).to_have_count(3)
+        sync_api.expect(page.locator("#status")).to_have_text("3 of 3 photos classified.")
         assert [e for e in tab.errors if "status of 504" not in e] == []
     finally:
         tab.close()

@@ -244,10 +244,11 @@ def test_a_protocol_parameter_in_the_query_string_is_refused_through_tritonclien
     follow-up): a protocol parameter there is a 400 saying where it goes; a query parameter that is none of the
     protocol's (tritonclient's ``query_params`` carry a proxy's or gateway's) is left alone."""
     dog = [triton_input(photo_bytes("dog.jpg"))]
-    for name in ("topk", "top_k", "binary_data_output"):
+    for name in ("topk", "top_k", "binary_data_output", "TOPK", "Topk", "topk[]"):
         msg = triton_error(lambda: triton.infer("classifier", dog, outputs=triton_outputs(), query_params={name: 5}),
                            "400")
-        assert msg == (f"bad_request: {name} is not read from the query string here: the protocol's parameters go in "
+        said = name.lower().removesuffix("[]") if name != "top_k" else name
+        assert msg == (f"bad_request: {said} is not read from the query string here: the protocol's parameters go in "
                        "the request's JSON, e.g. {\"parameters\": {\"topk\": 5}, \"inputs\": [...]}"), msg
     result = triton.infer("classifier", dog, outputs=triton_outputs(), query_params={"api-version": "2"})
     assert [b.decode() for b in result.as_numpy("labels")[0]] == [p["label"] for p in reference["dog.jpg"]]

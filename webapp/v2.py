@@ -138,7 +138,8 @@ def infer(name: str, version: str | None = None):
                          f"as base64 strings) or its binary tensor data; or use /api/v1/predict for uploads")
     # The protocol's parameters go in the body; in the query they were ignored unsaid (?topk=5 answered 3 labels).
     # Other query parameters (a proxy's, a token's) are none of the protocol's and are left alone.
-    if misplaced := [p for p in (*codec.REQUEST_PARAMETERS, *codec.REQUEST_ELSEWHERE) if p in request.args]:
+    asked = {name.lower().removesuffix("[]") for name in request.args}  # ?TOPK=5 and ?topk[]=5 too (tryout31)
+    if misplaced := [p for p in (*codec.REQUEST_PARAMETERS, *codec.REQUEST_ELSEWHERE) if p.lower() in asked]:
         raise BadRequest(f"{misplaced[0]} is not read from the query string here: the protocol's parameters go in "
                          f"the request's JSON, e.g. {{\"parameters\": {{\"topk\": 5}}, \"inputs\": [...]}}")
     clf = _classifier()

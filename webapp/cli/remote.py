@@ -233,7 +233,7 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
             if first_failed and client.answered_at < first_failed:  # nothing answered any file all that time: gone,
                 # and each file left would wait as long again (3,000 files: hours, the bar said minutes; tryout30)
                 client.stopped = ("connection_error", f"the server at {client.url} answered nothing for "
-                                  f"{time.monotonic() - first_failed:.0f} s ({why_not})")
+                                  f"{time.monotonic() - client.answered_at:.0f} s ({why_not})")  # (its last answer)
             return {"error": failure, "retries": tries - 1}
         time.sleep(wait)
         waited += wait
