@@ -391,12 +391,10 @@ async function orientationOf(file, format) {
 export async function prepare(file, send) {
   const format = await sniff(file).catch(() => null);
   const plain = async (why, thumb = null) => {
-    // Decodable here, and scaling on: the photo goes without its metadata. The file itself goes where the server
-    // must judge it as it is (not decodable here, perhaps cut short or damaged: its answer names what is wrong) and
-    // under ?scale=0 (a diagnostic).
-    // A JPEG perhaps cut short, or one this browser cannot decode (cut without its end marker), goes without its
-    // metadata too: strip.js keeps its scans byte for byte, so the server judges the same photo (such photos went up
-    // with their GPS position: tryout29, tryout31). A JPEG copied as text goes as it is: its damage is the answer.
+    // The photo goes without its metadata where strip.js takes it apart, its image data byte for byte, so the server
+    // judges the same photo: one perhaps cut short or not decodable here too (such JPEGs went up with their GPS
+    // position: tryout29, tryout31). The file itself goes where its format is unknown, where it is damaged (a JPEG
+    // copied as text: its damage is the answer) and under ?scale=0 (a diagnostic).
     const { blob, kept } = ["off", "unknown", "damaged"].includes(why)
       ? { blob: file, kept: true } : await withoutMetadata(file, format);
     return { blob, original: null, thumb, why, kept, bare: blob };
@@ -405,8 +403,8 @@ export async function prepare(file, send) {
   // take: AVIF, BMP...) goes as a lossless copy of the decode at its own size instead, where that decode is upright
   // as the server's (a JPEG's EXIF orientation and an AVIF's container rotation are applied by both; a WebP's EXIF
   // one by the server only): an AVIF small already went up whole, GPS position and camera included (tryout29).
-  const privately = async (sent) => {
-    if (!sent.kept || !(["JPEG", "AVIF"].includes(format) || (await orientationOf(file, format)) === 1)) return sent;
+  const privately = async (sent, turn) => {   // (turn: the file's EXIF orientation, 1 for a JPEG: prepare's)
+    if (!sent.kept || !(format === "AVIF" || turn === 1)) return sent;
     try {
       const { blob } = await lossless(pixels(bmp, bmp.width, bmp.height), bmp.width, bmp.height);
       return { ...sent, blob, why: "private", kept: false };
@@ -438,7 +436,7 @@ export async function prepare(file, send) {
     if (judged === "animated" || judged === "cmyk") return plain(judged);
     if (judged) return plain(judged, await thumbFrom());
     // (awaited here: the decode is closed as this returns, and the copy is made of it)
-    if (Math.min(width, height) <= send.short) return await privately(await plain("small", await thumbFrom()));
+    if (Math.min(width, height) <= send.short) return await privately(await plain("small", await thumbFrom()), turn);
     if (format === "JPEG" && greyEdge(bmp, width, height)) {
       return plain("incomplete", await thumbFrom());   // perhaps cut short: the server judges its scans as they are
     }
