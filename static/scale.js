@@ -20,7 +20,7 @@
 // instead, at the photo's own size where it is small already.
 
 import { FILTERS, resize, resizedSize } from "./resample.js";
-import { withoutMetadata } from "./strip.js";
+import { pngExif, withoutMetadata } from "./strip.js";
 
 const THUMB_QUALITY = 0.9;  // the preview's JPEG (only shown on the page, never sent)
 const THUMB_PX = 320;       // preview size (long side), drawn to a canvas: the CSP allows data: images only
@@ -293,22 +293,27 @@ async function lossless(rgba, w, h) {
   throw new Error("no lossless encoder");
 }
 
-// A 2x1 lossless WebP whose EXIF Orientation is 6: decoded 1x2 where this browser turns a WebP as its EXIF says
-// (Chromium does not: a WebP's preview showed sideways beside its upright labels: tryout29).
-const TURNED_WEBP = "UklGRlIAAABXRUJQVlA4WAoAAAAIAAAAAQAAAAAAVlA4TBEAAAAvAQAAAA8Q87//8x8OMqL/AQBFWElGGgAAAE1NACoAAAAIAAEBEgADAAAAAQAGAAAAAAAA";
-let turnsWebp = null;
-async function browserTurnsWebp() {
-  if (turnsWebp === null) {
+// 2x1 files whose EXIF Orientation is 6, decoded 1x2 where this browser turns such a file as its EXIF says:
+// Chromium does not turn a WebP (its preview showed sideways beside its upright labels: tryout29); it turns a
+// PNG whose eXIf chunk is as the spec writes it, not one that starts with JPEG's "Exif\0\0" (tryout31).
+const TURNED = {
+  WEBP: "UklGRlIAAABXRUJQVlA4WAoAAAAIAAAAAQAAAAAAVlA4TBEAAAAvAQAAAA8Q87//8x8OMqL/AQBFWElGGgAAAE1NACoAAAAIAAEBEgADAAAAAQAGAAAAAAAA",
+  PNG: "iVBORw0KGgoAAAANSUhEUgAAAAIAAAABCAIAAAB7QOjdAAAAGmVYSWZNTQAqAAAACAABARIAAwAAAAEABgAAAAAAANZnS2kAAAAPSURBVHicY/zPwMDAwAAABggBActHdnUAAAAASUVORK5CYII=",
+};
+const turns = {};
+async function browserTurns(format) {
+  if (!(format in TURNED)) return true;   // any other format: its preview as the browser draws it
+  if (turns[format] === undefined) {
     try {
-      const bytes = Uint8Array.from(atob(TURNED_WEBP), (c) => c.charCodeAt(0));
-      const bmp = await createImageBitmap(new Blob([bytes], { type: "image/webp" }));
-      turnsWebp = bmp.width === 1;
+      const bytes = Uint8Array.from(atob(TURNED[format]), (c) => c.charCodeAt(0));
+      const bmp = await createImageBitmap(new Blob([bytes], { type: `image/${format.toLowerCase()}` }));
+      turns[format] = bmp.width === 1;
       bmp.close();
     } catch {
-      turnsWebp = true;   // cannot tell: leave the preview as the browser draws it
+      turns[format] = true;   // cannot tell: leave the preview as the browser draws it
     }
   }
-  return turnsWebp;
+  return turns[format];
 }
 
 // `src` (stored as EXIF orientation `o`, 1-8, says) drawn upright on a canvas: the transform of each orientation.
@@ -356,21 +361,24 @@ function exifOrientation(b) {
   return 1;
 }
 
-// A non-JPEG file's EXIF orientation: a WebP's from its EXIF chunk (after the image data, where the
-// container puts it), any other's from its first 256 KB and last 64 KB (PNG's eXIf, AVIF's Exif item).
+// A non-JPEG file's EXIF orientation, { orientation (1-8), prefixed }: a WebP's from its EXIF chunk (after the
+// image data, where the container puts it), a PNG's from its eXIf chunk before the image data (prefixed: that
+// chunk starts with JPEG's "Exif\0\0"), any other's from its first 256 KB and last 64 KB (AVIF's Exif item).
 async function orientationOf(file, format) {
   const bytes = async (from, to) => new Uint8Array(await file.slice(from, to).arrayBuffer());
+  const found = (orientation, prefixed = false) => ({ orientation, prefixed });
   if (format === "WEBP") {
     for (let at = 12; at + 8 <= file.size;) {   // RIFF chunks: FourCC, little-endian size, data, pad to even
       const head = await bytes(at, at + 8);
       const size = head[4] | (head[5] << 8) | (head[6] << 16) | (head[7] * 16777216);
-      if (String.fromCharCode(...head.subarray(0, 4)) === "EXIF") return exifOrientation(await bytes(at + 8, at + 8 + size));
+      if (String.fromCharCode(...head.subarray(0, 4)) === "EXIF") return found(exifOrientation(await bytes(at + 8, at + 8 + size)));
       at += 8 + size + (size % 2);
     }
-    return 1;
+    return found(1);
   }
+  if (format === "PNG") return pngExif(await bytes(0, file.size)) ?? found(1);
   const head = exifOrientation(await bytes(0, 1 << 18));
-  return head !== 1 ? head : exifOrientation(await bytes(Math.max(0, file.size - (1 << 16)), file.size));
+  return found(head !== 1 ? head : exifOrientation(await bytes(Math.max(0, file.size - (1 << 16)), file.size)));
 }
 
 /**
@@ -420,9 +428,10 @@ export async function prepare(file, send) {
     return plain(format ? "undecodable" : "unknown");   // the server may still read it, or says why not
   }
   try {
-    // The preview upright, where this browser drew a WebP as stored (its EXIF orientation unapplied)
-    const turn = format && format !== "JPEG" ? await orientationOf(file, format) : 1;
-    const view = turn !== 1 && format === "WEBP" && !(await browserTurnsWebp()) ? upright(bmp, turn) : bmp;
+    // The preview upright, where this browser drew the file as stored (its EXIF orientation unapplied)
+    const exif = format && format !== "JPEG" ? await orientationOf(file, format) : { orientation: 1 };
+    const turn = exif.orientation;
+    const view = turn !== 1 && (exif.prefixed || !(await browserTurns(format))) ? upright(bmp, turn) : bmp;
     const thumbFrom = async (src = view) => thumbnail(src).catch(() => null);
     if (!scalingOn) return plain("off", await thumbFrom());
     if (!format || !send) return plain("unknown", await thumbFrom());

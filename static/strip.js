@@ -114,6 +114,19 @@ function pngChunk(type, data) {
   return out;
 }
 
+// A PNG's eXIf chunk before its image data (what the server and browsers read; a later one neither does):
+// { orientation, prefixed } (prefixed: the chunk starts with JPEG's "Exif\0\0", against the PNG spec: read
+// through here and by the server, not by Chromium), or null where there is none or the chunks do not parse.
+export function pngExif(b) {
+  for (let pos = 8; pos + 12 <= b.length;) {
+    const size = u32be(b, pos), type = ascii(b, pos + 4, pos + 8), data = b.subarray(pos + 8, pos + 8 + size);
+    if (type === "IDAT" || pos + 12 + size > b.length) return null;
+    if (type === "eXIf") return { orientation: blockOrientation(data), prefixed: ascii(data, 0, 6) === "Exif\0\0" };
+    pos += 12 + size;
+  }
+  return null;
+}
+
 // PNG: the orientation of an eXIf chunk before the image data (Pillow reads one after it only as it decodes,
 // after the server looked), written back after IHDR.
 function png(b) {
