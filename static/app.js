@@ -302,7 +302,8 @@ function errorWords(err) {
 const shownName = (name) => name.replace(/[\u202a-\u202e\u2066-\u2069]/g, "\ufffd");
 const ms = (v) => (v < 10 ? v.toFixed(1) : v.toFixed(0));
 // Bytes for people, in decimal units as phones and file managers show them: 3.2 MB, 68 KB, 900 B.
-const size = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)} MB` : n >= 1e3 ? `${Math.round(n / 1e3)} KB` : `${n} B`);
+// (A no-break space: on a 375 px phone the line broke between a number and its unit, "132 / B".)
+const size = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)}\u00a0MB` : n >= 1e3 ? `${Math.round(n / 1e3)}\u00a0KB` : `${n}\u00a0B`);
 
 function sentWords(item) {
   const { blob, original, kept } = item.sent;

@@ -154,11 +154,11 @@ def test_upload_switch_language_drop_and_paste(server, browser, tmp_path):
         assert "decode" in timing and "wait for batch" in timing and "inference" in timing
         # and the time this browser waited, upload included (the server's total alone read "total 29 ms" after
         # a 15 s upload on a slow link)
-        total, waited = (float(x) for x in re.search(r"total ([\d.]+) ms · with the upload ([\d.]+) ms", timing).groups())
+        total, waited = (float(x) for x in re.search(r"total ([\d.]+)\xa0ms · with the upload ([\d.]+)\xa0ms", timing).groups())
         assert waited >= total
         # dog.jpg (768x576) is over the size worth sending (256 px short side): it goes up as a lossless
         # 341x256 copy, and the page says so
-        assert card.locator(".timing .sent").inner_text() == "scaled in the browser: 164 KB → 123 KB"
+        assert card.locator(".timing .sent").inner_text() == "scaled in the browser: 164\xa0KB → 123\xa0KB"
         assert page.locator("#status").inner_text() == "Photo classified."
 
         # Switch language in place: the labels turn Chinese, the strings too, the choice is remembered.
@@ -750,7 +750,7 @@ def test_a_photo_sent_as_it_is_goes_without_its_metadata_and_keeps_its_answer(se
                     assert np.array_equal(np.asarray(sent.convert("RGB")), np.asarray(im.convert("RGB")))
                 assert dict(sent.getexif()) == {0x0112: 6}, dict(sent.getexif())
                 assert card.locator(".timing .sent").inner_text() == \
-                    f"sent without its metadata: {round(len(data) / 1e3)} KB"
+                    f"sent without its metadata: {round(len(data) / 1e3)}\xa0KB"
         reference = api_answer(server, name, original)  # the file as it is, through the API
         got = rec.answers[name]
         assert [p["label"] for p in got["predictions"]] == [p["label"] for p in reference["predictions"]]
@@ -786,7 +786,7 @@ def test_an_avif_goes_as_a_copy_without_its_metadata(server, browser, name, size
             assert sent.format in ("WEBP", "PNG") and not dict(sent.getexif())
             if how == "private":
                 assert sent.size == (size[0], size[1]) and card.locator(".timing .sent").inner_text() == \
-                    f"sent without its metadata: {round(len(data) / 1e3)} KB"
+                    f"sent without its metadata: {round(len(data) / 1e3)}\xa0KB"
             else:
                 assert len(data) > len(original), (len(data), len(original))  # else this case tests nothing
         reference, got = api_answer(server, name, original)["predictions"], rec.answers[name]["predictions"]
@@ -962,10 +962,10 @@ def test_phone_photo_goes_up_scaled_upright_and_without_exif(server, browser, tm
         assert (answer["width"], answer["height"], answer["bytes"]) == (4032, 3024, len(original))
         assert answer["scaled_by_client"] == {"width": 341, "height": 256, "format": "WEBP", "bytes": len(data)}
         assert card.locator(".meta").inner_text().endswith("4032×3024 JPEG")
-        assert card.locator(".timing .sent").inner_text() == f"scaled in the browser: 3.3 MB → {round(len(data) / 1e3)} KB"
+        assert card.locator(".timing .sent").inner_text() == f"scaled in the browser: 3.3\xa0MB → {round(len(data) / 1e3)}\xa0KB"
         page.click(".langs a[data-lang=zh]")
         wait_for_labels(page, card, DOG_ZH)
-        assert card.locator(".timing .sent").inner_text().startswith("已在浏览器中缩小：3.3 MB → ")
+        assert card.locator(".timing .sent").inner_text().startswith("已在浏览器中缩小：3.3\xa0MB → ")
         assert page.locator("#privacy").inner_text() == STRINGS["zh"]["privacy"]
         page.mouse.move(0, 0)
         page.screenshot(path=tmp_path / "phone-photo-zh.png", full_page=True)

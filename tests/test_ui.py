@@ -52,7 +52,7 @@ def test_upload_shows_top3_with_percentages(offline_client):
     assert "German shepherd" in labels
     assert 'src="data:image/jpeg;base64,' in html and 'alt="Uploaded photo dog.jpg"' in html
     assert "EfficientNet-Lite0" in html and re.search(r"· (fp32|bf16|int8)", html)  # model and precision
-    assert re.search(r"decode [\d.]+ ms · wait for batch [\d.]+ ms · inference [\d.]+ ms", html)
+    assert re.search(r"decode [\d.]+\xa0ms · wait for batch [\d.]+\xa0ms · inference [\d.]+\xa0ms", html)
     shown = re.sub(r"<script.*?</script>", "", html, flags=re.S)  # the words for the script hold every template
     assert "queue" not in shown.lower()  # an idle request's batch window is not a queue (it reads like congestion)
 
@@ -78,7 +78,7 @@ def test_without_javascript_the_request_timing_is_shown_once(offline_client):
                                headers={"Accept-Language": "en"})
     html = resp.get_data(as_text=True)
     assert resp.status_code == 200 and html.count('<article class="result">') == 3
-    assert html.count('class="timing"') == 1 and len(re.findall(r"decode [\d.]+ ms", html)) == 1
+    assert html.count('class="timing"') == 1 and len(re.findall(r"decode [\d.]+\xa0ms", html)) == 1
     cards = html.split('<article class="result">')[1:]
     assert not any("decode" in card.split("</article>")[0] for card in cards)
 

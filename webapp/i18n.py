@@ -72,8 +72,10 @@ STRINGS: dict[str, dict[str, str]] = {
         "failed_one": "The photo could not be classified.",
         "meta": "{model} · {precision}",
         "size": "{width}×{height} {format}",
-        "timing": "decode {decode} ms · wait for batch {queue} ms · inference {inference} ms · total {total} ms",
-        "round_trip": "with the upload {ms} ms",
+        # (no-break spaces before units: on a 375 px phone the line broke between a number and its unit)
+        "timing": "decode {decode}\u00a0ms · wait for batch {queue}\u00a0ms · inference {inference}\u00a0ms · "
+                  "total {total}\u00a0ms",
+        "round_trip": "with the upload {ms}\u00a0ms",
         "scaled": "scaled in the browser: {from} → {to}",
         "sent_as_is": "sent as is, with any metadata in it: {size}",
         "sent_bare": "sent without its metadata: {size}",
