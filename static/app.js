@@ -308,6 +308,9 @@ const size = (n) => (n >= 1e6 ? `${(n / 1e6).toFixed(1)}\u00a0MB` : n >= 1e3 ? `
 function sentWords(item) {
   const { blob, original, kept } = item.sent;
   if (original) return tr("scaled", { from: size(original.bytes), to: size(blob.size) });
+  if (item.sent.copyOf && blob !== item.sent.bare) {   // (a private copy the server refused went as the file after)
+    return tr("sent_copy", { format: blob.type.replace("image/", "").toUpperCase(), size: size(blob.size) });
+  }
   return tr(kept ? "sent_as_is" : "sent_bare", { size: size(blob.size) });
 }
 
@@ -336,7 +339,9 @@ function render(item) {
       h("p", { className: "meta" },
         tr("meta", { model: modelTitle(m), precision: m.precision ?? "" }),
         m.untrained ? " · " + tr("untrained") : null,
-        " · ", tr("size", { width: res.width, height: res.height, format: res.format })),
+        // (a private copy's format is the copy's: the card names the file's, as for a photo scaled in the browser)
+        " · ", tr("size", { width: res.width, height: res.height,
+          format: item.sent?.copyOf && item.sent.blob !== item.sent.bare ? item.sent.copyOf : res.format })),
       h("p", { className: "timing" },
         h("span", { className: "visually-hidden" }, tr("timing_label") + " "),
         h("span", { className: "sent" }, sentWords(item)), " · ",

@@ -391,7 +391,7 @@ async function orientationOf(file, format) {
  * with a zero DC quantizer, or copied as text: the server refuses it) | animated | cmyk (decoded otherwise here than by the server: no
  * preview) | oriented (not a JPEG, with an EXIF orientation: the server turns it) | larger (the copy would be no
  * smaller) | private (small already, in a format strip.js does not take: a lossless copy at its own size) | failed;
- * `kept`
+ * `copyOf` (a private copy only) the file's format, as sniff() names it; `kept`
  * true where the file goes as it is, with whatever metadata it holds (a format or a structure strip.js does not
  * take, scaling off); `bare` the file as it goes where not scaled (what the page sends if the server refuses the
  * copy). Never rejects.
@@ -415,7 +415,7 @@ export async function prepare(file, send) {
     if (!sent.kept || !(format === "AVIF" || turn === 1)) return sent;
     try {
       const { blob } = await lossless(pixels(bmp, bmp.width, bmp.height), bmp.width, bmp.height);
-      return { ...sent, blob, why: "private", kept: false };
+      return { ...sent, blob, why: "private", kept: false, copyOf: format };   // (the card names the file's format)
     } catch {
       return sent;
     }

@@ -784,11 +784,12 @@ def test_an_avif_goes_as_a_copy_without_its_metadata(server, browser, name, size
         assert not any(secret in data for secret in (b"PhoneMaker", b"SN-0042", b"Secretville", b"xmpmeta")), name
         with Image.open(io.BytesIO(data)) as sent:
             assert sent.format in ("WEBP", "PNG") and not dict(sent.getexif())
-            if how == "private":
+            if how == "private":  # the card names the file's format, as a scaled copy's card does, and the copy's
                 assert sent.size == (size[0], size[1]) and card.locator(".timing .sent").inner_text() == \
-                    f"sent without its metadata: {round(len(data) / 1e3)}\xa0KB"
+                    f"sent as a lossless {sent.format} copy, without its metadata: {round(len(data) / 1e3)}\xa0KB"
             else:
                 assert len(data) > len(original), (len(data), len(original))  # else this case tests nothing
+        assert card.locator(".meta").inner_text().endswith(f"{size[0]}×{size[1]} AVIF")  # (said WEBP: tryout31)
         reference, got = api_answer(server, name, original)["predictions"], rec.answers[name]["predictions"]
         assert got[0]["label"] == reference[0]["label"], (got, reference)
         assert abs(got[0]["probability"] - reference[0]["probability"]) < 0.02, (got, reference)
@@ -835,6 +836,8 @@ def test_gifs_bmps_and_jpegs_cut_without_their_end_go_without_their_metadata(ser
             card = page.locator(f".result:has-text('{name}')")
             card.locator(".timing, .problem").first.wait_for()
             assert card.get_attribute("data-sent") == how, name
+            if how == "private":  # the file's format, not its lossless copy's
+                assert card.locator(".meta").inner_text().endswith("200×150 BMP"), card.locator(".meta").inner_text()
             sent = rec.sent()[name][1]
             assert not any(s in sent for s in (b"PhoneMaker", b"SN-0042", b"Secretville", b"XMP Data")), name
             if name == "moving.gif":  # the same frames, their timing too
