@@ -705,6 +705,24 @@ def test_a_server_gone_for_good_ends_the_files_not_yet_sent_soon(tmp_path, monke
     assert took < 10, took
 
 
+def test_a_file_waiting_between_tries_ends_as_soon_as_sending_stops():
+    """tryout31: once the server was declared gone, a file still waiting out its backoff (up to 8 s) kept the run
+    going that long before it ended. Its wait ends at once now, with its own failure and why it was not tried
+    again; a wait with nothing stopping it lasts as long as it was asked to."""
+    client = remote.Client("http://127.0.0.1:9", jobs=2)
+    start = time.monotonic()
+    assert client.pause(0.2) is False and time.monotonic() - start >= 0.2
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append((client.pause(30), time.monotonic())))
+    waiter.start()
+    time.sleep(0.1)
+    stopped_at = time.monotonic()
+    client.stopped = ("connection_error", "the server at x answered nothing for 9 s (refused)")
+    waiter.join(5)
+    assert woke and woke[0][0] is True and woke[0][1] - stopped_at < 1.0, woke
+    assert client.pause(30) is True  # and every later wait is none
+
+
 def test_a_missing_token_is_said_once_and_no_more_files_are_sent(tmp_path, capsys):
     """tryout17: without the token each of 10,000 photos would be read, scaled, uploaded and refused with its own
     401. After the first 401 the files not yet sent end unsent, with the server's words."""

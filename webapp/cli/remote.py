@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -92,8 +93,24 @@ class Client:
         # (code, why) once sending more is pointless: an upload got no answer within READ_TIMEOUT_S (the server is
         # stuck), a 401 (no token, or a wrong one: every file would get the same), or a file's tries all met no
         # server while no answer came for any other (gone); the files not yet sent end so
-        self.stopped: tuple[str, str] | None = None
+        self._stopped: tuple[str, str] | None = None
+        self._stop = threading.Event()  # set with ``stopped``: ends the other files' waits between tries at once
         self.answered_at = time.monotonic()  # when the server last answered anything (monotonic s)
+
+    @property
+    def stopped(self) -> tuple[str, str] | None:
+        """``(code, why)`` once sending more is pointless (above), else None."""
+        return self._stopped
+
+    @stopped.setter
+    def stopped(self, value: tuple[str, str]) -> None:
+        self._stopped = value
+        self._stop.set()
+
+    def pause(self, seconds: float) -> bool:
+        """Wait ``seconds`` (s) before a file's next try; True, at once, where sending has stopped meanwhile (a
+        file waiting out its backoff kept the run going up to 8 s after the server was declared gone: tryout31)."""
+        return self._stop.wait(seconds)
 
     def request(self, method: str, path: str, *, body: bytes | None = None, headers: dict | None = None,
                 read_timeout_s: float | None = None):
@@ -235,7 +252,9 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
                 client.stopped = ("connection_error", f"the server at {client.url} answered nothing for "
                                   f"{time.monotonic() - client.answered_at:.0f} s ({why_not})")  # (its last answer)
             return {"error": failure, "retries": tries - 1}
-        time.sleep(wait)
+        if client.pause(wait):
+            failure["message"] += f" (not tried again: {client.stopped[1]})"
+            return {"error": failure, "retries": tries - 1}
         waited += wait
 
 
