@@ -15,6 +15,8 @@ Parts, each a module here that also runs alone (``python bench/<part>_bench.py -
   the page scales in the browser vs the original photo.
 - overload: 2x overload, 12 MP and small photos: admission by time (``MAX_WAIT_MS``) vs the same
   server without it: refused and admitted latency, images/s, client timeouts.
+- heavy: ordinary uploads alone vs beside clients sending photos of a few bytes that take a second or more
+  to decode (79 MP lossless WebPs): the ordinary clients' images/s and p99 (the heavy lane's effect).
 - fidelity: bf16 against fp32, layer group by layer group (eager autocast, the bf16 policy with each
   set of layers kept in fp32, torch.compile, the AOTInductor package): top-1 agreement, top-1
   probability change, ties, and speed as a ratio to fp32 of the same kind.
@@ -45,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 PARTS = {"engine": "bench.engine_bench", "preprocess": "bench.preprocess_bench",
          "e2e": "bench.e2e_bench", "ready": "bench.ready_bench", "page": "bench.page_bench",
-         "overload": "bench.overload_bench", "fidelity": "bench.fidelity_bench",
+         "overload": "bench.overload_bench", "heavy": "bench.heavy_bench", "fidelity": "bench.fidelity_bench",
          "int8": "bench.int8_bench", "engine-avx2": "bench.engine_bench", "int8-range": "bench.int8_range_bench"}
 CAP = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 # Parts run in a child process with the CPU capped to AVX2, and their extra arguments: the cap binds

@@ -209,6 +209,38 @@ def test_a_decode_that_outlives_its_request_counts_until_its_thread_ends():
 
 
 @pytest.mark.unit
+def test_a_photo_over_half_the_budget_to_decode_goes_on_the_heavy_lane_and_counts_for_no_other_request():
+    """tryout28: two clients sending 3 KB lossless WebPs of 79 MP (1.3 s of decoding each) took a server from 594
+    answers to ordinary photos in 15 s to 53: each such decode, counted ahead of every ordinary photo, refused
+    them. Such a photo now goes on a lane of its own: the ordinary photos are judged without it, and a second
+    such photo is refused while the lane is busy, told to come back when it will be free."""
+    adm, _, _ = make_admission()  # 50 ms per MB: half the 1 s budget is 10 MB of decode size
+    assert not adm.heavy(9 * MB) and adm.heavy(20 * MB)
+    one = Admission(budget_ms=1000, decode_threads=1, image_ms=lambda: 10.0, queued=lambda: 0)
+    one.decode.observe(40_000, 600.0)  # one size measured (start-up's photo), however slowly: no line yet
+    assert not one.heavy(1e12)  # a size never seen is guessed at that mean time, never heavy (DecodeCost)
+    first = adm.admit(20 * MB, heavy=True)  # the lane is free: admitted, whatever its own cost
+    job = adm.decoding(first, [20 * MB], heavy=True)
+    assert adm._ahead() == (0, 0.0) and adm.predict(MB).ahead_ms == 0.0  # not ahead of an ordinary photo
+    for _ in range(5):
+        adm.admit(MB)  # ordinary photos are admitted as if it were not there
+    with pytest.raises(Overloaded) as ei:
+        adm.admit(20 * MB, heavy=True)
+    # its wait: the 1 s decode ahead (50 ms/MB x 20 MB) and its forward pass (10 ms): back in 2 s
+    assert ei.value.headers["Retry-After"] == "2" and "decoded one at a time" in ei.value.message, ei.value.message
+    assert adm.describe()["heavy_uploads_ahead"] == 1
+    adm.decoded(job, 20 * MB, 1000.0)
+    adm.finish(job)
+    assert adm.describe()["heavy_uploads_ahead"] == 0 and adm.admit(20 * MB, heavy=True)
+    late = adm.decoding(None, [20 * MB], heavy=True)  # one that outlives its request counts until its thread ends
+    ended = adm.abandon(late, 20 * MB)
+    adm.finish(late)
+    assert adm._ahead(heavy=True) == (1, pytest.approx(20 * MB))
+    ended()
+    assert adm._ahead(heavy=True) == (0, 0.0) and adm._ahead() == (5, pytest.approx(5 * MB))  # the 5 tickets
+
+
+@pytest.mark.unit
 def test_a_ticket_counts_only_while_its_body_is_arriving():
     adm, _, _ = make_admission()
     arriving = {"now": True}
@@ -629,3 +661,55 @@ def test_a_client_that_hangs_up_before_its_decode_is_not_decoded(srv):
     assert after["uploads_ahead"] == 0
 
 
+
+
+@pytest.fixture(scope="module")
+def lanes(tmp_path_factory):
+    """One worker, a 400 ms budget: a photo over 200 ms of decoding is heavy (a 79 MP WebP takes ~1 s)."""
+    with one_worker(tmp_path_factory, "admission-lanes", MAX_WAIT_MS=400) as server:
+        yield server
+
+
+def _flat_webp(side: int) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (120, 130, 140)).save(buf, "WEBP", lossless=True)
+    return buf.getvalue()
+
+
+@pytest.mark.server
+def test_ordinary_photos_are_answered_while_a_heavy_one_decodes_and_a_second_heavy_one_waits(lanes):
+    """tryout28, over a real gunicorn: while a 79 MP WebP of a few bytes decodes (~1 s of a core), ordinary photos
+    were refused (its decode counted ahead of theirs). On the heavy lane it counts for them no more: they are
+    answered meanwhile, and a second such photo is refused with Retry-After until the lane is free."""
+    import threading
+    import time
+
+    from conftest import shared_image
+    from fleet import multipart, post
+
+    giant = multipart([("giant.webp", _flat_webp(8900), "image/webp")])
+    dog = multipart([("dog.jpg", shared_image("dog.jpg").read_bytes(), "image/jpeg")])
+    for body in (dog, giant, dog):  # measured costs at two sizes: a line through them (the giant not yet heavy)
+        assert post(lanes, *body).status_code == 200
+    assert admission_of(lanes)["heavy_uploads_ahead"] == 0
+    answers = []
+    first = threading.Thread(target=lambda: answers.append(post(lanes, *giant)), daemon=True)
+    first.start()
+    end = time.monotonic() + 30
+    while admission_of(lanes)["heavy_uploads_ahead"] != 1 and time.monotonic() < end:
+        time.sleep(0.005)
+    assert first.is_alive(), "the heavy photo was decoded before anything could be sent beside it"
+    second = post(lanes, *giant)
+    ordinary = [post(lanes, *dog) for _ in range(3)]
+    still_decoding = first.is_alive()
+    first.join(120)
+    assert second.status_code == 429, (second.status_code, second.text)
+    assert "decoded one at a time" in second.json()["error"]["message"] and int(second.headers["Retry-After"]) >= 1
+    assert [r.status_code for r in ordinary] == [200, 200, 200], [r.text for r in ordinary]
+    assert all(r.json()["results"][0]["filename"] == "dog.jpg" for r in ordinary)
+    assert answers[0].status_code == 200 and answers[0].json()["results"][0]["filename"] == "giant.webp"
+    print(f"\nheavy photo still decoding after the second one and 3 ordinary ones were answered: {still_decoding}")

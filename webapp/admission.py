@@ -63,6 +63,14 @@ every client refused within a second is told the same second, they return togeth
 again: at 2x overload the refusals cost the busy worker ~10% of its images/s (~5 ms of CPU each). A client
 that does not come back costs nothing but a later client's longer wait: only ``Retry-After`` counts them.
 
+The heavy lane: an upload predicted to take over half the budget to decode on its own (``heavy``: a few KB of
+flat lossless WebP can hold 79 MP, 1.3 s of a core) is decoded on a thread of its own at the lowest priority
+(``concurrency``'s niceness 19, ``service``), one at a time, and counts for no other request: ordinary decodes take
+the core from it, so it delays them by a small share of the core instead of its whole decode, and predicting
+it ahead of them refused them. Such a request is judged by the heavy lane's work alone: admitted where that
+lane is free, else ``429`` with ``Retry-After`` for when it will be. Two clients sending such photos back to back
+took a 2-worker server from ~1,000 answers to ordinary photos in 15 s to 9-115 (tryout28's: 594 to 53).
+
 Torch-free and Flask-free. State changes happen under one lock (a real ``_thread`` lock from ``concurrency.Primitives``;
 held for microseconds), so request greenlets, the CLI's threads and a dev server's threads may all call in.
 """
@@ -102,10 +110,12 @@ class Ticket:
 
 @dataclass(eq=False)
 class Decoding:
-    """A request in ``classify`` whose photos are being decoded: what of them is still to decode."""
+    """A request in ``classify`` whose photos are being decoded: what of them is still to decode; ``heavy``: on
+    the heavy lane (``Admission.heavy``)."""
 
     uploads: int
     nbytes: int
+    heavy: bool = False
 
     def add(self, uploads: int, nbytes: int) -> None:
         """Count ``uploads`` more photos of ``nbytes`` more bytes (negative: fewer). Under ``Admission._lock``."""
@@ -153,6 +163,7 @@ class Admission:
         self._tickets: deque[Ticket] = deque()  # live ones, in admission order (= expiry order)
         self._owed: dict[int, list] = {}  # tenth of a s -> [ms, clients] told to come back then (not a list of each)
         self._decoding = Decoding(uploads=0, nbytes=0)  # every photo in classify not decoded yet, and their bytes
+        self._heavy = Decoding(uploads=0, nbytes=0, heavy=True)  # those of them on the heavy lane
         self.admitted = self.refused = self.gone = 0  # gone: clients who left before their photos were decoded
 
     # -- the prediction --------------------------------------------------------------------------
@@ -162,9 +173,11 @@ class Admission:
         for tenth in [t for t in self._owed if t < 10 * (now - self.budget_ms / 1e3)]:  # back (or not) long ago
             del self._owed[tenth]
 
-    def _ahead(self) -> tuple[int, float]:
+    def _ahead(self, heavy: bool = False) -> tuple[int, float]:
         """``(uploads, bytes)`` ahead of a new request: photos being decoded, and tickets whose bodies are
-        arriving (a zero-timeout poll each, under the lock: microseconds)."""
+        arriving (a zero-timeout poll each, under the lock: microseconds). Of a heavy one: the heavy lane's."""
+        if heavy:
+            return self._heavy.uploads, float(self._heavy.nbytes)
         uploads, nbytes = self._decoding.uploads, float(self._decoding.nbytes)
         for t in self._tickets:
             if t.live and (t.sending is None or t.sending()):
@@ -179,18 +192,30 @@ class Admission:
             self._expire(self._clock())
             return self._predict(nbytes, images)
 
-    def _predict(self, nbytes: float | None, images: int) -> Prediction:
+    def _predict(self, nbytes: float | None, images: int, heavy: bool = False) -> Prediction:
         f = 1.0 if self.overhead is None else self.overhead.factor()
         a, b = (f * c for c in self.decode.line())
         image_ms = f * max(0.0, float(self._image_ms() or 0.0))
         own_bytes = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
+        own = a * images + b * own_bytes + images * image_ms
+        if heavy:  # the heavy lane's one thread: what it decodes before this, and this
+            uploads, ahead_bytes = self._ahead(heavy=True)
+            return Prediction(ahead_ms=a * uploads + b * ahead_bytes + uploads * image_ms, own_ms=own)
         uploads, ahead_bytes = self._ahead()
         # A queued image: its forward pass, and the decode of a later request the cores do meanwhile.
         queued_ms = image_ms + (a + b * self.decode.mean_bytes) / self.decode_threads
         ahead = ((a * uploads + b * ahead_bytes) / self.decode_threads + uploads * image_ms
                  + self._queued() * queued_ms)
-        own = a * images + b * own_bytes + images * image_ms
         return Prediction(ahead_ms=ahead, own_ms=own)
+
+    def heavy(self, size: float) -> bool:
+        """Whether one upload of decode size ``size`` (bytes, or decoded pixels where more: ``classify``) is
+        predicted to take over half the budget to decode: it then goes to the heavy lane (module docstring).
+        Never before the measured decodes differ enough in size for a line (``DecodeCost.line``)."""
+        with self._lock:
+            f = 1.0 if self.overhead is None else self.overhead.factor()
+            a, b = self.decode.line()
+            return b > 0 and f * (a + b * size) > self.budget_ms / 2
 
     def judge(self, p: Prediction) -> tuple[bool, int]:
         """``(admitted, retry_after_s)`` for prediction ``p``: admitted when ``ahead + min(own, budget/2)``
@@ -221,12 +246,14 @@ class Admission:
 
     # -- requests --------------------------------------------------------------------------------
     def admit(self, nbytes: float | None, images: int = 1, *, gone: Callable[[], bool] | None = None,
-              sending: Callable[[], bool] | None = None, replacing: Ticket | None = None) -> Ticket:
+              sending: Callable[[], bool] | None = None, replacing: Ticket | None = None,
+              heavy: bool = False) -> Ticket:
         """Admit a request of ``nbytes`` body bytes (None: unknown) and ``images`` photos, or refuse it.
 
         The returned ``Ticket`` counts its photo as ahead of later requests while ``sending()`` (None: always) until
         ``decoding`` takes it, ``release`` drops it, or the budget has passed; ``gone`` goes with it to ``classify``
         (``Ticket``). ``replacing``: its earlier ticket, judged again by its decode size (``classify``), uncounted.
+        ``heavy``: judged by the heavy lane's work ahead instead (``heavy``); its ticket counts for no other request.
 
         :raises Overloaded: the predicted time is over the budget (429, ``Retry-After`` in s, >= 1).
         """
@@ -235,8 +262,15 @@ class Admission:
             if replacing is not None:
                 replacing.live = False
             self._expire(now)
-            p = self._predict(nbytes, images)
+            p = self._predict(nbytes, images, heavy)
             ok, retry_after = self.judge(p)
+            if not ok and heavy:  # back once the lane is free (not owed: it comes back into no other's work)
+                retry_after = min(MAX_RETRY_AFTER_S, max(1, math.ceil(p.ahead_ms / 1e3)))
+                self.refused += 1
+                raise Overloaded(f"server busy: this request's photos take about {p.own_ms / 1e3:.1f} s to decode (many "
+                                 f"pixels), and such photos are decoded one at a time here, after the others; the one "
+                                 f"decoding now has about {p.ahead_ms / 1e3:.1f} s left; try again in {retry_after} s",
+                                 headers={"Retry-After": str(retry_after)})
             if not ok:
                 retry_after = self._come_back(p, now)
                 self.refused += 1
@@ -246,7 +280,8 @@ class Admission:
             size = self.decode.mean_bytes * images if nbytes is None else float(nbytes)
             t = Ticket(nbytes=size, images=images, expires=now + self.budget_ms / 1e3, predicted_ms=p.total_ms,
                        gone=gone, sending=sending)
-            self._tickets.append(t)
+            if not heavy:
+                self._tickets.append(t)
             self.admitted += 1
             return t
 
@@ -256,15 +291,18 @@ class Admission:
             with self._lock:
                 ticket.live = False
 
-    def decoding(self, ticket: Ticket | None, sizes: list[int]) -> Decoding:
-        """A request starts decoding its uploads of ``sizes`` bytes: they replace its ticket (if any,
-        and still counted) among the work ahead of later requests. Pair with ``finish``."""
+    def decoding(self, ticket: Ticket | None, sizes: list[int], heavy: bool = False) -> Decoding:
+        """A request starts decoding its uploads of ``sizes`` bytes (on the heavy lane: ``heavy``): they replace its
+        ticket (if any, and still counted) among the work ahead of later requests. Pair with ``finish``."""
         with self._lock:
             if ticket is not None:
                 ticket.live = False
-            job = Decoding(uploads=len(sizes), nbytes=sum(sizes))
-            self._decoding.add(job.uploads, job.nbytes)
+            job = Decoding(uploads=len(sizes), nbytes=sum(sizes), heavy=heavy)
+            self._lane(job).add(job.uploads, job.nbytes)
             return job
+
+    def _lane(self, job: Decoding) -> Decoding:
+        return self._heavy if job.heavy else self._decoding
 
     def decoded(self, job: Decoding, nbytes: int, ms: float) -> None:
         """One upload of ``job`` (``nbytes`` bytes) was decoded in ``ms`` (CPU time of its decode thread)."""
@@ -273,19 +311,19 @@ class Admission:
             self._decode_cpu_s += ms / 1e3
             if job.uploads > 0:
                 job.add(-1, -nbytes)
-                self._decoding.add(-1, -nbytes)
+                self._lane(job).add(-1, -nbytes)
 
     def abandon(self, job: Decoding, nbytes: int) -> Callable[[], None]:
         """One upload of ``job`` (``nbytes``) outlived its request and its decode thread runs on: it stays counted
         ahead of later requests (past ``finish``) until the returned function is called, when that thread ends."""
         with self._lock:
             job.add(-1, -nbytes)
-        return lambda: self.finish(Decoding(uploads=1, nbytes=nbytes))
+        return lambda: self.finish(Decoding(uploads=1, nbytes=nbytes, heavy=job.heavy))
 
     def finish(self, job: Decoding) -> None:
         """``job``'s decoding ended (done or failed): whatever of it is left stops counting."""
         with self._lock:
-            self._decoding.add(-job.uploads, -job.nbytes)
+            self._lane(job).add(-job.uploads, -job.nbytes)
             job.add(-job.uploads, -job.nbytes)
 
     def note_gone(self) -> None:
@@ -305,6 +343,7 @@ class Admission:
             return {"budget_ms": self.budget_ms, "decode_ms_per_upload": round(a, 3),
                     "decode_ms_per_mb": round(b * 1e6, 3), "image_ms": round(float(self._image_ms() or 0.0), 3),
                     "decode_threads": self.decode_threads, "uploads_ahead": uploads,
+                    "heavy_uploads_ahead": self._heavy.uploads,
                     "ahead_ms": round(p.ahead_ms, 1), "predicted_ms": round(p.total_ms, 1), "admitted": self.admitted, "refused": self.refused,
                     "client_gone": self.gone, "decodes": self.decode.count,
                     "overhead": round(self.overhead.value, 3) if self.overhead else 1.0,

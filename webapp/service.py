@@ -40,6 +40,7 @@ __all__ = ["Classifier", "Upload", "answer", "encode"]
 _TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("admission_ticket", default=None)
 # Whether this request counts as in progress for webapp/balance.py (from admit to end_request).
 _COUNTED: contextvars.ContextVar[bool] = contextvars.ContextVar("counted_in_progress", default=False)
+HEAVY_NICE = 19  # niceness steps below the hub of the heavy lane's thread: the lowest there is (capped at 19)
 
 
 class Classifier:
@@ -50,6 +51,7 @@ class Classifier:
         self.started: startup.Started | None = None
         self.batcher: InferenceBatcher | None = None
         self.offloader: Offloader | None = None
+        self.heavy_lane: Offloader | None = None
         self.admission: Admission | None = None
         self.status = "not started"  # for people: why not ready
         self.self_test: dict | None = None
@@ -85,6 +87,8 @@ class Classifier:
             self.batcher.start()
             self.offloader = Offloader(max_threads=max(2, started.threads), nice=s.WORK_NICE,
                                        cores=cpu.SERVER_CORES if s.DECODE_CORES == "server" else None)
+            # The heavy lane (webapp/admission.py): one photo at a time, at the lowest priority, behind the others
+            self.heavy_lane = Offloader(max_threads=1, nice=HEAVY_NICE, cores=self.offloader.cores)
             # Decodes run side by side only as far as the worker has cores for them (CPU-time costs).
             self.admission = Admission(budget_ms=s.MAX_WAIT_MS, decode_threads=min(
                                            self.offloader.max_threads, len(os.sched_getaffinity(0))),
@@ -271,14 +275,17 @@ class Classifier:
             # request whose size it now sees is over its body's is judged again (tryout21: 6 such files admitted by
             # their bytes made everyone wait 20 s, and their costs by bytes refused ordinary photos afterwards).
             sizes = [max(len(up.data), r.pixels) for up, r in zip(uploads, read)]
-            if ticket is not None and sum(sizes) > sum(len(up.data) for up in uploads):
-                ticket = self.admission.admit(sum(sizes), len(uploads), gone=ticket.gone, replacing=ticket)
+            heavy = any(self.admission.heavy(size) for size in sizes)  # then all its photos go on the heavy lane
+            if ticket is not None and (heavy or sum(sizes) > sum(len(up.data) for up in uploads)):
+                ticket = self.admission.admit(sum(sizes), len(uploads), gone=ticket.gone, replacing=ticket,
+                                              heavy=heavy)
         except Exception:
             if ticket is not None:
                 self.admission.release(ticket)
             raise
         gone = ticket.gone if ticket is not None else None
-        job = self.admission.decoding(ticket, sizes)
+        job = self.admission.decoding(ticket, sizes, heavy)
+        lane = self.heavy_lane if heavy else self.offloader
         # On their way to the queue: a batch forming meanwhile waits for them, and only while any are.
         coming = self.batcher.coming(len(uploads))
         # REQUEST_TIMEOUT_S bounds the whole answer, decoding included: a decode that outlasts it (an 80 MP
@@ -288,7 +295,7 @@ class Classifier:
             prepared = []
             for up, size, r in zip(uploads, sizes, read):
                 try:
-                    p, ms = self.offloader.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
+                    p, ms = lane.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
                                                max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
                                                thumbnail=keep_images, size=r, gone=gone,
                                                within=deadline - time.perf_counter())
