@@ -310,11 +310,39 @@ def test_the_api_refuses_by_time_before_reading_the_body(app, client, monkeypatc
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("path", ["/api/v1/predict", "/"])
+def test_what_the_headers_refuse_is_answered_as_such_under_load_never_as_429(app, client, monkeypatch, path):
+    """tryout32: under load a text/plain body, a gzip one, an empty one and ?topk=99 got 429 about as often as their
+    own 4xx, and a client obeying Retry-After waited up to 24 s to learn its request could never be answered. What
+    the request line and headers decide comes before admission; a valid request is still refused by time."""
+    clf = app.extensions["classifier"]
+    monkeypatch.setattr(clf.admission, "_queued", lambda: 100_000)  # a deep queue: every photo is refused by time
+    json_ = {"Accept": "application/json"}  # (the page's route answers its errors as JSON when asked)
+    cases = [  # (data, content type, extra headers, query) -> (status, code)
+        ((small_png(), "text/plain", {}, ""), (415, "unsupported_media_type")),
+        ((small_png(), "image/png", {"Content-Encoding": "gzip"}, ""), (415, "unsupported_media_type")),
+        ((b"", None, {}, ""), (400, "no_file")),
+        ((small_png(), "image/png", {}, "?topk=99"), (400, "bad_request")),
+        ((small_png(), "image/png", {}, "?original_width=4000"), (400, "bad_request")),
+        ((small_png(), "multipart/form-data", {}, ""), (400, "bad_request")),  # no boundary
+        ((small_png(), "image/png", {}, ""), (429, "overloaded")),
+    ]
+    for (data, ctype, headers, query), (status, code) in cases:
+        resp = client.post(path + query, data=data, headers={**json_, **headers},
+                           **({"content_type": ctype} if ctype else {}))
+        assert (resp.status_code, resp.get_json()["error"]["code"]) == (status, code), (ctype, headers, query, resp.data)
+    assert clf.admission.describe()["uploads_ahead"] == 0  # none of them left a ticket behind
+
+
+@pytest.mark.unit
 def test_a_request_refused_after_admission_stops_counting(app, client):
     """Refused for its form or its size after admission: its ticket is dropped when the request ends."""
     clf = app.extensions["classifier"]
     admitted = clf.admission.admitted
-    resp = client.post("/api/v1/predict?topk=99", data=small_png(), content_type="image/png")
+    import io
+
+    # (a topk in the form is read with the body, after admission; one in the query is refused before it)
+    resp = client.post("/api/v1/predict", data={"file": (io.BytesIO(small_png()), "a.png"), "topk": "99"})
     assert resp.status_code == 400
     assert clf.admission.admitted == admitted + 1 and clf.admission.describe()["uploads_ahead"] == 0  # admitted, then released
     big = clf.settings.MAX_UPLOAD_BYTES + 1

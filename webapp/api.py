@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, jsonify, request
 
-from .errors import BadRequest
-from .uploads import ORIGINAL_FIELDS, read_uploads, request_topk, require_identity
+from .headers import check_headers
+from .uploads import read_uploads, request_topk
 
 bp = Blueprint("api", __name__)
 
@@ -19,11 +19,8 @@ def _classifier():
 def predict():
     """Classify the uploaded image(s); answer ``{"model", "results", "timing_ms"}`` (see README)."""
     clf = _classifier()
+    check_headers(request)  # what the headers decide (411, 415, 400) is answered as such, never as a 429
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
-    require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
-    if misplaced := [f for f in ORIGINAL_FIELDS if f in request.args]:  # read from the form only: ignored (tryout24)
-        raise BadRequest(f"{misplaced[0]} is a multipart form field, not a query parameter: send it beside the file "
-                         f"(curl -F 'file=@photo.jpg' -F '{misplaced[0]}=...')")
     topk = request_topk(request, clf.settings.TOP_K)
     uploads = read_uploads(request, max_files=clf.settings.MAX_FILES)
     return jsonify(clf.classify(uploads, topk=topk))

@@ -144,8 +144,7 @@ def check_file_size(size: int, limit: int) -> None:
 class NotAnImage(ServiceError):
     status, code = 415, "unsupported_media_type"
     when = ("not JPEG/PNG/WebP/GIF/BMP/TIFF/AVIF/PPM (PDF, HEIC, text... named in the message; base64 or hex text "
-            "of a photo, or a `data:` URL, said so), a 12-bit, "
-            "lossless or arithmetic-coded CMYK JPEG, a raw body "
+            "of a photo, or a `data:` URL, said so), a 12-bit, lossless or arithmetic-coded CMYK JPEG, a raw body "
             "whose Content-Type is not `image/*` or `application/octet-stream`, or an upload with a "
             "`Content-Encoding` (gzip...: `Accept-Encoding: identity` says what is taken; `/v2` takes gzip and deflate) "
             "or a `Transfer-Encoding` that compresses (gzip, deflate, compress, beside chunked; a coding HTTP does "
@@ -156,7 +155,8 @@ class Overloaded(ServiceError):
     status, code, retryable = 429, "overloaded", True
     when = ("this worker predicts it would answer later than the latency budget (from the photos it is decoding "
             "and has queued, and their measured cost), or its queue is full; answered before the body is read, "
-            "`Retry-After` gives seconds from the same prediction")
+            "`Retry-After` from the same prediction (what the headers refuse gets its 411/415/400 first; a photo "
+            "over half the budget to decode, while such a one decodes here, gets it once its headers are read)")
     settings = ("MAX_WAIT_MS", "QUEUE_SIZE")
 
 

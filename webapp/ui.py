@@ -18,7 +18,8 @@ from flask import Blueprint, abort, current_app, g, jsonify, render_template, re
 from . import i18n
 from .sizes import check_request_pixels
 from .errors import NoFile, NotAnImage, TooLarge, UndecodableImage
-from .uploads import read_uploads, request_topk, require_identity
+from .headers import check_headers
+from .uploads import read_uploads, request_topk
 
 bp = Blueprint("ui", __name__)
 
@@ -125,8 +126,8 @@ def classify():
     scripted use, the page is open (unless ``PAGE_LOGIN``: webapp/access.py), and its photos go here then, one
     request each."""
     clf = current_app.extensions["classifier"]
+    check_headers(request)  # what the headers decide (411, 415, 400) is answered as such, never as a 429
     clf.admit(request.environ)  # not ready, or too late to answer in time: answered before the body is read
-    require_identity(request)  # a compressed body: 415 from its headers, before topk reads the form
     topk = request_topk(request, clf.settings.TOP_K)
     # The form has two file inputs named "file" (choose, and take a photo); read_uploads drops the one left empty (a
     # part with no name and no bytes: not a photo the person sent).

@@ -16,10 +16,9 @@ from werkzeug import formparser
 from werkzeug.sansio.multipart import MultipartDecoder
 from werkzeug.exceptions import HTTPException
 
-from .errors import BadRequest, LengthRequired, NoFile, NotAnImage, TooLarge
+from .errors import BadRequest, NoFile, TooLarge
 from .contract import ORIGINAL_FORMATS, Original, Upload
-
-RAW_TYPES = ("application/octet-stream",)
+from .headers import ORIGINAL_FIELDS, RAW_TYPES, SAMPLE, SPACE, TEXT_FIELDS, check_headers, parse_topk
 
 class UploadRequest(Request):
     """Flask's request, with multipart files kept in memory: an upload never touches the disk.
@@ -105,26 +104,7 @@ def lenient_multipart_headers() -> None:
     formparser.MultipartDecoder = LenientHeadersDecoder
 
 
-_SPACE = " \t\r\n"  # ASCII whitespace around a text field's value, dropped
 
-
-def parse_topk(raw: str | None, default: int) -> int:
-    """``topk`` query/form value -> int in 1..10 (``default`` when absent or blank). :raises BadRequest: not an
-    integer in 1..10 (400)."""
-    if raw is not None:  # a file's final newline (curl -F 'topk=<file'), spaces around it: as _int_field
-        raw = raw.strip(_SPACE)
-    if raw is None or raw == "":
-        return default
-    if not (raw.isascii() and raw.isdigit() or raw.startswith("-") and raw[1:].isascii() and raw[1:].isdigit()):
-        # ASCII digits only: int() would also take "3_0" and other scripts' digits ("٣").
-        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]!r}")
-    digits = raw.lstrip("-").lstrip("0") or "0"
-    if len(digits) > 2:  # int() refuses over 4300 digits (a 500); nothing that long is in range
-        raise BadRequest(f"topk must be an integer from 1 to 10, got {raw[:40]}{'...' if len(raw) > 40 else ''}")
-    k = int(digits) * (-1 if raw.startswith("-") else 1)
-    if not 1 <= k <= 10:
-        raise BadRequest(f"topk must be an integer from 1 to 10, got {k}")
-    return k
 
 
 def request_topk(request, default: int) -> int:
@@ -136,14 +116,6 @@ def request_topk(request, default: int) -> int:
     return parse_topk(raw, default)
 
 
-# Multipart form fields describing the photo a client scaled before upload, one value per ``file``
-# part, in the same order: all four or none (see ``read_originals``).
-ORIGINAL_FIELDS = ("original_width", "original_height", "original_format", "original_bytes")
-# The multipart fields read as text: ``topk`` and the ``original_*`` ones.
-TEXT_FIELDS = ("topk", *ORIGINAL_FIELDS)
-_SAMPLE = dict(topk="5", original_width="4000", original_height="3000", original_format="PNG", original_bytes="3250000")
-
-
 def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
     """``raw`` as an integer in ``lo..hi``.
 
@@ -152,7 +124,7 @@ def _int_field(field: str, raw: str, lo: int, hi: int) -> int:
     # ASCII digits only, and few of them: int() takes "3_0", other scripts' digits, and refuses over 4300
     # digits with a ValueError. Around them, ASCII whitespace is dropped, as original_format's is: curl's
     # -F 'original_width=<file' sends the file's final newline.
-    raw = raw.strip(_SPACE)
+    raw = raw.strip(SPACE)
     if not (raw.isascii() and raw.isdigit() and len(raw) <= 20):
         raise BadRequest(f"{field} must be an integer from {lo} to {hi}, got {raw[:40]!r}")
     value = int(raw)
@@ -185,7 +157,7 @@ def read_originals(form, files: int) -> list[Original | None]:
         if not any(v.strip() for v in (width, height, fmt, size)):  # all four empty: this part is not a copy
             out.append(None)
             continue
-        name = fmt.strip(_SPACE).upper()
+        name = fmt.strip(SPACE).upper()
         if name not in ORIGINAL_FORMATS:
             raise BadRequest(f"original_format must be one of {', '.join(ORIGINAL_FORMATS)}, got {fmt[:40]!r}")
         out.append(Original(width=_int_field("original_width", width, 1, Original.MAX_SIDE),
@@ -243,12 +215,6 @@ def _over_limit(request: Request) -> bool:
         return False
 
 
-def _no_body(request: Request) -> bool:
-    """True when the request carries no body: ``Content-Length: 0``, or neither a length nor chunked encoding."""
-    length = request.content_length
-    return length == 0 if length is not None else "chunked" not in request.headers.get("Transfer-Encoding", "").lower()
-
-
 def _too_large(request: Request) -> TooLarge:
     return TooLarge.body(request.max_content_length, request.content_length)
 
@@ -262,45 +228,6 @@ def _header_text(value: str | None) -> str | None:
         return utf8_or_latin1(value.encode("latin-1"))
     except UnicodeEncodeError:  # not from a WSGI server (a test client's str): already text
         return value
-
-
-def require_length(request: Request) -> None:
-    """Refuse an HTTP/1.0 request without Content-Length before reading it: HTTP/1.0 has no chunked encoding, so
-    its body (if it sent one) can only be delimited by its length. gunicorn reads it as no body at all, and the
-    photo the client did send was answered "the file is empty (0 bytes)" (or "no body").
-
-    :raises LengthRequired: HTTP/1.0 and no Content-Length (411).
-    """
-    if request.environ.get("SERVER_PROTOCOL") == "HTTP/1.0" and request.content_length is None:
-        raise LengthRequired.http10()
-
-
-def require_identity(request: Request) -> None:
-    """Refuse a body sent with a ``Content-Encoding`` (gzip, br...), or a transfer coding besides chunked, before
-    reading it: it would be read as the
-    photo's own bytes and answered as "a gzip file" or a malformed multipart body. Photos are compressed already;
-    ``/v2``'s JSON, which is not, takes gzip and deflate (``webapp/v2.py``). RFC 9110 15.5.16 and 12.5.3: 415,
-    with ``Accept-Encoding`` naming what is accepted.
-
-    :raises NotAnImage: a Content-Encoding other than identity, a Transfer-Encoding other than chunked (415).
-    """
-    coding = request.headers.get("Content-Encoding", "").strip().lower()
-    if coding not in ("", "identity"):
-        raise NotAnImage(f"Content-Encoding {coding[:40]} is not accepted here: send the photo as it is, uncompressed "
-                         f"(JPEG, PNG and WebP are compressed already)", headers={"Accept-Encoding": "identity"})
-    require_plain_transfer(request)
-
-
-def require_plain_transfer(request: Request) -> None:
-    """Refuse a transfer coding besides chunked before reading the body: gunicorn takes "Transfer-Encoding: gzip,
-    chunked" and undoes only the chunking, so the gzip bytes were read as the photo (or /v2's JSON).
-
-    :raises NotAnImage: a Transfer-Encoding other than chunked (415).
-    """
-    transfer = [c.strip() for c in request.headers.get("Transfer-Encoding", "").lower().split(",") if c.strip()]
-    if [c for c in transfer if c not in ("chunked", "identity")]:
-        raise NotAnImage(f"Transfer-Encoding {', '.join(transfer)[:60]} is not accepted here: send the body "
-                         f"uncompressed, with Content-Length or Transfer-Encoding: chunked alone")
 
 
 def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
@@ -317,19 +244,10 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises LengthRequired: HTTP/1.0 without Content-Length (411, ``require_length``).
     :raises NotAnImage: a body with a Content-Encoding (415, ``require_identity``).
     """
-    require_length(request)
-    require_identity(request)
-    if in_query := [f for f in ORIGINAL_FIELDS if f in request.args]:  # read only beside their files: was ignored
-        raise BadRequest(f"{in_query[0]} is a multipart form field, one per file part, not a query parameter (the "
-                         f"answer would have described the photo sent, not its original); send the photo as "
-                         f"multipart field 'file' with original_width, original_height, original_format and "
-                         f"original_bytes beside it")
+    check_headers(request)
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
-        boundary = request.mimetype_params.get("boundary")
-        if not boundary:
-            raise BadRequest("malformed multipart body: Content-Type multipart/form-data has no boundary "
-                             "parameter (multipart/form-data; boundary=...)")
+        boundary = request.mimetype_params["boundary"]
         try:
             parts = list(request.files.getlist("file"))
         except HTTPException as exc:
@@ -377,7 +295,7 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         if misplaced := [f for f in TEXT_FIELDS if f in request.files]:
             field = misplaced[0]  # an example value, never "<value>": curl reads "<x" as the file x (tryout24)
             raise BadRequest(f"{field} arrived as a file part (its part has a filename, as curl -F '{field}=@file' "
-                             f"sends it); send it as a text field: curl -F '{field}={_SAMPLE[field]}', or "
+                             f"sends it); send it as a text field: curl -F '{field}={SAMPLE[field]}', or "
                              f"-F '{field}=<file'")
         originals = read_originals(request.form, len(parts))
         return [Upload(_clean_name(_part_name(p)), _part_bytes(p), o) for p, o in zip(parts, originals)]
@@ -387,14 +305,4 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
         if _over_limit(request):
             raise _too_large(request)
         return [Upload(_clean_name(name), data)]
-    if _no_body(request):  # nothing sent at all: no photo, whatever the Content-Type says
-        raise NoFile("no image: the request has no body; send the photo as multipart field 'file', or as the raw "
-                     "body with Content-Type image/*")
-    form = {  # what sent it, and what to send instead: the clients people use
-        "application/x-www-form-urlencoded": " (curl -d and --data-binary send that unless told otherwise, and -d "
-        "strips the file's CR and LF bytes: use -F file=@photo.jpg, or --data-binary @photo.jpg -H 'Content-Type: "
-        "image/jpeg')",
-        "": " (Python requests sends none for data=: use files={'file': open(path, 'rb')}, or data= with "
-        "headers={'Content-Type': 'image/jpeg'})"}.get(mimetype, "")
-    raise NotAnImage(f"Content-Type {mimetype or '(none)'} is not accepted{form}: send multipart/form-data with an "
-                     f"image in field 'file', or the raw image with Content-Type image/*")
+    raise AssertionError(f"check_headers passed Content-Type {mimetype!r}")  # (it refuses every other type)

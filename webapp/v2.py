@@ -23,7 +23,7 @@ from . import v2_codec as codec
 from .contract import Upload
 from .errors import BadRequest, NotAnImage, NotFound, TooLarge, not_served
 from .logs import current_request_id
-from .uploads import require_length, require_plain_transfer
+from .headers import require_length, require_plain_transfer
 
 bp = Blueprint("v2", __name__)
 

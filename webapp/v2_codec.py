@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from .errors import BadRequest, NotAnImage
 from .formats import claimed_format, sniff_format
-from .uploads import parse_topk
+from .headers import parse_topk
 from .v2_inputs import (HEADER, INPUT, as_object, count, flag, json_kind, no_other_parameters, read_content_type,
                         read_input)
 # The input's readers keep their names here too: webapp/v2.py and the tests know the codec as one module.
