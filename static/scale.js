@@ -32,17 +32,27 @@ let target = null;
 /**
  * What to scale to, from GET /api/v1/models: { short, resample } of the serving model (short side in
  * px, and the name of the resampling filter), or null where it cannot be had or the filter is not one
- * this page reproduces (then originals go up).
+ * this page reproduces (then photos go up at their own size, without their metadata). A failed request
+ * (a restart, a proxy's 502) is asked again for the next photo: kept, one 503 at page load sent every later
+ * photo whole, GPS position included (tryout33).
  */
 export function sendSize(url) {
   target ??= fetch(url, { headers: { Accept: "application/json" } })
-    .then((r) => (r.ok ? r.json() : null))
+    .then((r) => {
+      if (!r.ok) throw new Error(`HTTP ${r.status}`);
+      return r.json();
+    })
     .then((j) => {
       const m = j?.models?.find((x) => x.serving) ?? j?.models?.find((x) => x.name === j.requested);
       const short = m?.send_short_side, resample = m?.send_resample;
-      return Number.isInteger(short) && short > 0 && Object.hasOwn(FILTERS, resample) ? { short, resample } : null;
+      // (not Object.hasOwn: Chrome before 93 and Safari before 15.4 threw there, and sent photos whole)
+      const known = Object.prototype.hasOwnProperty.call(FILTERS, resample);
+      return Number.isInteger(short) && short > 0 && known ? { short, resample } : null;
     })
-    .catch(() => null);
+    .catch(() => {
+      target = null;   // asked again for the next photo
+      return null;
+    });
   return target;
 }
 
@@ -387,7 +397,7 @@ async function orientationOf(file, format) {
  * or the file without its metadata: static/strip.js, or the file itself); `original` {width, height, format,
  * bytes} of the photo when `blob` is a scaled copy (the page sends it as the original_* fields), else null;
  * `thumb` a data: URL or null (not decodable here); `why` a word for tests and the console: scaled | off |
- * unknown | undecodable | small | incomplete (a JPEG perhaps cut short: the server judges it) | damaged (a JPEG
+ * unknown | unscaled (no size to scale to: the server's models could not be asked) | undecodable | small | incomplete (a JPEG perhaps cut short: the server judges it) | damaged (a JPEG
  * with a zero DC quantizer, or copied as text: the server refuses it) | animated | cmyk (decoded otherwise here than by the server: no
  * preview) | oriented (not a JPEG, with an EXIF orientation: the server turns it) | larger (the copy would be no
  * smaller) | private (small already, in a format strip.js does not take: a lossless copy at its own size) | failed;
@@ -434,7 +444,7 @@ export async function prepare(file, send) {
     const view = turn !== 1 && (exif.prefixed || !(await browserTurns(format))) ? upright(bmp, turn) : bmp;
     const thumbFrom = async (src = view) => thumbnail(src).catch(() => null);
     if (!scalingOn) return plain("off", await thumbFrom());
-    if (!format || !send) return plain("unknown", await thumbFrom());
+    if (!format) return plain("unknown", await thumbFrom());
     const { width, height } = bmp;
     // What the browser decodes otherwise than the server (an animation's first frame, a CMYK JPEG's inks) goes as
     // it is, with no preview (this decode is not what the server classifies); what the server refuses goes as the
@@ -445,6 +455,8 @@ export async function prepare(file, send) {
     if (judged === "animated" || judged === "cmyk") return plain(judged);
     if (judged) return plain(judged, await thumbFrom());
     // (awaited here: the decode is closed as this returns, and the copy is made of it)
+    // No size to scale to (the server's models could not be asked): the photo goes as it is, without its metadata
+    if (!send) return plain("unscaled", await thumbFrom());
     if (Math.min(width, height) <= send.short) return await privately(await plain("small", await thumbFrom()), turn);
     if (format === "JPEG" && greyEdge(bmp, width, height)) {
       return plain("incomplete", await thumbFrom());   // perhaps cut short: the server judges its scans as they are

@@ -798,6 +798,47 @@ def test_an_avif_goes_as_a_copy_without_its_metadata(server, browser, name, size
         tab.close()
 
 
+def test_a_failed_models_request_is_asked_again_and_a_photo_meanwhile_goes_without_its_metadata(server, browser):
+    """tryout33: one failed ``GET /api/v1/models`` (a 503 while the server restarted) was kept for the page's life, and
+    every photo after it went whole, GPS position and camera serial included, its card saying "sent as is". A
+    failed request is asked again for the next photo now, and a photo that has no size to scale to goes at its own
+    size without its metadata."""
+    phone = with_camera_exif(shared_image("phone-12mp.jpg").read_bytes())
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    rec = Recorder(page)
+    asked = []
+
+    def failing_twice(route):
+        asked.append(route.request.url)
+        if len(asked) <= 2:  # the page's own at load, and the first photo's
+            route.fulfill(status=503, headers={"Retry-After": "5"}, content_type="application/json",
+                          body=json.dumps({"error": {"code": "not_ready", "message": "starting", "status": 503}}))
+        else:
+            route.continue_()
+
+    try:
+        page.route("**/api/v1/models*", failing_twice)
+        page.goto(server.url + "/")
+        deadline = time.monotonic() + 10
+        while not asked and time.monotonic() < deadline:
+            page.wait_for_timeout(50)
+        page.wait_for_timeout(300)  # its answer handled
+        for name, how in [("first.jpg", "unscaled"), ("second.jpg", "scaled")]:
+            page.set_input_files("#file", files=[{"name": name, "mimeType": "image/jpeg", "buffer": phone}])
+            card = page.locator(f".result:has-text('{name}')")
+            wait_for_labels(page, card, DOG_EN)
+            assert card.get_attribute("data-sent") == how, (name, card.get_attribute("data-sent"))
+            sent = rec.sent()[name][1]
+            assert not any(s in sent for s in (b"PhoneMaker", b"SN-0042", b"Exif")), name
+        assert same_photo_without_metadata(rec.sent()["first.jpg"][1], phone)  # at its own size, its scans as they are
+        assert len(rec.sent()["second.jpg"][1]) < len(phone) / 5 and len(asked) == 3
+        assert page.locator(".result:has-text('first.jpg') .timing .sent").inner_text().startswith(
+            "sent without its metadata: 3.")
+    finally:
+        tab.close()
+
+
 def _gif_with_metadata(frames: int) -> bytes:
     """dog.jpg as a GIF of ``frames`` frames (each a shade darker), with a comment and an XMP application extension
     (its sub-blocks as the XMP spec writes them) before the first frame."""
