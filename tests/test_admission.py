@@ -120,6 +120,24 @@ def test_clients_refused_together_are_told_different_seconds():
 
 
 @pytest.mark.unit
+def test_clients_that_retry_at_once_do_not_push_the_others_retry_after_to_a_minute():
+    """tryout32: 28 clients retrying each 429 at once (12 MP photos) were each counted as coming back at every
+    refusal: thousands of promises, and the 8 clients that waited as told were told 60 s, 1 answer between them in
+    20 s. The promises now push a refused client's Retry-After to at most twice its own wait plus 2 s."""
+    from webapp.admission import SPREAD_S, SPREAD_X
+
+    adm, clock, state = make_admission(queued=50, image_ms=5.0)  # 1500 ms ahead: a wait of 1 s on its own
+    for _ in range(3000):  # 15 s of a storm: a refusal every 5 ms
+        with pytest.raises(Overloaded):
+            adm.admit(MB)
+        clock.now += 0.005
+    with pytest.raises(Overloaded) as polite:
+        adm.admit(MB)
+    assert int(polite.value.headers["Retry-After"]) == SPREAD_X * 1 + SPREAD_S, polite.value.headers
+    assert adm.describe()["told_to_return"] >= 500  # (the last seconds of the storm: still counted, each for 4 s)
+
+
+@pytest.mark.unit
 def test_a_minute_of_refusals_is_remembered_in_bounded_space_and_forgotten_when_load_stops():
     """Each refusal was one entry of a list walked by the next refusal, under the lock: at 500 refusals a second the
     last minute's 30,000 entries took 6 ms per refusal (~3 CPU s a second, all of a 2-core worker), and

@@ -61,7 +61,9 @@ shrunk enough for it to fit, *counting the clients refused before it*. Each refu
 second ``r`` at which ``judged - budget + (work told to come back by then) <= 1000 * r``. Without that,
 every client refused within a second is told the same second, they return together and most are refused
 again: at 2x overload the refusals cost the busy worker ~10% of its images/s (~5 ms of CPU each). A client
-that does not come back costs nothing but a later client's longer wait: only ``Retry-After`` counts them.
+that does not come back costs nothing but a later client's longer wait: only ``Retry-After`` counts them, and
+never beyond ``SPREAD_X`` times a refused client's own wait plus ``SPREAD_S``: clients that retry at once are
+counted again at every refusal, and they had the clients that waited as told wait 60 s.
 
 The heavy lane: an upload predicted to take over half the budget to decode on its own (``heavy``: a few KB of
 flat lossless WebP can hold 79 MP, 1.3 s of a core) is decoded on a thread of its own at the lowest priority
@@ -136,6 +138,11 @@ class Prediction:
 
 
 MAX_RETRY_AFTER_S = 60  # s: the longest Retry-After (a client told more may as well try elsewhere)
+# The clients told to come back push a refused one's Retry-After at most to SPREAD_X times its own wait plus SPREAD_S
+# (s). Clients that retry at once, ignoring Retry-After, are counted again at each refusal: 28 of them piled up
+# thousands of promises, and the clients that waited as told were told 60 s (1 answer in 20 s for 8 of them, beside
+# 165 for 20 that retried at once: tryout32). A 2x overload's crowd spreads over 1-3 s.
+SPREAD_X, SPREAD_S = 2, 2
 
 
 class Admission:
@@ -228,16 +235,18 @@ class Admission:
 
     def _come_back(self, p: Prediction, now: float) -> int:
         """Seconds (>= 1, <= ``MAX_RETRY_AFTER_S``) after which refused ``p`` fits, the work of the clients
-        refused before it that will be back by then included; remembered for the next (module docstring)."""
+        refused before it that will be back by then included, up to ``SPREAD_X`` times its own wait plus
+        ``SPREAD_S``; remembered for the next (module docstring)."""
         own = min(p.own_ms, self.budget_ms / 2)
         over = p.ahead_ms + own - self.budget_ms
         r = min(MAX_RETRY_AFTER_S, max(1, math.ceil(over / 1e3)))
+        longest = min(MAX_RETRY_AFTER_S, SPREAD_X * r + SPREAD_S)
         tenths, owed, i = sorted(self._owed), 0.0, 0  # the work back by now + r: one walk (<= ~600 tenths) as r grows
         while True:
             while i < len(tenths) and tenths[i] <= 10 * (now + r):
                 owed += self._owed[tenths[i]][0]
                 i += 1
-            if r >= MAX_RETRY_AFTER_S or over + owed <= 1e3 * r:
+            if r >= longest or over + owed <= 1e3 * r:
                 break
             r += 1
         slot = self._owed.setdefault(math.floor(10 * (now + r)), [0.0, 0])
