@@ -210,7 +210,9 @@ async function classify(item) {
       for (const key of ["width", "height", "format", "bytes"]) data.append(`original_${key}`, original[key]);
     }
     let resp, json = null;
-    const limit = answerWithinMs(blob.size), late = new AbortController(), timer = setTimeout(() => late.abort(), limit);
+    // (its upload shares the link with the others in flight: 4 photos at 6 KB/s all ran out of time: tryout33)
+    const limit = answerWithinMs(blob.size * Math.max(1, state.running));
+    const late = new AbortController(), timer = setTimeout(() => late.abort(), limit);
     try {
       const sentAt = performance.now();
       resp = await fetch(`${body.dataset.api}?topk=${k}`,
@@ -352,8 +354,8 @@ function render(item) {
     // The server's own words are English: on another language's page they are said to be (i18n "server_said").
     if (error.message) parts.push(h("p", { className: "detail" }, tr("server_said"), h("span", { lang: "en" }, error.message)));
     if (!THE_FILES_OWN.includes(error.code)) {
-      parts.push(h("button", { type: "button", className: "button secondary retry", onclick: () => retry(item) },
-        tr("try_again")));
+      parts.push(h("button", { type: "button", className: "button secondary retry", onclick: () => retry(item),
+        "aria-label": tr("try_again_named", { name: shownName(item.name) }) }, tr("try_again")));
     }
   } else {
     const why = `retrying_${item.waitingFor}`;

@@ -361,6 +361,8 @@ def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_on
         assert card.locator(".problem").inner_text() == (  # not "on the server (it is logged there)": it is not
             "The answer did not come from the classifier (HTTP 200: a proxy or gateway in between may have failed, "
             "or the server is restarting): try again.")
+        # named for its photo: a screen reader's list of buttons said "Try again" for every failed card (tryout33)
+        assert card.locator("button.retry").get_attribute("aria-label") == "Try again: dog.jpg"
         card.locator("button.retry").focus()
         page.keyboard.press("Enter")  # from the keyboard: focus stays on the card, not <body> (tryout16)
         assert page.evaluate("document.activeElement === document.querySelector('.result')")
