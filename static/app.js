@@ -11,6 +11,7 @@ import { prepare, scalingOn, sendSize } from "./scale.js";
 const MAX_PARALLEL = 4;     // photos in flight at once
 const MAX_RETRIES = 2;      // automatic retries of a 429/503 that asks to wait at most RETRY_MAX_S
 const RETRY_MAX_S = 10;
+const BUNDLE_WAIT_MS = 3000;  // longest a card waits for the language bundle (its labels) before it shows
 const GATEWAY_WAIT_S = 2;   // before retrying a proxy's 502/503/504 that gives no Retry-After (s)
 // How long a photo waits for its answer before its card says so (ms): what the server gives (data-answer-within-s:
 // its REQUEST_TIMEOUT_S + 30 s, webapp/ui.py) and the upload at 8 KB/s (64 kbit/s: an EDGE phone link still gets
@@ -43,12 +44,23 @@ function pasteKey() {
 pasteKey();
 const embedded = (() => { try { return JSON.parse(document.getElementById("words").textContent); } catch { return null; } })();
 const state = { lang: body.dataset.lang, i18n: embedded, items: [], queue: [], running: 0, batch: null };
-let loading = loadI18n(body.dataset.i18n);
+// The language last asked for: a bundle that comes after another language was chosen is not applied (a slow en.json
+// turned the labels English after a switch to Chinese: tryout33).
+const firstLang = body.dataset.lang;
+let wanted = firstLang;
+let loading = loadI18n(body.dataset.i18n, 4);   // asked again where it fails (one failure left it English for good)
 
-async function loadI18n(url) {
-  const resp = await fetch(url);
-  if (!resp.ok) throw new Error(`${url}: HTTP ${resp.status}`);
-  return resp.json();
+async function loadI18n(url, tries = 1) {
+  for (let i = 1; ; i += 1) {
+    try {
+      const resp = await fetch(url);
+      if (!resp.ok) throw new Error(`${url}: HTTP ${resp.status}`);
+      return await resp.json();
+    } catch (e) {
+      if (i >= tries) throw e;
+      await new Promise((done) => setTimeout(done, 2000 * i));   // 2, 4, 6 s
+    }
+  }
 }
 
 const tr = (key, vars = {}) =>
@@ -260,7 +272,9 @@ async function classify(item) {
     item.error = { code, status: resp.status, message: json?.error?.message, retryAfter: Number.isFinite(wait) ? wait : null };
     break;
   }
-  await loading.catch(() => {});
+  // The labels in the page's language where its bundle comes within BUNDLE_WAIT_MS, else English now and the page's
+  // when it comes (a bundle held on a slow link held every card with it)
+  await Promise.race([loading.catch(() => {}), sleep(BUNDLE_WAIT_MS)]);
   render(item);
 }
 
@@ -398,14 +412,18 @@ for (const a of document.querySelectorAll(".langs a")) {
     // A page rendered with server-side results or an error: let the plain link reload it.
     if (document.querySelector("[data-server], .error") || e.ctrlKey || e.metaKey || e.shiftKey) return;
     e.preventDefault();
+    wanted = a.dataset.lang;
+    let data;
     try {
       const next = loadI18n(a.dataset.i18n);
-      state.i18n = await next;
+      data = await next;
       loading = next;
     } catch {
-      window.location.href = a.href;   // fall back to the plain link
+      if (wanted === a.dataset.lang) window.location.href = a.href;   // fall back to the plain link
       return;
     }
+    if (wanted !== a.dataset.lang) return;   // another language was chosen meanwhile
+    state.i18n = data;
     state.lang = a.dataset.lang;
     document.cookie = `lang=${state.lang}; path=/; max-age=31536000; samesite=lax${location.protocol === "https:" ? "; secure" : ""}`;
     applyStrings();
@@ -413,5 +431,9 @@ for (const a of document.querySelectorAll(".langs a")) {
   });
 }
 
-loading.then((data) => { state.i18n = data; for (const item of state.items) render(item); showStatus(); })
-  .catch(() => {});
+loading.then((data) => {
+  if (wanted !== firstLang) return;   // another language was chosen before it came
+  state.i18n = data;
+  for (const item of state.items) render(item);
+  showStatus();
+}).catch(() => {});

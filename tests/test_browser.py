@@ -841,6 +841,42 @@ def test_a_failed_models_request_is_asked_again_and_a_photo_meanwhile_goes_witho
         tab.close()
 
 
+def test_a_bundle_that_failed_is_asked_again_and_a_late_one_never_undoes_a_language_switch(server, browser):
+    """tryout33: one failed zh.json at load left a Chinese page's labels English for good; and an en.json that came
+    after the switch to Chinese was applied over the Chinese one (labels and status line English, the heading,
+    cookie and aria-current Chinese). A failed bundle is asked again; a late one is dropped."""
+    dog = {"name": "dog.jpg", "mimeType": "image/jpeg", "buffer": shared_image("dog.jpg").read_bytes()}
+    tab = Page(browser, locale="zh-CN")
+    page = tab.page
+    failed = []
+    try:
+        page.route("**/i18n/zh.json*", lambda route: failed.append(1) or route.abort() if not failed else route.continue_())
+        page.goto(server.url + "/?lang=zh")
+        page.set_input_files("#file", files=[dog])
+        wait_for_labels(page, page.locator(".result").first, DOG_ZH)  # once the bundle came, its second time
+        assert failed == [1]
+    finally:
+        tab.close()
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    held = []
+    try:
+        page.route("**/i18n/en.json*", lambda route: held.append(route))  # answered below, after the switch
+        page.goto(server.url + "/")
+        page.set_input_files("#file", files=[dog])
+        card = page.locator(".result").first
+        wait_for_labels(page, card, DOG_EN)
+        page.click(".langs a[data-lang=zh]")
+        wait_for_labels(page, card, DOG_ZH)
+        assert len(held) == 1
+        held[0].continue_()  # the English bundle, late
+        page.wait_for_timeout(500)
+        assert card.locator(".label").first.inner_text() == DOG_ZH[0]
+        assert page.locator("#status").inner_text() == STRINGS["zh"]["done_one"]
+    finally:
+        tab.close()
+
+
 def _gif_with_metadata(frames: int) -> bytes:
     """dog.jpg as a GIF of ``frames`` frames (each a shade darker), with a comment and an XMP application extension
     (its sub-blocks as the XMP spec writes them) before the first frame."""
