@@ -155,14 +155,18 @@ def test_table_and_csv_outputs_match_local(busy, folder):
 
 
 @pytest.mark.cli
-def test_dead_server_is_one_error_line_and_exit_1(folder):
+def test_dead_server_is_one_error_line_a_row_per_file_and_exit_1(folder):
+    """Each file still gets its row, unsent (exit 1: "each has its error line"): with -f json stdout was empty, not
+    a list, and the | jq after it broke (tryout32)."""
     url = f"http://127.0.0.1:{free_port()}"
-    out = run_cli(str(folder / "dog.jpg"), "--server", url, timeout=60)
+    out = run_cli(str(folder / "dog.jpg"), str(folder / "copy-0.jpg"), "-f", "json", "--server", url, timeout=60)
     assert out.returncode == 1
-    assert out.stdout == ""
+    rows = json.loads(out.stdout)
+    assert len(rows) == 2 and all(r["error"]["code"] == "connection_error" for r in rows), rows
+    assert all(r["error"]["message"].startswith(f"not sent: cannot reach the server at {url}: ") for r in rows)
     lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach the server at {url}: "), out.stderr
-    assert "refused" in lines[0].lower()
+    assert lines[0].startswith(f"error: cannot reach the server at {url}: "), out.stderr
+    assert "refused" in lines[0].lower() and "0 classified, 2 failed" in lines[-1], out.stderr
 
 
 @pytest.mark.cli
@@ -185,7 +189,7 @@ def test_server_settings_in_the_environment_are_named_not_ignored_unsaid(folder)
     env = {f"{PREFIX}PRECISION": "fp32", f"{PREFIX}WORKERS": "4", f"{PREFIX}TOP_K": "5", f"{PREFIX}API_TOKEN": "t" * 16}
     out = run_cli(str(folder / "dog.jpg"), "--server", f"http://127.0.0.1:{free_port()}", env=env, timeout=60)
     lines = out.stderr.strip().splitlines()
-    assert out.returncode == 1 and len(lines) == 2, out.stderr
+    assert out.returncode == 1 and len(lines) >= 2, out.stderr
     assert lines[0] == (f"note: {PREFIX}PRECISION, {PREFIX}WORKERS are set here but are settings of the server: "
                         f"with --server the server's own values apply"), lines[0]
     assert lines[1].startswith("error: cannot reach the server at ")
@@ -621,8 +625,8 @@ def test_a_server_that_stays_starting_is_said_to_be_starting(tmp_path, monkeypat
         stub.shutdown()
     err = capsys.readouterr().err.splitlines()
     assert status == 1 and len(stub.probes) == 2 and stub.arrivals == []
-    assert err[-1] == (f"error: the server at {stub.url} is still starting (503 not_ready: {NOT_READY['message']}); "
-                       f"gave up after 2 tries, 1 s of waiting"), err
+    assert (f"error: the server at {stub.url} is still starting (503 not_ready: {NOT_READY['message']}); "
+            f"gave up after 2 tries, 1 s of waiting") in err, err  # (then the file's row, unsent, and the summary)
     assert len([line for line in err if line.startswith("waiting for the server")]) == 1, err
 
 
@@ -647,7 +651,9 @@ def test_a_server_that_never_answers_the_probe_is_named_within_the_probe_timeout
     finally:
         silent.close()
     assert status == 1 and took < 5, took
-    assert capsys.readouterr().err.splitlines() == [f"error: no answer from {url} within 0.5 s (GET /api/v1/models)"]
+    said = capsys.readouterr()
+    assert said.err.splitlines()[0] == f"error: no answer from {url} within 0.5 s (GET /api/v1/models)", said.err
+    assert "not sent: no answer from" in said.out  # the file's row
 
 
 def test_a_server_that_takes_uploads_and_never_answers_ends_the_run_soon(tmp_path, monkeypatch, capsys):

@@ -197,6 +197,8 @@ def classify_one(client: Client, path: Path, *, topk: int, short_side: int | Non
     dropped connection (see the module docstring for the retries)."""
     import urllib3
 
+    if client.stopped:  # (not read for nothing)
+        return {"error": _error(client.stopped[0], f"not sent: {client.stopped[1]}"), "retries": 0}
     limit = max_bytes if isinstance(max_bytes, Limit) else Limit(max_bytes, OPTION)
     try:  # a photo scaled first is judged by what is sent (tryout22: a 3.2 MB photo, sent as ~115 KB, was refused)
         data = read_upload(path, Limit(None) if short_side else limit)
@@ -299,7 +301,11 @@ def classify_remote(args: argparse.Namespace) -> int:
         model = client.serving_model(say=None if args.quiet else err)
     except Unreachable as exc:
         err(f"error: {exc}")
-        return EXIT_FAILED
+        # Each file still gets its row (an error, unsent), as the exit table says of exit 1: with -f json an empty
+        # stdout, not [], broke the | jq after it (tryout32)
+        client.stopped = ("connection_error", str(exc))
+        return _run(args, client, None, items, topk=s.TOP_K, short_side=None, resample="bilinear", jobs=jobs,
+                    skipped=skipped, max_bytes=Limit(None, SERVERS), max_pixels=s.MAX_PIXELS)
     # Upload limit, top-k: --max-upload-bytes, --topk (CLASSIFIER_TOP_K) where given, else the server's, else none/ours
     own_topk = "TOP_K" in given or settings_mod.PREFIX + "TOP_K" in os.environ
     doc = None if "MAX_UPLOAD_BYTES" in given and own_topk else client.document()
