@@ -89,6 +89,37 @@ def test_the_page_and_the_api_share_one_budget_per_client(make_app):
     assert statuses == [200, 200, 200, 429, 429]
 
 
+def test_requests_arriving_together_count_against_the_rate_limit(make_app, monkeypatch):
+    """The limit is counted after each answer: a client's requests that arrived together were all let in (20 at
+    once against 6/minute: all 200, tryout33). Those still in progress count now: 8 at once against 3/minute, 3
+    answered and 5 refused as the limiter refuses, with Retry-After; and once they are answered, the budget spent."""
+    import threading
+    import time
+
+    app = make_app(MODEL="resnet18_seeded", COMPILE=False, MAX_BATCH_SIZE=1, RATE_LIMIT="3/minute")
+    clf = app.extensions["classifier"]
+    real = clf.classify
+    monkeypatch.setattr(clf, "classify", lambda *a, **k: (time.sleep(0.5), real(*a, **k))[1])  # all overlap
+    gate, out = threading.Barrier(8), []
+
+    def one():
+        gate.wait(10)
+        resp = post(app.test_client())
+        out.append((resp.status_code, resp.get_json(), resp.headers.get("Retry-After")))
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(status for status, _, _ in out) == [200] * 3 + [429] * 5, [status for status, _, _ in out]
+    for status, body, wait in out:
+        if status == 429:
+            assert body["error"]["code"] == "rate_limited" and "3 per 1 minute" in body["error"]["message"], body
+            assert int(wait) >= 1
+    assert post(app.test_client()).status_code == 429  # the three answered spent the minute's budget
+
+
 def test_rate_limit_answers_429_with_retry_after(guarded):
     client = guarded.test_client()
     statuses = [post(client, Authorization="Bearer s3cret-token").status_code for _ in range(6)]
