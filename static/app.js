@@ -112,7 +112,9 @@ clearButton.addEventListener("click", () => {
   state.items = state.items.filter((it) => !it.answer && !it.error);  // keep the ones still running
   const kept = new Set(state.items.map((it) => it.card));
   for (const card of [...cards.children]) if (!kept.has(card)) card.remove();   // the rest stay where they were
-  status.textContent = "";
+  // The status line counts the cards still there: "12 of 12" beside 8 cards, or nothing while they ran (tryout33)
+  if (state.batch) state.batch.items = state.batch.items.filter((it) => state.items.includes(it));
+  showStatus();
   clearButton.hidden = state.items.length === 0;
   results.hidden = state.items.length === 0;
   pickers[0].focus();
@@ -168,7 +170,7 @@ const THE_FILES_OWN = ["no_file", "unsupported_media_type", "too_large", "undeco
 function retry(item) {
   item.error = null;
   item.waiting = null;
-  joinBatch([item]);
+  joinBatch([item]);   // (its batch's summary covers the batch: "3 of 5 photos classified")
   render(item);
   item.card.tabIndex = -1;   // the button is gone with the failure: keep the keyboard on this card, not <body>
   item.card.focus();
@@ -384,9 +386,11 @@ function showStatus() {
   const batch = state.batch?.items ?? [];
   const n = batch.length, ok = batch.filter((it) => it.answer).length;
   const left = batch.filter((it) => !it.answer && !it.error).length;
-  results.setAttribute("aria-busy", left ? "true" : "false");
+  // (on the cards, not their section: aria-busy over the status line may hold back what it announces)
+  cards.setAttribute("aria-busy", left ? "true" : "false");
   if (!n) { status.textContent = ""; return; }
-  if (left) status.textContent = n === 1 ? tr("working_one") : tr("working", { n });
+  // (while they run: the photos in flight, not the batch: one tried again of five said "Classifying 5 photos…")
+  if (left) status.textContent = left === 1 ? tr("working_one") : tr("working", { n: left });
   else if (n === 1) status.textContent = ok ? tr("done_one") : tr("failed_one");
   else status.textContent = tr("done", { ok, n });
 }

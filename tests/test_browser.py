@@ -271,12 +271,13 @@ def test_photos_picked_while_others_run_are_counted_until_all_are_done(server, b
             page.wait_for_timeout(20)
         page.set_input_files("#file", str(shared_image("eagle.jpg")))
         page.locator(".result").first.locator(".label").first.wait_for()  # the second pick's labels
-        assert page.locator("#status").inner_text() == "Classifying 2 photos…"
-        assert page.locator(".results").get_attribute("aria-busy") == "true"
+        # the photo still in flight (it said "Classifying 2 photos…" with one of them answered: tryout33)
+        assert page.locator("#status").inner_text() == "Classifying 1 photo…"
+        assert page.locator("#cards").get_attribute("aria-busy") == "true"
         held[0].continue_()
         wait_for_labels(page, page.locator(".result").nth(1), DOG_EN)
         sync_api.expect(page.locator("#status")).to_have_text("2 of 2 photos classified.")
-        assert page.locator(".results").get_attribute("aria-busy") == "false"
+        assert page.locator("#cards").get_attribute("aria-busy") == "false"
         # "Clear results" with photos in flight keeps those where they are (it re-listed them oldest first).
         held.clear()
         hold_all.append(True)
@@ -288,8 +289,11 @@ def test_photos_picked_while_others_run_are_counted_until_all_are_done(server, b
         assert before[:3] == ["horses.jpg", "giraffe.jpg", "kite.jpg"], before  # newest first
         page.locator("#clear").click()
         assert page.locator(".result .filename").all_inner_texts() == before[:3]
+        # and the line counts those: it went blank, then said "5 of 5" beside three cards (tryout33)
+        assert page.locator("#status").inner_text() == "Classifying 3 photos…"
         for route in held:
             route.continue_()
+        sync_api.expect(page.locator("#status")).to_have_text("3 of 3 photos classified.")
         assert tab.errors == []
     finally:
         tab.close()
@@ -412,6 +416,26 @@ def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server
         page.locator(".result button.retry").click()
         sync_api.expect(page.locator(".result .predictions")).to_have_count(3)
         sync_api.expect(page.locator("#status")).to_have_text("3 of 3 photos classified.")
+        # Three picked at once, all failed, one tried again: the line said "Classifying 3 photos…" with one in
+        # flight (tryout33: "Classifying 5 photos…" of five); it counts the photos in flight, the summary the batch
+        page.locator("#clear").click()
+        down[0] = True
+        page.set_input_files("#file", [str(shared_image(n)) for n in ("dog.jpg", "eagle.jpg", "giraffe.jpg")])
+        sync_api.expect(page.locator("#status")).to_have_text("0 of 3 photos classified.")
+        held = []
+        page.unroute("**/api/v1/predict*")
+        page.route("**/api/v1/predict*", lambda route: held.append(route))
+        page.locator(".result:has-text('eagle.jpg') button.retry").click()
+        sync_api.expect(page.locator("#status")).to_have_text("Classifying 1 photo…")
+        for _ in range(200):
+            if held:
+                break
+            page.wait_for_timeout(50)
+        held[0].continue_()
+        sync_api.expect(page.locator("#status")).to_have_text("1 of 3 photos classified.")
+        page.locator("#clear").click()  # the cards and the line with them
+        sync_api.expect(page.locator(".result")).to_have_count(0)
+        assert page.locator("#status").inner_text() == ""
         assert [e for e in tab.errors if "status of 504" not in e] == []
     finally:
         tab.close()
