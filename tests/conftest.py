@@ -208,3 +208,13 @@ def read_only_view(tmp_path):
         yield folder, view
     finally:
         subprocess.run(["umount", str(view)], capture_output=True)
+
+
+class Clock:
+    """A fake ``time.monotonic`` (s) that moves only when told."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch
 
-from conftest import small_png
+from conftest import Clock, small_png
 from fleet import healthz
 from webapp.admission import Admission, Prediction
 from webapp.batcher import InferenceBatcher
@@ -21,16 +21,6 @@ from webapp.concurrency import peer_closed, peer_sending
 from webapp.errors import ClientGone, Overloaded
 
 MB = 1_000_000
-
-
-class Clock:
-    """A fake ``time.monotonic`` (s) that moves only when told."""
-
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_admission(*, queued: int = 0, image_ms: float = 10.0, ms_per_mb: float = 50.0, budget_ms: float = 1000.0,

@@ -4,19 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import Clock
 from webapp.costs import DecodeCost, Overhead
 
 MB = 1_000_000
-
-
-class Clock:
-    """A fake ``time.monotonic`` (s) that moves only when told."""
-
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.mark.unit
