@@ -296,9 +296,8 @@ class Classifier:
             for up, size, r in zip(uploads, sizes, read):
                 try:
                     p, ms = lane.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
-                                               max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
-                                               thumbnail=keep_images, size=r, gone=gone,
-                                               within=deadline - time.perf_counter())
+                                     max_pixels=s.MAX_PIXELS, min_side=started.min_side(s.FAST_DECODE),
+                                     thumbnail=keep_images, size=r, gone=gone, within=deadline - time.perf_counter())
                 except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
                     exc.when_done(self.admission.abandon(job, size))
                     raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S, _formats(uploads)) from None
