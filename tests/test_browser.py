@@ -1545,7 +1545,7 @@ def test_scaling_without_a_lossless_webp_or_with_a_failing_encoder(server, brows
             assert len(original) / len(data) >= 10
         else:
             assert same_photo_without_metadata(data, original) and fields == {}
-            assert card.locator(".timing .sent").inner_text() == "sent without its metadata: 3.3 MB"
+            assert card.locator(".timing .sent").inner_text() == "sent without its metadata: 3.3\xa0MB"
     finally:
         tab.close()
 
