@@ -88,7 +88,7 @@ def check_headers(request: Request) -> None:
     """Refuse what the request line and headers decide, before admission and before the body is read: a request
     that cannot be valid gets its own 4xx, not a ``429`` whose ``Retry-After`` says to send it again as it is (under
     load, a text/plain body, a gzip one, an empty one and ``?topk=99`` each got 429 about as often as their
-    answer: tryout32). ``read_uploads`` checks the same first; so do the routes before ``admit``.
+    answer: tryout32). The routes call it before ``admit``; ``read_uploads`` relies on it.
 
     :raises LengthRequired: HTTP/1.0 without Content-Length (411, ``require_length``).
     :raises NotAnImage: a Content-Encoding (415, ``require_identity``); a body that is neither multipart/form-data

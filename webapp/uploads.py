@@ -18,7 +18,7 @@ from werkzeug.exceptions import HTTPException
 
 from .errors import BadRequest, NoFile, TooLarge
 from .contract import ORIGINAL_FORMATS, Original, Upload
-from .headers import ORIGINAL_FIELDS, RAW_TYPES, SAMPLE, SPACE, TEXT_FIELDS, check_headers, parse_topk
+from .headers import ORIGINAL_FIELDS, RAW_TYPES, SAMPLE, SPACE, TEXT_FIELDS, parse_topk
 
 class UploadRequest(Request):
     """Flask's request, with multipart files kept in memory: an upload never touches the disk.
@@ -239,12 +239,9 @@ def read_uploads(request: Request, *, max_files: int) -> list[Upload]:
     :raises BadRequest: a malformed multipart body, bad ``original_*`` fields (400; see ``read_originals``) or any
         in the query string (read from the form only, they were ignored there), or
         one of ``TEXT_FIELDS`` sent as a file part (a part with a filename).
-    :raises NoFile: no body at all (400), whatever its Content-Type.
-    :raises NotAnImage: a raw body whose Content-Type is not ``image/*`` (415).
-    :raises LengthRequired: HTTP/1.0 without Content-Length (411, ``require_length``).
-    :raises NotAnImage: a body with a Content-Encoding (415, ``require_identity``).
+    What the headers alone decide (411, 415, 400: a Content-Type that is neither multipart nor an image's, no body,
+    a Content-Encoding) is ``headers.check_headers``'s: its callers (the routes) call that first, before ``admit``.
     """
-    check_headers(request)
     mimetype = request.mimetype
     if mimetype == "multipart/form-data":
         boundary = request.mimetype_params["boundary"]
