@@ -137,7 +137,9 @@ def init_access(app: Flask, settings) -> None:
             key, limit = get_remote_address(), limiter.current_limit
             # (its window read afresh, not limit.remaining: that is kept, and the answer's X-RateLimit-Remaining
             # would say what was left before this request; here it is, this one not yet counted)
-            if limit is not None and in_progress.get(key, 0) >= limit.limiter.get_window_stats(
+            # (no window read when none of this client's is in progress: that is every request of a polite one)
+            busy = in_progress.get(key, 0)
+            if busy and limit is not None and busy >= limit.limiter.get_window_stats(
                     limit.limit, *limit.request_args)[1]:
                 raise TooManyRequests(f"{limit.limit}, counting the requests in progress")
             in_progress[key] = in_progress.get(key, 0) + 1
