@@ -275,7 +275,7 @@ class Classifier:
             # request whose size it now sees is over its body's is judged again (tryout21: 6 such files admitted by
             # their bytes made everyone wait 20 s, and their costs by bytes refused ordinary photos afterwards).
             sizes = [max(len(up.data), r.pixels) for up, r in zip(uploads, read)]
-            heavy = any(self.admission.heavy(size) for size in sizes)  # then all its photos go on the heavy lane
+            heavy = bool(sizes) and self.admission.heavy(max(sizes))  # then all its photos go on the heavy lane
             if ticket is not None and (heavy or sum(sizes) > sum(len(up.data) for up in uploads)):
                 ticket = self.admission.admit(sum(sizes), len(uploads), gone=ticket.gone, replacing=ticket,
                                               heavy=heavy)
