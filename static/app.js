@@ -27,6 +27,7 @@ const cards = document.getElementById("cards");
 const results = cards.closest("section");
 const status = document.getElementById("status");
 const clearButton = document.getElementById("clear");
+const retryAllButton = document.getElementById("retry-all");
 const topk = document.getElementById("topk");
 const pickers = [document.getElementById("file"), document.getElementById("camera")];
 
@@ -165,19 +166,32 @@ function joinBatch(items) {
   state.batch = { items: [...kept.filter((it) => !items.includes(it)), ...items] };
 }
 
-// A failed card's "Try again" (busy, starting, timed out, unreachable: not a file the server cannot read).
+// A failed card's "Try again" (busy, starting, timed out, unreachable: not a file the server cannot read); "Try the
+// 5 failed again" sends every such card at once (after a restart each card had to be clicked: tryout33).
 const THE_FILES_OWN = ["no_file", "unsupported_media_type", "too_large", "undecodable_image", "bad_request"];
-function retry(item) {
-  item.error = null;
-  item.waiting = null;
-  joinBatch([item]);   // (its batch's summary covers the batch: "3 of 5 photos classified")
-  render(item);
-  item.card.tabIndex = -1;   // the button is gone with the failure: keep the keyboard on this card, not <body>
-  item.card.focus();
-  state.queue.push(item);
+const againable = (item) => item.error && !THE_FILES_OWN.includes(item.error.code);
+function retry(...items) {
+  for (const item of items) {
+    item.error = null;
+    item.waiting = null;
+  }
+  joinBatch(items);   // (their batch's summary covers the batch: "3 of 5 photos classified")
+  for (const item of items) {
+    render(item);
+    state.queue.push(item);
+  }
+  const first = items[0].card;   // the button is gone with the failure: keep the keyboard on a card, not <body>
+  first.tabIndex = -1;
+  first.focus();
   showStatus();
   pump();
 }
+retryAllButton.addEventListener("click", () => {
+  // (in the cards' order on the page, newest first, as the photos were added)
+  const order = [...cards.children];
+  const items = state.items.filter(againable).sort((a, b) => order.indexOf(a.card) - order.indexOf(b.card));
+  if (items.length) retry(...items);
+});
 
 function pump() {
   while (state.running < MAX_PARALLEL && state.queue.length) {
@@ -388,6 +402,9 @@ function showStatus() {
   const left = batch.filter((it) => !it.answer && !it.error).length;
   // (on the cards, not their section: aria-busy over the status line may hold back what it announces)
   cards.setAttribute("aria-busy", left ? "true" : "false");
+  const again = state.items.filter(againable).length;   // (one alone has its own button on its card)
+  retryAllButton.hidden = again < 2;
+  retryAllButton.textContent = again < 2 ? "" : tr("retry_all", { n: again });
   if (!n) { status.textContent = ""; return; }
   // (while they run: the photos in flight, not the batch: one tried again of five said "Classifying 5 photos…")
   if (left) status.textContent = left === 1 ? tr("working_one") : tr("working", { n: left });

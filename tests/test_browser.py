@@ -387,7 +387,7 @@ def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_on
 def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server, browser):
     """Two photos picked one after the other failed (the server down), the first tried again: the line said "Photo
     classified." beside the other card, still failed (tryout29), and so after a later pick (tryout31). A batch
-    counts every card still failed on the page."""
+    counts every card still failed on the page; "Try the 2 failed again" sends the failed cards again at once."""
     tab = Page(browser, locale="en-US")
     page = tab.page
     down = [True]
@@ -422,6 +422,7 @@ def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server
         down[0] = True
         page.set_input_files("#file", [str(shared_image(n)) for n in ("dog.jpg", "eagle.jpg", "giraffe.jpg")])
         sync_api.expect(page.locator("#status")).to_have_text("0 of 3 photos classified.")
+        sync_api.expect(page.locator("#retry-all")).to_have_text("Try the 3 failed again")
         held = []
         page.unroute("**/api/v1/predict*")
         page.route("**/api/v1/predict*", lambda route: held.append(route))
@@ -433,6 +434,13 @@ def test_the_status_line_after_a_try_again_counts_the_photos_still_failed(server
             page.wait_for_timeout(50)
         held[0].continue_()
         sync_api.expect(page.locator("#status")).to_have_text("1 of 3 photos classified.")
+        # The two still failed, sent again with one click (after a restart, each card had to be clicked: tryout33)
+        sync_api.expect(page.locator("#retry-all")).to_have_text("Try the 2 failed again")
+        page.unroute("**/api/v1/predict*")
+        page.locator("#retry-all").click()
+        sync_api.expect(page.locator(".result .predictions")).to_have_count(3)
+        sync_api.expect(page.locator("#status")).to_have_text("3 of 3 photos classified.")
+        sync_api.expect(page.locator("#retry-all")).to_be_hidden()
         page.locator("#clear").click()  # the cards and the line with them
         sync_api.expect(page.locator(".result")).to_have_count(0)
         assert page.locator("#status").inner_text() == ""
