@@ -285,7 +285,10 @@ async function classify(item) {
       item.waiting = null;
       continue;
     }
-    item.error = { code, status: resp.status, message: json?.error?.message, retryAfter: Number.isFinite(wait) ? wait : null };
+    // (its "try again in 20 s" counts down on the card, to "try again now": it said 20 s for as long as it stayed)
+    item.error = { code, status: resp.status, message: json?.error?.message, retryAfter: Number.isFinite(wait) ? wait : null,
+                   until: Number.isFinite(wait) ? Date.now() + Math.max(1, wait) * 1000 : null };
+    countDown();
     break;
   }
   // The labels in the page's language where its bundle comes within BUNDLE_WAIT_MS, else English now and the page's
@@ -324,7 +327,11 @@ async function submitPlainForm() {
 // -- rendering ---------------------------------------------------------------------------------
 function errorWords(err) {
   const retryable = (state.i18n?.retryable ?? []).includes(err.code);   // from webapp/errors.py's table
-  if (retryable) return err.retryAfter != null ? tr(`err_${err.code}`, { n: Math.max(1, err.retryAfter) }) : tr(`err_${err.code}_later`);
+  if (retryable && err.retryAfter != null) {
+    const n = err.until != null ? Math.ceil((err.until - Date.now()) / 1000) : Math.max(1, err.retryAfter);
+    return n >= 1 ? tr(`err_${err.code}`, { n }) : tr(`err_${err.code}_now`);
+  }
+  if (retryable) return tr(`err_${err.code}_later`);
   const key = `err_${err.code}`;
   return state.i18n && key in state.i18n.strings ? tr(key, { n: err.seconds, status: err.status }) : tr("err_other");
 }
@@ -394,6 +401,21 @@ function render(item) {
   }
   item.card.className = error ? "result failed" : "result";
   item.card.replaceChildren(thumb, h("div", { className: "body" }, ...parts));
+}
+
+// Once a second while a failed card's "try again in N s" runs: its words only (the card rebuilt would take the
+// keyboard off its "Try again" button).
+let ticking = null;
+function countDown() {
+  if (ticking) return;
+  ticking = setInterval(() => {
+    const counting = state.items.filter((it) => it.error?.until != null && it.card?.isConnected);
+    for (const it of counting) {
+      const p = it.card.querySelector(".problem");
+      if (p) p.textContent = errorWords(it.error);
+    }
+    if (!counting.some((it) => it.error.until > Date.now())) { clearInterval(ticking); ticking = null; }
+  }, 1000);
 }
 
 function showStatus() {

@@ -337,6 +337,42 @@ def test_a_token_protected_api_falls_back_to_the_form_with_the_scaled_copies(ser
         tab.close()
 
 
+def test_a_failed_cards_try_again_in_n_s_counts_down_to_now(server, browser):
+    """A 429 whose Retry-After is too long to wait for on its own (rate limited, 40 s): the card said "try again in 40
+    s" for as long as it stayed. It counts down to "you can try again now", its words only: the keyboard stays on
+    its "Try again" button."""
+    tab = Page(browser, locale="en-US")
+    page = tab.page
+    refused = []
+
+    def limited_once(route):
+        if refused:
+            return route.continue_()
+        refused.append(route.request.url)
+        route.fulfill(status=429, headers={"Retry-After": "40"}, content_type="application/json", body=json.dumps(
+            {"error": {"code": "rate_limited", "message": "6 per 1 minute", "status": 429}}))
+
+    try:
+        page.clock.install()
+        page.route("**/api/v1/predict*", limited_once)
+        page.goto(server.url + "/")
+        page.set_input_files("#file", str(shared_image("dog.jpg")))
+        card = page.locator(".result").first
+        problem = card.locator(".problem")
+        sync_api.expect(problem).to_have_text("Too many photos in a short time: try again in 40 s.")
+        card.locator("button.retry").focus()
+        page.clock.run_for(15_000)
+        sync_api.expect(problem).to_have_text("Too many photos in a short time: try again in 25 s.")
+        assert page.evaluate("document.activeElement === document.querySelector('.result button.retry')")
+        page.clock.run_for(30_000)
+        sync_api.expect(problem).to_have_text("Too many photos in a short time: you can try again now.")
+        page.keyboard.press("Enter")
+        wait_for_labels(page, card, DOG_EN)
+        assert [e for e in tab.errors if "status of 429" not in e] == []
+    finally:
+        tab.close()
+
+
 def test_a_failed_card_can_be_tried_again_and_a_malformed_answer_never_leaves_one_spinning(server, browser):
     """Busy, starting, timed out, failed or unreachable: the card says so and offers "Try again" (the photo is
     still in the page); it had no way back but picking the file again. A 200 without predictions (a proxy's

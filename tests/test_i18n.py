@@ -142,7 +142,7 @@ def test_every_string_the_page_and_script_use_exists():
     used |= set(re.findall(r'\btr\("(\w+)"', script))
     # The script's "try again in N s" codes come with the strings, from the error table.
     assert "state.i18n?.retryable" in script and i18n.RETRY_CODES == errors.RETRYABLE
-    used |= {f"err_{code}{later}" for code in i18n.RETRY_CODES for later in ("", "_later")}
+    used |= {f"err_{code}{later}" for code in i18n.RETRY_CODES for later in ("", "_later", "_now")}
     assert used and used <= set(i18n.STRINGS["en"]), used - set(i18n.STRINGS["en"])
 
 
