@@ -94,6 +94,26 @@ def test_several_files_keep_their_order_and_names(client):
         assert [p["index"] for p in r["predictions"]] == [p["index"] for p in single["results"][0]["predictions"]]
 
 
+def test_a_request_whose_photos_cannot_be_read_names_each_of_them(client):
+    """8 photos, 2 of them cut short: the 400 named only the first, and the mended request was refused again for the
+    second (tryout32). Every such photo is named, in request order; the status and code are the first one's."""
+    good, jpeg = small_png(), shared_image("dog.jpg").read_bytes()
+    files = [(io.BytesIO(good), "a.png"), (io.BytesIO(jpeg[:5000]), "cut.jpg"), (io.BytesIO(good), "b.png"),
+             (io.BytesIO(b"just some text"), "notes.jpg"), (io.BytesIO(good), "c.png")]
+    message = assert_error(client.post("/api/v1/predict", data={"file": files}), 400, "undecodable_image")
+    one = assert_error(client.post("/api/v1/predict", data=jpeg[:5000], content_type="image/jpeg",
+                                   headers={"X-Filename": "cut.jpg"}), 400, "undecodable_image")
+    other = assert_error(client.post("/api/v1/predict", data=b"just some text", content_type="image/jpeg",
+                                     headers={"X-Filename": "notes.jpg"}), 415, "unsupported_media_type")
+    assert message == f"2 of the 5 photos cannot be used: (1) {one}; (2) {other}"
+    # the other way round: the first one's status and code
+    files = [(io.BytesIO(b"just some text"), "notes.jpg"), (io.BytesIO(jpeg[:5000]), "cut.jpg")]
+    assert "cut.jpg" in assert_error(client.post("/api/v1/predict", data={"file": files}), 415, "unsupported_media_type")
+    # one alone is said as before, and so is a request whose other photos are fine
+    files = [(io.BytesIO(good), "a.png"), (io.BytesIO(jpeg[:5000]), "cut.jpg")]
+    assert assert_error(client.post("/api/v1/predict", data={"file": files}), 400, "undecodable_image") == one
+
+
 @pytest.mark.parametrize("topk", ["0", "11", "abc", "-1", "2.5", "%203x", "3_0", "\u0663", "\uff13", "%2B3", "9" * 5000,
                                   "-" + "9" * 5000, "0" * 5000 + "11"])
 def test_bad_topk_is_400(client, topk):

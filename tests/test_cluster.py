@@ -257,6 +257,12 @@ def test_replica_answers_a_bad_upload_as_data_and_spares_the_others(replica):
                                       [_png_upload("other.png", 2)]])
     assert answers[0]["error"]["code"] == "undecodable_image" and "bad.jpg" in answers[0]["error"]["message"]
     assert answers[1]["answer"]["results"][0]["filename"] == "other.png"
+    # each photo that cannot be read is named, as the gunicorn app names them (answers.every_fault)
+    [both] = _classify_all(replica, [[Upload("bad.jpg", b"\xff\xd8\xffnope"), _png_upload("ok.png", 1),
+                                      Upload("text.jpg", b"just some text")]])
+    assert both["error"]["code"] == "undecodable_image" and both["error"]["status"] == 400
+    assert both["error"]["message"].startswith("2 of the 3 photos cannot be used: (1) bad.jpg: ")
+    assert "; (2) text.jpg: " in both["error"]["message"]
 
 
 def test_replica_reports_the_original_of_a_client_scaled_upload(replica):

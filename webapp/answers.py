@@ -1,5 +1,6 @@
-"""The JSON answer of one request, from its uploads, their decoded ``Prepared`` and their batcher results; and
-the check that a client's ``original_*`` fields can describe the copy it sent. Shared by the gunicorn worker
+"""The JSON answer of one request, from its uploads, their decoded ``Prepared`` and their batcher results; the
+error of a request whose photos cannot be read (``every_fault``); and the check that a client's ``original_*``
+fields can describe the copy it sent. Shared by the gunicorn worker
 (``webapp/service.py``) and the Ray Serve replica (``webapp/cluster/replica.py``), so both answer alike.
 """
 
@@ -9,7 +10,7 @@ import time
 
 from .batcher import Result
 from .contract import Upload
-from .errors import BadRequest, TooLarge
+from .errors import BadRequest, NoFile, NotAnImage, ServiceError, TooLarge, UndecodableImage
 from .imaging import Prepared, limited_size
 from .models import encode
 
@@ -79,3 +80,25 @@ def check_originals(uploads: list[Upload], prepared: list[Prepared], max_pixels:
             raise TooLarge(f"{up.name}: {o.width}x{o.height} is {o.width * o.height:,} pixels; the limit is "
                            f"{max_pixels:,} (CLASSIFIER_MAX_PIXELS; original_width x original_height: the photo "
                            f"before the client scaled it)")
+
+
+# What a photo's own bytes can be refused for as it is decoded (``imaging.prepare``): said per photo.
+PHOTO_FAULTS = (NoFile, UndecodableImage, TooLarge, NotAnImage)
+
+
+def every_fault(faults: list[ServiceError], photos: int) -> ServiceError:
+    """The error of a request of ``photos`` uploads whose photos ``faults`` (in request order, each the photo's own
+    ``PHOTO_FAULTS`` error, its message starting with the photo's name) cannot be read: the first one's class,
+    status and code, its message naming every such photo. A request of 8 photos, 2 of them cut short, named only
+    the first, and was refused again for the second once that was mended (tryout32).
+    """
+    first = faults[0]
+    if len(faults) == 1:
+        return first
+    error = type(first).__new__(type(first))
+    error.__dict__.update(first.__dict__)
+    error.message = (f"{len(faults)} of the {photos} photos cannot be used: "
+                     + "; ".join(f"({i}) {f.message}" for i, f in enumerate(faults, 1)))
+    error.args = (error.message,)
+    return error
+

@@ -26,7 +26,7 @@ from .concurrency import Offloader, StillRunning, keep_alive, lower_this_thread,
 from .contract import Upload
 from .errors import ClientGone, InferenceTimeout, NotReady, ServiceError, StartupError, TooLarge
 from .formats import claimed_format
-from .answers import answer, check_originals
+from .answers import PHOTO_FAULTS, answer, check_originals, every_fault
 from .imaging import Prepared
 from .sizes import check_request_pixels
 from .models import encode
@@ -257,8 +257,8 @@ class Classifier:
 
         Called without ``admit`` (the CLI) it is not judged by time, only by the queue bound.
 
-        :raises ServiceError: photos over ``MAX_REQUEST_PIXELS`` together (413, before any is decoded), the
-            first upload that cannot be decoded (400/413/415), a full queue
+        :raises ServiceError: photos over ``MAX_REQUEST_PIXELS`` together (413, before any is decoded), uploads
+            that cannot be decoded (400/413/415: the first one's status and code, every such photo named: ``every_fault``), a full queue
             (429), not ready (503), timeout (504), a failed batch (500), the client hung up before its
             photos were decoded or run (``ClientGone``, 499: logged at info, nothing more done).
         """
@@ -292,7 +292,7 @@ class Classifier:
         # PNG on a busy core) gets its 504 on time, and the queue wait gets only what is left of it.
         deadline = start + s.REQUEST_TIMEOUT_S
         try:
-            prepared = []
+            prepared, unusable = [], []
             for up, size, r in zip(uploads, sizes, read):
                 try:
                     p, ms = lane.run(_timed_prepare, up.data, name=up.name, transform=started.transform,
@@ -300,9 +300,16 @@ class Classifier:
                                      thumbnail=keep_images, size=r, gone=gone, within=deadline - time.perf_counter())
                 except StillRunning as exc:  # its thread, decoding on, counts as work ahead until it ends
                     exc.when_done(self.admission.abandon(job, size))
+                    if unusable:  # (what is known wrong with the photos before it, rather than a 504)
+                        raise every_fault(unusable, len(uploads)) from None
                     raise InferenceTimeout.decoding(s.REQUEST_TIMEOUT_S, _formats(uploads)) from None
+                except PHOTO_FAULTS as exc:  # the others are still read, so that the error names each such photo
+                    unusable.append(exc)
+                    continue
                 self.admission.decoded(job, size, ms)
                 prepared.append(p)
+            if unusable:
+                raise every_fault(unusable, len(uploads))
             check_originals(uploads, prepared, s.MAX_PIXELS)  # impossible original_* (400), or too big (413)
             decode_ms = (time.perf_counter() - start) * 1e3
             if gone is not None and gone():

@@ -60,7 +60,7 @@ def check_request_pixels(uploads: list[Upload], *, limit: int, min_side: int | N
     limit and take ~30 s to decode, holding the worker for the whole request timeout; this bounds the work
     one request can ask for by what it costs (``decoded_pixels``; reading the headers takes ~0.1 ms a photo,
     plus the parts walk: ~2 ms for a 3 MB JPEG). A photo ``too_many_parts`` refuses counts 0 here: its own 413
-    comes from ``decode`` in its turn, so a request's first bad photo is the one its error names.
+    comes from ``decode`` in its turn, so a request's error names its photos that cannot be read in request order.
 
     :raises TooLarge: over ``limit`` (413), naming the total, the largest photo and the setting.
     """

@@ -14,7 +14,7 @@ from ..batcher import checked_predict, results
 from ..concurrency import decode_executor, inference_executor
 from ..contract import Upload
 from ..errors import InferenceTimeout, ServiceError
-from ..answers import answer, check_originals
+from ..answers import PHOTO_FAULTS, answer, check_originals, every_fault
 from ..sizes import Size, check_request_pixels
 from .config import load_values, replica_id
 
@@ -78,9 +78,10 @@ class ModelReplica:
                                     min_side=started.min_side(s.FAST_DECODE))
         done = await asyncio.gather(*(loop.run_in_executor(self.decode_pool, prepare, up, size)
                                       for up, size in zip(uploads, read)), return_exceptions=True)
-        for item in done:  # the first bad upload in request order, as the gunicorn app reports it
-            if isinstance(item, BaseException):
-                raise item
+        if faults := [item for item in done if isinstance(item, BaseException)]:  # as the gunicorn app says them
+            if unexpected := [f for f in faults if not isinstance(f, PHOTO_FAULTS)]:
+                raise unexpected[0]
+            raise every_fault(faults, len(uploads))
         check_originals(uploads, list(done), s.MAX_PIXELS)
         decode_ms = (time.perf_counter() - start) * 1e3
         try:
