@@ -332,6 +332,8 @@ function errorWords(err) {
     return n >= 1 ? tr(`err_${err.code}`, { n }) : tr(`err_${err.code}_now`);
   }
   if (retryable) return tr(`err_${err.code}_later`);
+  // (the page sends one photo a request: "or this many photos at once" of the plain form's words is never it)
+  if (err.code === "too_large") return tr("err_too_large_photo");
   const key = `err_${err.code}`;
   return state.i18n && key in state.i18n.strings ? tr(key, { n: err.seconds, status: err.status }) : tr("err_other");
 }

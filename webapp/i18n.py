@@ -91,6 +91,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_no_file": "No photo was received: the file is empty (0 bytes), or none was chosen.",
         "err_length_required": "The browser sent the photo without saying its size: try another browser.",
         "err_too_large": "Too large: this photo (or this many photos at once) is more than the server accepts.",
+        "err_too_large_photo": "Too large: this photo is more than the server accepts (its bytes or its pixels).",
         "err_unsupported_media_type": "This kind of file cannot be read here: send the photo as JPEG (8-bit), PNG, "
                                       "WebP, GIF, BMP, TIFF, AVIF or PPM.",
         "err_undecodable_image": "The photo is damaged (perhaps cut short while copying) and cannot be read.",
@@ -172,6 +173,7 @@ STRINGS: dict[str, dict[str, str]] = {
         "err_no_file": "没有收到照片：文件是空的（0 字节），或者没有选择文件。",
         "err_length_required": "浏览器发送照片时没有说明其大小：请换一个浏览器再试。",
         "err_too_large": "文件太大：这张照片（或一次上传的照片数量）超出了服务器的限制。",
+        "err_too_large_photo": "文件太大：这张照片超出了服务器的限制（字节数或像素数）。",
         "err_unsupported_media_type": "无法读取这种文件：请以 JPEG（8 位）、PNG、WebP、GIF、BMP、TIFF、AVIF 或 PPM 格式发送照片。",
         "err_undecodable_image": "照片已损坏（可能在复制时被截断），无法读取。",
         "err_overloaded": "服务器繁忙：请 {n} 秒后再试。",
