@@ -169,6 +169,7 @@ def test_dry_run_refuses_the_workers_a_real_start_refuses(no_classifier_env, mon
     (["-w", "abc"], "invalid int value: 'abc'"),
     (["-w", "0"], "gunicorn -w 0 starts no worker"),
     (["--timeout", "-5"], "gunicorn --timeout -5: Value must be positive"),
+    (["-b", "127.0.0.1:99999"], "gunicorn -b 127.0.0.1:99999: '99999' is not a port; allowed: "),  # (a traceback)
 ])
 def test_dry_run_refuses_the_gunicorn_flags_a_real_start_refuses(extra, says, no_classifier_env, capsys):
     """``serve --dry-run -- --bogus-flag`` printed the command and exited 0; the real start exits 2 (tryout25)."""

@@ -358,6 +358,8 @@ def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
     ``-w abc``) raises ``SystemExit(2)`` from argparse, with its usage line on stderr, as gunicorn itself does."""
     from gunicorn.config import Config
 
+    from .listen import BIND_RULE, parse_bind
+
     trial, workers = Config(prog="gunicorn"), None
     for name, value in vars(trial.parser().parse_args(argv)).items():
         if value is None or name == "args":
@@ -371,6 +373,12 @@ def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
             workers = trial.workers
             if workers < 1:
                 return no_workers_problem(workers), workers
+        if name == "bind":  # gunicorn takes any text and fails as it binds: -b 127.0.0.1:99999 was a traceback
+            for address in trial.bind:
+                try:
+                    parse_bind(address)
+                except ValueError as exc:
+                    return f"gunicorn -b {address}: {exc}; allowed: {BIND_RULE}", None
     return None, workers
 
 
