@@ -11,6 +11,7 @@ import gc
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from webapp import GUNICORN_ENV
 from webapp import balance, caches, catalog, cpu, lifecycle, listen, reloads, sdnotify, settings
@@ -110,11 +111,17 @@ if _s.METRICS and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
 
 
 def _clear_metrics_dir() -> str | None:
-    """Start from zero: values left by an earlier run (same folder, reused pids) would be counted again."""
+    """Start from zero: values left by an earlier run (same folder, reused pids) would be counted again. A folder
+    that cannot be made or written is a setting's fault, one line and exit 2 (a file there was a traceback, a
+    read-only one 149 lines of each worker's and exit 3: tryout34)."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not (_s.METRICS and path):
         return None
-    os.makedirs(path, exist_ok=True)
+    if why := caches.folder_problem(Path(path)):
+        lifecycle.exit_now(lifecycle.EXIT_CONFIG, f"configuration error: PROMETHEUS_MULTIPROC_DIR={path} cannot be "
+                           f"used: {why} (prometheus-client's multiprocess mode writes each worker's metrics there); "
+                           f"point it at a folder this server can write, or unset it (the server then makes its "
+                           f"own), or set {settings.PREFIX}METRICS=0")
     for name in os.listdir(path):
         if name.endswith(".db"):
             os.remove(os.path.join(path, name))

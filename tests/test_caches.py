@@ -57,6 +57,19 @@ def test_a_folder_that_cannot_be_written_is_refused_saying_why(tmp_path, monkeyp
     assert caches.make_cache_dir(values, read_only_ok=True) == folder and caches.unwritable(folder) == why
 
 
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="no sysfs here")
+def test_a_folder_that_passes_the_access_check_but_refuses_writes_is_unwritable(tmp_path):
+    """root passes ``os.access`` for every folder; sysfs (and NFS's root squash, an ACL) still refuse: CACHE_DIR=
+    /sys/kernel passed the start's checks and every worker's compile then failed (tryout34). A folder is made and
+    removed there to be sure; none is left behind in a writable one."""
+    assert caches.unwritable(Path("/sys/kernel")) in ("Operation not permitted", "Permission denied",
+                                                      "Read-only file system")
+    assert caches.unwritable(tmp_path) is None and list(tmp_path.iterdir()) == []
+    (tmp_path / "afile").write_text("x")
+    assert caches.folder_problem(tmp_path / "afile") == "it exists and is not a folder"
+    assert caches.folder_problem(tmp_path / "new" / "deeper") is None and (tmp_path / "new" / "deeper").is_dir()
+
+
 def test_start_up_makes_it_the_same_way(tmp_path):
     from webapp import startup
 

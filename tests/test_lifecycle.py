@@ -538,6 +538,19 @@ def test_a_gunicorn_flag_value_gunicorn_refuses_is_one_line_and_exit_2(tmp_path,
 
 
 @pytest.mark.server
+def test_a_metrics_folder_that_cannot_be_used_is_one_line_and_exit_2(tmp_path):
+    """PROMETHEUS_MULTIPROC_DIR (the README's, for /metrics across workers) given as a file was a traceback, exit 1; a
+    folder that cannot be written, 149 lines of each worker's tracebacks and exit 3 (tryout34)."""
+    (tmp_path / "afile").write_text("x")
+    code, lines, temp = run_to_end(tmp_path, "metricsdir", GUNICORN, timeout=60,
+                                   env={"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "afile")})
+    assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, most=3,
+                        names=f"PROMETHEUS_MULTIPROC_DIR={tmp_path / 'afile'} cannot be used: it exists and is not a "
+                              f"folder")
+    assert "or set CLASSIFIER_METRICS=0" in lines[-1]
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("launcher", ["gunicorn", "serve"])
 def test_no_worker_is_one_line_and_exit_2(tmp_path, launcher):
     """Found by a fresh-user tryout: ``serve -- -w 0`` started a master that never started a worker: every request

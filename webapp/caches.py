@@ -25,15 +25,32 @@ def cache_dir(values: Mapping[str, Any]) -> Path:
 
 
 def unwritable(path: Path) -> str | None:
-    """Why this process cannot write in the folder ``path`` ("Read-only file system", "Permission denied"), or
-    None where it can. A read-only mount is told by its flag: it said "Permission denied" too (tryout15)."""
+    """Why this process cannot write in the folder ``path`` ("Read-only file system", "Permission denied",
+    "Operation not permitted"), or None where it can. A read-only mount is told by its flag: it said "Permission
+    denied" too (tryout15). Where ``os.access`` says yes, a folder is made and removed there to be sure: root passes
+    every access check, and sysfs, NFS's root squash or an ACL still refuse it (CACHE_DIR=/sys/kernel passed the
+    start's checks, then every worker's compile failed: tryout34)."""
     if os.access(path, os.W_OK | os.X_OK):
-        return None
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=path))
+            return None
+        except OSError as exc:
+            return os.strerror(exc.errno) if exc.errno else str(exc)
     try:
         read_only = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except OSError:
         read_only = False
     return os.strerror(errno.EROFS if read_only else errno.EACCES)
+
+
+def folder_problem(path: Path) -> str | None:
+    """Why the folder ``path`` cannot be made (with its parents) or written by this process (the OS's reason, or "it
+    exists and is not a folder"), or None: made where it was missing, and writable."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return "it exists and is not a folder" if look(path)[0] not in (None, "folder") else reason(exc)
+    return unwritable(path)
 
 
 def make_cache_dir(values: Mapping[str, Any], *, read_only_ok: bool = False) -> Path:
