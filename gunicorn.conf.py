@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from webapp import GUNICORN_ENV
-from webapp import balance, caches, catalog, cpu, lifecycle, listen, reloads, sdnotify, settings
+from webapp import advice, balance, caches, catalog, cpu, lifecycle, listen, reloads, sdnotify, settings
 
 lifecycle.hold_control_signals()  # a SIGHUP or SIGUSR1 before gunicorn's handlers exist is kept, not fatal
 sdnotify.take_notify_socket()  # systemd's Type=notify: READY=1 once a worker serves, not as the master boots
@@ -156,6 +156,8 @@ def on_starting(server):
     if metrics_dir:
         server.log.info("/metrics counts all workers: PROMETHEUS_MULTIPROC_DIR=%s", metrics_dir)
     server.log.info("plan: %s", cpu.describe(_plan, cpu.usable_cores()))
+    for said in advice.warnings(_s, _plan.threads, len(cpu.usable_cores())):  # allowed, but against this server
+        server.log.warning("%s", said)
     if unused := catalog.unused_weights(_s):
         server.log.warning("%s", unused)
     if server.cfg.workers != _plan.workers:

@@ -95,6 +95,8 @@ def test_the_server_log_says_the_plan_in_plain_words(tmp_path):
     finally:
         srv.stop()
     assert "plan: 1 worker, 4 threads on 2 cores: oversubscribed" in out, out[-3000:]
+    # and said as what it costs, at WARNING (999 threads on 2 cores was an INFO line and ~40x slower: tryout34)
+    assert "[WARNING] CLASSIFIER_THREADS=4: more intra-op threads than the 2 cores this server may use" in out
     assert f"pinned to cores {cpu.core_ranges(two)}" in out, out[-3000:]
     assert "1 workers" not in out and "workers share" not in out and "[0, 1, 0, 1]" not in out
 

@@ -34,7 +34,7 @@ def gather_info() -> dict:
     (seconds) and hashes the weights files it finds; raises ``SettingsError`` for a bad setting.
     """
     s = settings_mod.load()
-    from .. import cpu
+    from .. import advice, cpu
 
     import torch
     import torchvision
@@ -72,7 +72,9 @@ def gather_info() -> dict:
                  "oversubscribed": plan.oversubscribed, "shared": plan.shared, "text": cpu.describe(plan, cores),
                  "settings": {"WORKERS": s.WORKERS, "THREADS": s.THREADS},
                  # what a start refuses (exit 2) where the workers do not fit in memory: said here too (tryout26)
-                 "problem": cpu.memory_problem(plan.workers, cpu.available_mb())},
+                 "problem": cpu.memory_problem(plan.workers, cpu.available_mb()),
+                 # what a start warns of: allowed, but against the server (webapp/advice.py: tryout34)
+                 "warnings": advice.warnings(s, plan.threads, len(cores))},
         "weights": {
             "model": s.MODEL, "url": RESNET18_URL, "setting": weights["setting"], "hub": weights["hub"],
             "download": s.DOWNLOAD, "download_timeout_s": s.DOWNLOAD_TIMEOUT_S, "fallback": s.FALLBACK,
@@ -178,6 +180,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("cores", f"{info['cores']['count']} usable: {info['cores']['usable']}"),
         ("plan", plan["text"]),
         *([("  a start refuses it", plan["problem"])] if plan["problem"] else []),
+        *[("  a start warns", said) for said in plan["warnings"]],
         ("model", w["model"]),
         ("  will serve", w["would_serve"]),
     ]

@@ -1,0 +1,39 @@
+"""Start-up warnings for settings that are allowed but work against the server (webapp/advice.py)."""
+
+import pytest
+
+from webapp import advice, settings
+
+
+def load(**values):
+    return settings.load({f"CLASSIFIER_{k}": str(v) for k, v in values.items()})
+
+
+def test_the_defaults_warn_of_nothing():
+    assert advice.warnings(load(), threads=1, cores=2) == []
+    assert advice.warnings(load(MODEL="efficientnet_lite0"), threads=4, cores=4) == []
+
+
+@pytest.mark.parametrize("values, threads, says", [
+    # 3,995 OS threads in one worker on 2 cores, each request ~40x slower, and only "oversubscribed" at INFO (tryout34)
+    (dict(THREADS=999), 999, "CLASSIFIER_THREADS=999: more intra-op threads than the 2 cores this server may use; "
+                             "each forward pass then shares them among 999 threads"),
+    # ready, and 413 for every photo (tryout34)
+    (dict(MAX_PIXELS=100), 1, "CLASSIFIER_MAX_PIXELS=100: every photo of more pixels gets 413 too_large, which is "
+                              "every photo a camera or phone takes (the model's own input is 224 x 224 = 50,176 "
+                              "pixels)"),
+    (dict(MAX_REQUEST_PIXELS=1000), 1, "CLASSIFIER_MAX_REQUEST_PIXELS=1,000 is below CLASSIFIER_MAX_PIXELS="
+                                       "80,000,000: a single photo within the per-photo limit still gets 413"),
+    # 504 "the server is overloaded" on an idle server (tryout34)
+    (dict(REQUEST_TIMEOUT_S=0.01), 1, "CLASSIFIER_REQUEST_TIMEOUT_S=0.01 s: a request whose decode and forward pass "
+                                      "take longer gets 504 timeout, on an idle server too"),
+])
+def test_each_setting_against_the_server_is_said_with_what_to_set(values, threads, says):
+    said = advice.warnings(load(**values), threads=threads, cores=2)
+    assert len(said) == 1 and said[0].startswith(says), said
+
+
+def test_a_flag_is_named_as_given():
+    """``classify --threads 999`` is named as the flag, not as the variable (settings.given_as)."""
+    s = settings.load({}, {"THREADS": 999}, names={"THREADS": "--threads"})
+    assert advice.warnings(s, threads=999, cores=2)[0].startswith("--threads=999: ")
