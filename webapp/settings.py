@@ -65,15 +65,16 @@ class _Reason(ValueError):
     """A parser's refusal in words that help (said before the rule), unlike Python's own."""
 
 
-TOKEN_RULE = "empty (none), or letters, digits and ASCII punctuation without spaces (visible ASCII)"
+TOKEN_RULE = "empty (none), or up to 4,096 letters, digits and ASCII punctuation without spaces (visible ASCII)"
 
 
 def _token(text: str) -> str:
-    """A bearer token: empty (none), or visible ASCII (what every HTTP client sends byte for byte: curl and
-    browsers send other characters as UTF-8, Python's requests as Latin-1). Spaces alone are not "none"."""
-    value = str(text).strip()
-    if str(text) and not value:
+    """A bearer token: empty (none), or visible ASCII (what every HTTP client sends byte for byte). Spaces alone are
+    not "none". At most 4,096: one of 9,000 started, and every header sending it got 431 (tryout34)."""
+    if (value := str(text).strip()) != str(text) and not value:
         raise _Reason("only spaces: read as no token, it would leave the API open")
+    if len(value) > 4096:  # gunicorn reads 8,190 bytes of a header; PAGE_LOGIN's Basic one is base64, 4/3 as long
+        raise _Reason(f"{len(value):,} characters: no client could send it in one header")
     if not all("!" <= c <= "~" for c in value):
         raise _Reason("curl and browsers send other characters as UTF-8, Python's requests as Latin-1")
     return value
@@ -313,8 +314,7 @@ SETTINGS: tuple[Setting, ...] = (
             "before it forks the workers (never the model or a thread pool), so every worker shares those pages instead "
             "of holding its own ~400 MB copy. Off: each worker imports them itself (the old way, for benchmarks).", commands=(SERVE,)),
     Setting("LOG_LEVEL", _str, "info", "Log level.", choices=("debug", "info", "warning", "error")),
-)
-# fmt: on
+)  # fmt: on
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 
