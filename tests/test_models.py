@@ -131,6 +131,21 @@ def test_something_not_a_file_where_the_weights_go_is_said_as_what_it_is(weights
         f"nothing: CLASSIFIER_WEIGHTS {said}, start-up fails"
 
 
+def test_a_torch_home_that_is_a_file_refuses_the_start_saying_so(weights_file, url, hub):
+    """TORCH_HOME set to a file: the hub cache was "no file at ...", and the offline model served, with advice to put
+    the file in a folder that cannot exist (tryout34); the README says such a location stops the start."""
+    home = hub.parent.parent
+    home.parent.mkdir(parents=True, exist_ok=True)
+    home.write_text("not a folder")
+    target = hub / weights_file.name
+    with pytest.raises(StartupError) as err:
+        models.load_model(cfg(FALLBACK=True))
+    assert str(err.value) == (f"the torch hub cache's {target} does not exist (a part of its path is a file, not a "
+                              f"folder): make {hub} a folder holding {weights_file.name} (from {url}), or set "
+                              f"CLASSIFIER_WEIGHTS to where the file is")
+    assert models.explain_resolution(cfg(MODEL="resnet18"))["would_serve"].startswith("nothing: ")
+
+
 def test_hub_cache_comes_second(weights_file, url, hub):
     hub.mkdir(parents=True)
     (hub / weights_file.name).write_bytes(weights_file.read_bytes())

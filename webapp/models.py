@@ -230,9 +230,10 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     if not (why := not_a_file(cached)):  # TORCH_HOME is the user's too
         check_weights_file(cached, url)
         return cached, tried
-    if not why.startswith("does not exist"):  # a folder, a dangling link...: refused, as a damaged file is
-        raise StartupError(f"the torch hub cache's {cached} {why}: put {cached.name} (from {url}) there in its "
-                           f"place, or set CLASSIFIER_WEIGHTS to where the file is")
+    if why != "does not exist":  # a folder, a dangling link, TORCH_HOME a file (was "no file", served the fallback)
+        fix = (f"make {cached.parent} a folder holding {cached.name} (from {url})" if "part of its path" in why
+               else f"put {cached.name} (from {url}) there in its place")
+        raise StartupError(f"the torch hub cache's {cached} {why}: {fix}, or set CLASSIFIER_WEIGHTS to where the file is")
     tried.append(f"no file at {cached}")
     if settings.DOWNLOAD:
         why = download_weights(url, cached, timeout=settings.DOWNLOAD_TIMEOUT_S)
@@ -369,7 +370,7 @@ def explain_resolution(settings) -> dict:
     elif hub["exists"]:
         serves = "resnet18 from the hub cache" if hub["hash_ok"] else "nothing: the hub cache file " + (
             f"cannot be read ({hub['problem']})" if hub["problem"] else "is damaged")
-    elif not hub["why"].startswith("does not exist"):
+    elif hub["why"] != "does not exist":  # (as resolve_resnet18_weights: TORCH_HOME a file fails the start)
         serves = f"nothing: the hub cache path {hub['why']}, start-up fails"
     else:
         then = (f"{catalog.OFFLINE} (offline fallback)" if settings.FALLBACK and offline else
@@ -390,9 +391,8 @@ def load_model(settings) -> LoadedModel:
     """Build the model ``settings.MODEL`` asks for, in eval mode, fp32, with its spec (and, outside gunicorn,
     whose master says it once, ``catalog.unused_weights``' warning).
 
-    :raises StartupError: weights missing with ``FALLBACK`` off (the message says which file to
-        put where), or a weights file that fails its hash check.
-    """
+    :raises StartupError: weights missing with ``FALLBACK`` off (the message says which file to put where), or a
+        weights file that fails its hash check, or something other than a file where one goes."""
     from .settings import GUNICORN_ENV
 
     if (unused := catalog.unused_weights(settings)) and not os.environ.get(GUNICORN_ENV):
