@@ -343,13 +343,19 @@ def given_as(values: Mapping[str, Any], name: str) -> str:
     return getattr(values, "sources", {}).get(name, PREFIX + name)
 
 
+ALIASES = {"PORT": "BIND", "HOST": "BIND", "ADDRESS": "BIND", "LISTEN": "BIND"}  # what other servers call it
+
+
 def did_you_mean(key: str, prefix: str = "") -> str:
-    """" (did you mean X?)" for the setting whose name is closest to a mistyped ``key`` (``prefix`` + name; the
-    names compared without the prefix, which every one shares; difflib ratio >= 0.75), else ""."""
+    """" (did you mean X?)" for a mistyped ``key`` (``prefix`` + name): the name nearest it, compared without the
+    prefix and the underscores (difflib ratio >= 0.75: MAXBATCH, MODLE, TOKEN); else those holding it as a word
+    (SIZE: MAX_BATCH_SIZE or QUEUE_SIZE), else ``ALIASES``' (PORT: BIND); else "" (tryout34: MAXBATCH, TOKEN, PORT had none)."""
     import difflib
 
-    close = difflib.get_close_matches(key[len(prefix):].upper(), list(BY_NAME), n=1, cutoff=0.75)
-    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+    typed, squashed = key[len(prefix):].upper(), {n.replace("_", ""): n for n in BY_NAME}
+    near = [squashed[c] for c in difflib.get_close_matches(typed.replace("_", ""), list(squashed), n=1, cutoff=0.75)]
+    near = near or [n for n in BY_NAME if typed in n.split("_")][:3] or [ALIASES[k] for k in (typed,) if k in ALIASES]
+    return f" (did you mean {' or '.join(prefix + n for n in near)}?)" if near else ""
 
 
 def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None,
@@ -364,15 +370,9 @@ def load(environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] 
     environ = os.environ if environ is None else environ
     overrides = overrides or {}
     values: dict[str, Any] = {}
-    for key in environ:
-        if key.startswith(PREFIX) and key[len(PREFIX):] not in BY_NAME:
-            near = did_you_mean(key, PREFIX)  # the one meant, or (no guess) every name, which is long: 60-odd
-            raise SettingsError(f"unknown setting {key}{near}" + ("" if near else
-                                f"; known: {', '.join(s.env for s in SETTINGS)}"))
-    for key in overrides:
-        if key not in BY_NAME:
-            near = did_you_mean(key)
-            raise SettingsError(f"unknown setting {key!r}{near}" + ("" if near else f"; known: {', '.join(BY_NAME)}"))
+    unknown = [(k, k, PREFIX) for k in environ if k.startswith(PREFIX) and k[len(PREFIX):] not in BY_NAME]
+    for key, shown, prefix in unknown + [(k, repr(k), "") for k in overrides if k not in BY_NAME]:  # (not 60 names)
+        raise SettingsError(f"unknown setting {shown}{did_you_mean(key, prefix) or ' (python -m webapp settings lists them)'}")
     for s in SETTINGS:
         value = s.default
         if s.env in environ:
