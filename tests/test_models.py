@@ -146,6 +146,26 @@ def test_a_torch_home_that_is_a_file_refuses_the_start_saying_so(weights_file, u
     assert models.explain_resolution(cfg(MODEL="resnet18"))["would_serve"].startswith("nothing: ")
 
 
+def test_an_empty_weights_file_is_said_to_be_empty(tmp_path, url, hub):
+    """It was said by its hash alone ("its sha256 is e3b0c44298fc1c14..."), which few read as "empty" (tryout34)."""
+    empty = tmp_path / "resnet18-f37072fd.pth"
+    empty.write_bytes(b"")
+    with pytest.raises(StartupError) as err:
+        models.load_model(cfg(WEIGHTS=str(empty)))
+    assert str(err.value) == f"weights file {empty} is empty (0 bytes). Replace it with a fresh copy of {url}."
+
+
+
+def test_a_relative_weights_path_is_said_with_the_folder_it_was_read_from(tmp_path, url, hub, monkeypatch):
+    """``CLASSIFIER_WEIGHTS=relative/x.pth`` "does not exist", but where was it looked for? Under systemd that is
+    the unit's WorkingDirectory (tryout34)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(StartupError) as err:
+        models.load_model(cfg(WEIGHTS="relative/x.pth"))
+    assert str(err.value).startswith(f"CLASSIFIER_WEIGHTS=relative/x.pth ({tmp_path / 'relative' / 'x.pth'}) does not "
+                                     f"exist. Put a copy of {url} there")
+
+
 def test_hub_cache_comes_second(weights_file, url, hub):
     hub.mkdir(parents=True)
     (hub / weights_file.name).write_bytes(weights_file.read_bytes())

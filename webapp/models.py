@@ -132,17 +132,17 @@ def expected_hash_prefix(url: str) -> str:
 
 
 def check_weights_file(path: Path, url: str) -> None:
-    """Refuse a weights file whose sha256 does not start with the prefix in ``url``'s file name.
-
-    :raises StartupError: naming the file, both hashes and where to get a good copy, or why it cannot be read."""
+    """Refuse a weights file whose sha256 does not start with the prefix in ``url``'s file name. :raises StartupError:
+    naming the file, both hashes (or that it is empty) and where to get a good copy, or why it cannot be read."""
     try:
         actual, prefix = sha256_file(path), expected_hash_prefix(url)
     except OSError as exc:
         raise StartupError(f"weights file {path} cannot be read: {exc.strerror or exc}; make it readable by the "
                            f"user the service runs as, or replace it with a fresh copy of {url}.") from None
-    if not actual.startswith(prefix):
-        raise StartupError(f"weights file {path} is damaged or not the expected file: its sha256 is {actual[:16]}..., "
-                           f"expected a hash starting {prefix}. Replace it with a fresh copy of {url}.")
+    if not actual.startswith(prefix):  # (an empty one was said by its hash alone, e3b0c442...: tryout34)
+        what = "is empty (0 bytes)" if actual == hashlib.sha256(b"").hexdigest() else \
+            f"is damaged or not the expected file: its sha256 is {actual[:16]}..., expected a hash starting {prefix}"
+        raise StartupError(f"weights file {path} {what}. Replace it with a fresh copy of {url}.")
 
 
 def hub_checkpoint_path(url: str) -> Path:
@@ -219,11 +219,11 @@ def resolve_resnet18_weights(settings, *, url: str | None = None) -> tuple[Path 
     url = url or RESNET18_URL
     tried: list[str] = []
     if settings.WEIGHTS:
-        path = expand(settings.WEIGHTS)
+        path = expand(settings.WEIGHTS).absolute()  # (a relative one is said with the folder it was read from)
         if why := not_a_file(path):  # a name too long, a folder, a dangling link: what is there, in one line
-            named = given_as(settings, "WEIGHTS")  # as set: classify's --weights was named CLASSIFIER_WEIGHTS
+            named, as_read = given_as(settings, "WEIGHTS"), "" if str(path) == settings.WEIGHTS else f" ({path})"
             fix = f". Put a copy of {url} there, or {'unset' if named.startswith(PREFIX) else 'leave out'} {named}."
-            raise StartupError(f"{named}={settings.WEIGHTS} {why}{'' if why.startswith('cannot') else fix}")
+            raise StartupError(f"{named}={settings.WEIGHTS}{as_read} {why}{'' if why.startswith('cannot') else fix}")
         check_weights_file(path, url)
         return path, tried
     cached = hub_checkpoint_path(url)
