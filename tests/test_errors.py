@@ -62,6 +62,10 @@ def test_message_templates():
         "the file is 40,000,000 bytes; the limit is 33,554,432 (CLASSIFIER_MAX_UPLOAD_BYTES)"
     assert errors.InferenceTimeout.after(2.5, "cluster").message == \
         "no result within 2.5 s (CLASSIFIER_REQUEST_TIMEOUT_S); the cluster is overloaded, try again later"
+    # a timeout under a second fails requests on an idle server too: not only "overloaded" (tryout34)
+    assert errors.InferenceTimeout.after(0.01).message == (
+        "no result within 0.01 s (CLASSIFIER_REQUEST_TIMEOUT_S); the server is overloaded, try again later (under a "
+        "second, one photo's own work may take longer: its operator can raise it)")
     errors.check_file_size(10, 10)
     with pytest.raises(errors.TooLarge, match="the file is 11 bytes; the limit is 10"):
         errors.check_file_size(11, 10)

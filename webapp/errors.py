@@ -193,8 +193,8 @@ class InferenceTimeout(ServiceError):
     @classmethod
     def after(cls, seconds: float, where: str = "server") -> "InferenceTimeout":
         """No result within ``seconds`` (``REQUEST_TIMEOUT_S``); ``where`` is overloaded (server, cluster)."""
-        return cls(f"no result within {seconds:g} s (CLASSIFIER_REQUEST_TIMEOUT_S); the {where} is overloaded, "
-                   f"try again later")
+        return cls(f"no result within {seconds:g} s (CLASSIFIER_REQUEST_TIMEOUT_S); the {where} is overloaded, try again later"
+                   + (" (under a second, one photo's own work may take longer: its operator can raise it)" if seconds < 1 else ""))
 
     @classmethod
     def decoding(cls, seconds: float, formats: Iterable[str | None] = ()) -> "InferenceTimeout":
