@@ -33,6 +33,16 @@ def test_each_setting_against_the_server_is_said_with_what_to_set(values, thread
     assert len(said) == 1 and said[0].startswith(says), said
 
 
+def test_a_setting_nothing_reads_here_is_said_to_be_unused():
+    """They started silently; only CLASSIFIER_WEIGHTS beside another model was said to be unused (tryout34)."""
+    assert advice.warnings(load(METRICS=0, METRICS_TOKEN="abc"), threads=1, cores=2) == [
+        "CLASSIFIER_METRICS_TOKEN is not used: CLASSIFIER_METRICS=0 serves no /metrics"]
+    assert advice.warnings(load(SEED=7, MODEL="efficientnet_lite0"), threads=1, cores=2) == [
+        "CLASSIFIER_SEED=7 is not used: it seeds resnet18_seeded's random weights, and "
+        "CLASSIFIER_MODEL=efficientnet_lite0 has trained ones"]
+    assert advice.warnings(load(SEED=7, MODEL="resnet18_seeded"), threads=1, cores=2) == []
+
+
 def test_a_flag_is_named_as_given():
     """``classify --threads 999`` is named as the flag, not as the variable (settings.given_as)."""
     s = settings.load({}, {"THREADS": 999}, names={"THREADS": "--threads"})

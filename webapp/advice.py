@@ -1,5 +1,5 @@
-"""Settings that are allowed but work against the server they start: said as warnings at start, each naming the
-setting, what it will do and what to set instead.
+"""Settings that are allowed but work against the server they start, or that nothing in it reads: said as warnings
+at start, each naming the setting, what it will do and what to set instead.
 
 The settings table refuses what no server can run with; these values can run (tests, a deliberate limit, a host
 this was not planned for) but an operator who set one by mistake got a server that said it was ready and then
@@ -40,4 +40,11 @@ def warnings(settings, threads: int, cores: int) -> list[str]:
     if settings.REQUEST_TIMEOUT_S < SLOW_TIMEOUT_S:
         said.append(f"{named('REQUEST_TIMEOUT_S')} s: a request whose decode and forward pass take longer gets 504 "
                     f"timeout, on an idle server too (a 12 MP photo takes ~50-150 ms here); 30 s is the default")
+    # set, and read by nothing in this configuration (only WEIGHTS said so: catalog.unused_weights)
+    if settings.METRICS_TOKEN and not settings.METRICS:
+        said.append(f"{given_as(settings, 'METRICS_TOKEN')} is not used: {given_as(settings, 'METRICS')}=0 serves no "
+                    f"/metrics")
+    if settings.SEED and settings.MODEL != "resnet18_seeded":
+        said.append(f"{named('SEED')} is not used: it seeds resnet18_seeded's random weights, and "
+                    f"{named('MODEL')} has trained ones")
     return said
