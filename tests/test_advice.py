@@ -43,6 +43,16 @@ def test_a_setting_nothing_reads_here_is_said_to_be_unused():
     assert advice.warnings(load(SEED=7, MODEL="resnet18_seeded"), threads=1, cores=2) == []
 
 
+def test_an_empty_torch_home_is_said(monkeypatch, tmp_path):
+    """TORCH_HOME='' made torch look in ./hub/checkpoints of wherever the server started, unsaid (tryout34)."""
+    monkeypatch.setenv("TORCH_HOME", "")
+    monkeypatch.chdir(tmp_path)
+    said = advice.warnings(load(MODEL="resnet18"), threads=1, cores=2)
+    assert said == [f"TORCH_HOME is set but empty: torch then looks for the weights in hub/checkpoints under the "
+                    f"folder the server starts in ({tmp_path}); unset it for ~/.cache/torch, or give it a folder"]
+    assert advice.warnings(load(MODEL="efficientnet_lite0"), threads=1, cores=2) == []  # (it reads no hub cache)
+
+
 def test_a_flag_is_named_as_given():
     """``classify --threads 999`` is named as the flag, not as the variable (settings.given_as)."""
     s = settings.load({}, {"THREADS": 999}, names={"THREADS": "--threads"})

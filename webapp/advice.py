@@ -10,6 +10,8 @@ master.
 
 from __future__ import annotations
 
+import os
+
 from . import catalog
 from .settings import given_as
 
@@ -40,6 +42,9 @@ def warnings(settings, threads: int, cores: int) -> list[str]:
     if settings.REQUEST_TIMEOUT_S < SLOW_TIMEOUT_S:
         said.append(f"{named('REQUEST_TIMEOUT_S')} s: a request whose decode and forward pass take longer gets 504 "
                     f"timeout, on an idle server too (a 12 MP photo takes ~50-150 ms here); 30 s is the default")
+    if settings.MODEL == "resnet18" and "TORCH_HOME" in os.environ and not os.environ["TORCH_HOME"].strip():
+        said.append(f"TORCH_HOME is set but empty: torch then looks for the weights in hub/checkpoints under the folder "
+                    f"the server starts in ({os.getcwd()}); unset it for ~/.cache/torch, or give it a folder")
     # set, and read by nothing in this configuration (only WEIGHTS said so: catalog.unused_weights)
     if settings.METRICS_TOKEN and not settings.METRICS:
         said.append(f"{given_as(settings, 'METRICS_TOKEN')} is not used: {given_as(settings, 'METRICS')}=0 serves no "
