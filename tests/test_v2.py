@@ -424,10 +424,13 @@ def test_bad_requests_over_http(srv):
     text = {**req, "inputs": [{**req["inputs"][0], "parameters": {}, "shape": [2],
                                "data": [base64.b64encode(b"%PDF-1.7\n").decode(), "a photo of a cat, sitting."]}]}
     msg = assert_v2_error(post_infer(srv, text), 415, "unsupported_media_type")
-    assert msg.startswith("image[0]: a PDF file") and "text" not in msg, msg
+    first, second = msg.removeprefix("2 of the 2 photos cannot be used: (1) ").split("; (2) ")  # each one named
+    assert first.startswith("image[0]: a PDF file") and "text" not in first, msg
+    assert second.startswith("image[1] (not base64, so read as its UTF-8 text): "), msg
     text["inputs"][0]["data"].reverse()
     msg = assert_v2_error(post_infer(srv, text), 415, "unsupported_media_type")
-    assert msg.startswith("image[0] (not base64, so read as its UTF-8 text): not an image format"), msg
+    assert msg.startswith("2 of the 2 photos cannot be used: (1) image[0] (not base64, so read as its UTF-8 text): "
+                          "not an image format"), msg
     assert_v2_error(post_infer(srv, {**req, "inputs": [{**req["inputs"][0], "shape": [0], "data": []}]}), 400,
                     "no_file")
     assert_v2_error(post_infer(srv, dog, **{"Content-Type": "image/jpeg"}), 415, "unsupported_media_type")
