@@ -169,13 +169,23 @@ def test_dry_run_refuses_the_workers_a_real_start_refuses(no_classifier_env, mon
     (["-w", "abc"], "invalid int value: 'abc'"),
     (["-w", "0"], "gunicorn -w 0 starts no worker"),
     (["--timeout", "-5"], "gunicorn --timeout -5: Value must be positive"),
-    (["-b", "127.0.0.1:99999"], "gunicorn -b 127.0.0.1:99999: '99999' is not a port; allowed: "),  # (a traceback)
+    (["-b", "127.0.0.1:99999"], "gunicorn -b 127.0.0.1:99999: port 99999 is not 1 to 65535; allowed: "),  # (a traceback)
+    (["-b", "[::1:8000"], "gunicorn -b [::1:8000: '' is not a valid port number; allowed: "),
 ])
 def test_dry_run_refuses_the_gunicorn_flags_a_real_start_refuses(extra, says, no_classifier_env, capsys):
     """``serve --dry-run -- --bogus-flag`` printed the command and exited 0; the real start exits 2 (tryout25)."""
     assert cli.main(["serve", "--dry-run", "--", *extra]) == 2
     out = capsys.readouterr()
     assert says in out.err and "wsgi:app" not in out.out
+
+
+@pytest.mark.parametrize("bind", ["fd://3", "unix:/run/classifier.sock", "tcp://127.0.0.1:8000", "[::1]:8000"])
+def test_the_gunicorn_bind_forms_are_taken_as_gunicorn_takes_them(bind):
+    """A bad -b is refused as a start would be (tryout34), but not systemd's inherited fd://N or the other forms
+    gunicorn reads (webapp/listen.py serves fd:// sockets)."""
+    from webapp import lifecycle
+
+    assert lifecycle.gunicorn_flags_problem(["-b", bind]) == (None, None)
 
 
 def test_dry_run_refuses_a_cache_folder_the_start_refuses_and_makes_none(no_classifier_env, monkeypatch, tmp_path,

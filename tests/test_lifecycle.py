@@ -524,13 +524,13 @@ def test_bad_setting_is_one_line_and_exit_2(tmp_path, launcher, variable, value)
 @pytest.mark.parametrize("flag, value, why", [("--timeout", "-5", "Value must be positive: -5"),
                                               ("--graceful-timeout", "-1", "Value must be positive: -1"),
                                               ("--keep-alive", "-3", "Value must be positive: -3"),
-                                              ("-b", "127.0.0.1:99999", "'99999' is not a port; allowed: a port (8000: "
-                                               "127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), [IPv6]:PORT ([::1]:8000) or "
-                                               "unix:PATH (port 1 to 65535)")])
+                                              ("-b", "127.0.0.1:99999", "port 99999 is not 1 to 65535; allowed: a port "
+                                               "(8000: 127.0.0.1:8000), HOST:PORT (0.0.0.0:8000), [IPv6]:PORT ([::1]:8000) "
+                                               "or unix:PATH (port 1 to 65535), or fd://N")])
 def test_a_gunicorn_flag_value_gunicorn_refuses_is_one_line_and_exit_2(tmp_path, launcher, flag, value, why):
     """Found by a fresh-user tryout: gunicorn itself prints "Error: Value must be positive: -5" and exits 1; the
     exit table says a bad gunicorn flag is 2 (as ``-w abc``, which argparse refuses, always was). A bad ``-b`` was a
-    34-line traceback (OverflowError from bind: tryout34); it is read with CLASSIFIER_BIND's rule."""
+    34-line traceback (OverflowError from bind: tryout34); its port is checked as it is read."""
     argv = GUNICORN + [flag, value] if launcher == "gunicorn" else SERVE + ["--", flag, value]
     code, lines, temp = run_to_end(tmp_path, "flag", argv, timeout=60)
     assert_failed_start(code, lines, temp, status=lifecycle.EXIT_CONFIG, names=f"gunicorn {flag} {value}: ", most=1)

@@ -358,7 +358,9 @@ def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
     ``-w abc``) raises ``SystemExit(2)`` from argparse, with its usage line on stderr, as gunicorn itself does."""
     from gunicorn.config import Config
 
-    from .listen import BIND_RULE, parse_bind
+    from gunicorn.util import parse_address
+
+    from .listen import BIND_RULE
 
     trial, workers = Config(prog="gunicorn"), None
     for name, value in vars(trial.parser().parse_args(argv)).items():
@@ -373,12 +375,14 @@ def gunicorn_flags_problem(argv: list[str]) -> tuple[str | None, int | None]:
             workers = trial.workers
             if workers < 1:
                 return no_workers_problem(workers), workers
-        if name == "bind":  # gunicorn takes any text and fails as it binds: -b 127.0.0.1:99999 was a traceback
-            for address in trial.bind:
+        if name == "bind":  # gunicorn reads its forms (fd://N and tcp:// too) but not the port's range: -b
+            for address in trial.bind:  # 127.0.0.1:99999 was an OverflowError traceback as it bound (tryout34)
                 try:
-                    parse_bind(address)
-                except ValueError as exc:
-                    return f"gunicorn -b {address}: {exc}; allowed: {BIND_RULE}", None
+                    parsed = parse_address(address)
+                    if isinstance(parsed, tuple) and not 0 <= parsed[1] < 65536:
+                        raise ValueError(f"port {parsed[1]} is not 1 to 65535")
+                except (RuntimeError, ValueError) as exc:
+                    return f"gunicorn -b {address}: {str(exc).rstrip('.')}; allowed: {BIND_RULE}, or fd://N", None
     return None, workers
 
 
