@@ -4,8 +4,8 @@ at start, each naming the setting, what it will do and what to set instead.
 The settings table refuses what no server can run with; these values can run (tests, a deliberate limit, a host
 this was not planned for) but an operator who set one by mistake got a server that said it was ready and then
 refused every photo, or answered 40x slower, with no word in its log but "oversubscribed" (tryout34). gunicorn's
-master says them once (``gunicorn.conf.py``), ``python -m webapp info`` under "will serve". Torch-free, for the
-master.
+master says them once (``gunicorn.conf.py``), ``python -m webapp info`` under its plan ("a start warns").
+Torch-free, for the master.
 """
 
 from __future__ import annotations

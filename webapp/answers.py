@@ -101,4 +101,3 @@ def every_fault(faults: list[ServiceError], photos: int) -> ServiceError:
                      + "; ".join(f"({i}) {f.message}" for i, f in enumerate(faults, 1)))
     error.args = (error.message,)
     return error
-
