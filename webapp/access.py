@@ -142,7 +142,7 @@ def init_access(app: Flask, settings) -> None:
             if busy and limit is not None and busy >= limit.limiter.get_window_stats(
                     limit.limit, *limit.request_args)[1]:
                 raise TooManyRequests(f"{limit.limit}, counting the requests in progress")
-            in_progress[key] = in_progress.get(key, 0) + 1
+            in_progress[key] = busy + 1
             try:
                 return view(*args, **kwargs)
             finally:
